@@ -1,0 +1,4 @@
+"""chunking package."""
+from __future__ import annotations
+
+__all__: list[str] = []

@@ -1,0 +1,53 @@
+"""Content ids and checksums: the two integrity checks every chunk carries.
+
+The content id (BLAKE3 of the raw bytes, hex) names a chunk and proves its
+decoded bytes; CRC32C over the *stored* bytes is the cheap check done on every
+disk read and network hop before anything is decompressed.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Union
+
+import blake3 as _blake3
+import google_crc32c
+import numpy as np
+
+Buffer = Union[bytes, bytearray, memoryview, np.ndarray]
+
+CONTENT_ID_HEX_LEN = 64
+
+
+def _as_hashable(data: Buffer) -> bytes | np.ndarray:
+    # google-crc32c's value() refuses bytearray and memoryview; a uint8 numpy
+    # view over the same memory is accepted without a copy.
+    if isinstance(data, bytes):
+        return data
+    if isinstance(data, np.ndarray):
+        return data.reshape(-1).view(np.uint8)
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+def crc32c(data: Buffer) -> int:
+    """CRC32C (Castagnoli) of ``data`` as an unsigned 32-bit int."""
+    return int(google_crc32c.value(_as_hashable(data)))
+
+
+def content_id(data: Buffer, algorithm: str = "blake3") -> str:
+    """Hex content id of the raw bytes: BLAKE3 by default, SHA-256 on request."""
+    buf = memoryview(data).cast("B") if not isinstance(data, np.ndarray) else memoryview(data.reshape(-1).view(np.uint8))
+    if algorithm == "blake3":
+        # max_threads lets blake3 hash large buffers on several cores.
+        return _blake3.blake3(buf, max_threads=_blake3.blake3.AUTO if len(buf) >= (1 << 20) else 1).hexdigest()
+    if algorithm == "sha256":
+        return hashlib.sha256(buf).hexdigest()
+    raise ValueError(f"unknown content hash {algorithm!r}: use 'blake3' or 'sha256'")
+
+
+def is_content_id(value: str) -> bool:
+    """True when ``value`` looks like a content id (64 lowercase hex digits)."""
+    return (
+        isinstance(value, str)
+        and len(value) == CONTENT_ID_HEX_LEN
+        and all(c in "0123456789abcdef" for c in value)
+    )

@@ -1,0 +1,42 @@
+"""Typed errors of the metadata plane. The gRPC layer maps them to status codes.
+
+NotFound -> NOT_FOUND, Conflict -> ABORTED, Invalid -> INVALID_ARGUMENT,
+NotLeader/NoQuorum/CommitTimeout -> UNAVAILABLE (retryable).
+"""
+from __future__ import annotations
+
+
+class MetadataError(Exception):
+    """Base class for every error of the metadata plane."""
+
+
+class NotFound(MetadataError):
+    """The model, version, tag or member does not exist."""
+
+
+class Conflict(MetadataError):
+    """The command contradicts committed state (concurrent push, tag in use, ...)."""
+
+
+class Invalid(MetadataError, ValueError):
+    """The command's arguments are malformed (bad model name, negative size, ...)."""
+
+
+class Unavailable(MetadataError):
+    """The cluster cannot commit right now; retrying later may succeed."""
+
+
+class NotLeader(Unavailable):
+    """This node is not the leader and could not forward the write."""
+
+    def __init__(self, message: str, leader: str | None = None) -> None:
+        super().__init__(message)
+        self.leader = leader
+
+
+class NoQuorum(Unavailable):
+    """No leader is reachable: a majority of servers is down or partitioned away."""
+
+
+class CommitTimeout(Unavailable):
+    """The write was sent but not confirmed committed in time; it may still commit."""

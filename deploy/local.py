@@ -1,0 +1,383 @@
+"""Local cluster launcher: N real ``paramserver`` processes on 127.0.0.1.
+
+    python -m deploy.local up --servers 3 --dir .cluster
+    python -m deploy.local status --dir .cluster
+    python -m deploy.local down --dir .cluster
+
+The same ``LocalCluster`` class drives the integration tests and the fault
+drills, so what the tests exercise is what a user launches.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+STATE_FILE = "cluster.json"
+
+
+class LauncherError(RuntimeError):
+    """The local cluster could not be started, found or stopped."""
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class LocalClusterConfig:
+    root: Path
+    servers: int = 3
+    host: str = "127.0.0.1"
+    base_port: int = 0  # 0: pick free ports; else grpc = base+2i, raft = base+2i+1
+    admin_token: str | None = None
+    read_token: str | None = None
+    secret: str | None = None
+    replication: int = 3
+    extra_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+    def validate(self) -> None:
+        if not 1 <= self.servers <= 15:
+            raise LauncherError(f"--servers must be between 1 and 15, got {self.servers}")
+        if self.base_port and not 1024 <= self.base_port <= 65535 - 2 * self.servers:
+            raise LauncherError(f"--base-port {self.base_port} leaves no room for {self.servers} servers")
+        if self.replication < 1:
+            raise LauncherError("--replication must be at least 1")
+
+
+@dataclass
+class ServerSlot:
+    server_id: str
+    grpc: str
+    raft: str
+    data_dir: str
+    log_file: str
+    pid: int | None = None
+    args: list[str] = field(default_factory=list)
+
+
+class LocalCluster:
+    """Start, stop, kill and restart a set of local paramserver processes."""
+
+    def __init__(self, config: LocalClusterConfig) -> None:
+        config.validate()
+        self.config = config
+        self.root = Path(config.root).resolve()
+        self.slots: list[ServerSlot] = []
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    # ---- layout -----------------------------------------------------------------
+    def _plan(self) -> list[ServerSlot]:
+        c = self.config
+        slots = []
+        for i in range(c.servers):
+            if c.base_port:
+                gp, rp = c.base_port + 2 * i, c.base_port + 2 * i + 1
+            else:
+                gp, rp = _free_port(c.host), _free_port(c.host)
+            sid = f"ps{i + 1}"
+            slots.append(
+                ServerSlot(
+                    server_id=sid,
+                    grpc=f"{c.host}:{gp}",
+                    raft=f"{c.host}:{rp}",
+                    data_dir=str(self.root / sid),
+                    log_file=str(self.root / f"{sid}.log"),
+                )
+            )
+        return slots
+
+    def _args_for(self, slot: ServerSlot) -> list[str]:
+        c = self.config
+        args = [
+            sys.executable, "-m", "paramserver", "serve",
+            "--id", slot.server_id,
+            "--data-dir", slot.data_dir,
+            "--listen", slot.grpc,
+            "--raft", slot.raft,
+            "--replication", str(c.replication),
+        ]
+        for other in self.slots:
+            if other.server_id != slot.server_id:
+                args += ["--peer", other.raft]
+        if c.admin_token:
+            args += ["--admin-token", c.admin_token]
+        if c.read_token:
+            args += ["--read-token", c.read_token]
+        if c.secret:
+            args += ["--cluster-secret", c.secret]
+        args += list(c.extra_args)
+        return args
+
+    @property
+    def addresses(self) -> list[str]:
+        return [s.grpc for s in self.slots]
+
+    @property
+    def seed(self) -> str:
+        return ",".join(self.addresses)
+
+    def slot(self, server_id: str) -> ServerSlot:
+        for s in self.slots:
+            if s.server_id == server_id:
+                return s
+        raise LauncherError(f"no server {server_id!r} in this cluster (have {[s.server_id for s in self.slots]})")
+
+    # ---- processes ----------------------------------------------------------------
+    def up(self, wait: float = 60.0) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        if (self.root / STATE_FILE).exists():
+            old = self.load_state(self.root)
+            if any(_alive(s.pid) for s in old.slots):
+                raise LauncherError(f"a cluster is already running under {self.root}: run 'python -m deploy.local down --dir {self.root}' first")
+        self.slots = self._plan()
+        for slot in self.slots:
+            slot.args = self._args_for(slot)
+            self._spawn(slot)
+        self.save_state()
+        self.wait_ready(wait)
+
+    def _spawn(self, slot: ServerSlot) -> None:
+        Path(slot.data_dir).mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        env.update(dict(self.config.env))
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        log = open(slot.log_file, "ab")
+        try:
+            # A new session so that a Ctrl-C in the launcher's terminal does not
+            # kill the cluster, and so 'down' can signal each server on its own.
+            proc = subprocess.Popen(slot.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env, start_new_session=True)
+        finally:
+            log.close()
+        self._procs[slot.server_id] = proc
+        slot.pid = proc.pid
+
+    def kill(self, server_id: str, sig: int = signal.SIGKILL) -> None:
+        slot = self.slot(server_id)
+        if slot.pid and _alive(slot.pid):
+            os.kill(slot.pid, sig)
+            self._reap(slot, timeout=10.0)
+        slot.pid = None
+        self.save_state()
+
+    def restart(self, server_id: str) -> None:
+        slot = self.slot(server_id)
+        if slot.pid and _alive(slot.pid):
+            raise LauncherError(f"{server_id} is still running (pid {slot.pid}); kill it first")
+        self._spawn(slot)
+        self.save_state()
+
+    def _reap(self, slot: ServerSlot, timeout: float) -> None:
+        proc = self._procs.pop(slot.server_id, None)
+        deadline = time.monotonic() + timeout
+        if proc is not None:
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+            return
+        while slot.pid and _alive(slot.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def down(self, timeout: float = 10.0) -> None:
+        for slot in self.slots:
+            if slot.pid and _alive(slot.pid):
+                try:
+                    os.kill(slot.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + timeout
+        for slot in self.slots:
+            if not slot.pid:
+                continue
+            self._reap(slot, max(0.1, deadline - time.monotonic()))
+            if _alive(slot.pid):
+                try:
+                    os.kill(slot.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self._reap(slot, 5.0)
+            slot.pid = None
+        self.save_state()
+
+    def running(self) -> list[str]:
+        return [s.server_id for s in self.slots if s.pid and _alive(s.pid)]
+
+    # ---- readiness ------------------------------------------------------------------
+    def cluster_info(self, server_id: str | None = None, timeout: float = 2.0) -> dict[str, Any] | None:
+        """ClusterInfo from one server (or the first that answers), as a dict."""
+        from paramserver.client import ServerClient, ServerClientError
+
+        candidates = [self.slot(server_id)] if server_id else [s for s in self.slots if s.pid]
+        for slot in candidates:
+            try:
+                with ServerClient(slot.grpc, token=self.config.read_token or self.config.admin_token) as c:
+                    return c.cluster_info_dict(timeout=timeout)
+            except ServerClientError:
+                continue
+        return None
+
+    def leader_id(self, timeout: float = 2.0) -> str | None:
+        """The leader as seen by a majority-side server that reports one."""
+        for sid in self.running():
+            info = self.cluster_info(sid, timeout=timeout)
+            if info and info.get("leader_id"):
+                return str(info["leader_id"])
+        return None
+
+    def wait_ready(self, timeout: float = 60.0, servers: Sequence[str] | None = None) -> str:
+        """Wait until every running server answers and agrees on a leader; return its id."""
+        deadline = time.monotonic() + timeout
+        want = list(servers) if servers else self.running()
+        last: Any = None
+        while time.monotonic() < deadline:
+            for slot in self.slots:
+                if slot.pid and not _alive(slot.pid):
+                    tail = _tail(slot.log_file)
+                    raise LauncherError(f"{slot.server_id} exited during start-up; last log lines:\n{tail}")
+            leaders = set()
+            members_ok = True
+            for sid in want:
+                info = self.cluster_info(sid, timeout=1.0)
+                last = info
+                if not info or not info.get("leader_id"):
+                    leaders.add(None)
+                    continue
+                leaders.add(info["leader_id"])
+                if len([m for m in info.get("members", []) if m.get("state") == "up"]) < len(self.slots):
+                    members_ok = False
+            if len(leaders) == 1 and None not in leaders and members_ok:
+                return str(next(iter(leaders)))
+            time.sleep(0.2)
+        raise LauncherError(f"cluster under {self.root} not ready after {timeout:.0f}s (last answer: {last}); see the logs in {self.root}")
+
+    # ---- state file -------------------------------------------------------------------
+    def save_state(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        data = {"config": _config_to_json(self.config), "slots": [asdict(s) for s in self.slots]}
+        tmp = self.root / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(data, indent=2))
+        tmp.replace(self.root / STATE_FILE)
+
+    @classmethod
+    def load_state(cls, root: Path) -> "LocalCluster":
+        path = Path(root) / STATE_FILE
+        if not path.exists():
+            raise LauncherError(f"no cluster found under {root} ({STATE_FILE} missing): start one with 'python -m deploy.local up --dir {root}'")
+        data = json.loads(path.read_text())
+        cfg = data["config"]
+        config = LocalClusterConfig(
+            root=Path(cfg["root"]), servers=cfg["servers"], host=cfg["host"], base_port=cfg["base_port"],
+            admin_token=cfg.get("admin_token"), read_token=cfg.get("read_token"), secret=cfg.get("secret"),
+            replication=cfg.get("replication", 3), extra_args=tuple(cfg.get("extra_args", ())),
+            env=tuple(tuple(x) for x in cfg.get("env", ())),
+        )
+        cluster = cls(config)
+        cluster.slots = [ServerSlot(**s) for s in data["slots"]]
+        return cluster
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+
+def _config_to_json(c: LocalClusterConfig) -> dict[str, Any]:
+    d = asdict(replace(c, root=Path(c.root).resolve()))
+    d["root"] = str(d["root"])
+    return d
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        waited, _ = os.waitpid(pid, os.WNOHANG)
+        if waited == pid:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie that is not our child still answers kill(0); check /proc.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def _tail(path: str, lines: int = 20) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m deploy.local", description="Run a local paramserver cluster on 127.0.0.1.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("up", help="start N servers and wait for a leader")
+    up.add_argument("--servers", type=int, default=3, help="number of servers (default 3)")
+    up.add_argument("--dir", default=".cluster", help="folder for data dirs, logs and cluster.json (default .cluster)")
+    up.add_argument("--base-port", type=int, default=0, help="first port; gRPC = base+2i, Raft = base+2i+1 (default: free ports)")
+    up.add_argument("--replication", type=int, default=3, help="replicas per chunk, capped by the cluster size (default 3)")
+    up.add_argument("--admin-token", default=os.environ.get("PARAMS_ADMIN_TOKEN"), help="token for writes (env PARAMS_ADMIN_TOKEN)")
+    up.add_argument("--read-token", default=os.environ.get("PARAMS_READ_TOKEN"), help="token for reads (env PARAMS_READ_TOKEN)")
+    up.add_argument("--cluster-secret", default=os.environ.get("PARAMS_CLUSTER_SECRET"), help="encrypts Raft traffic (env PARAMS_CLUSTER_SECRET)")
+    up.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for a leader (default 60)")
+    for name, text in (("down", "stop every server of the cluster"), ("status", "show servers, pids and the leader")):
+        sp = sub.add_parser(name, help=text)
+        sp.add_argument("--dir", default=".cluster", help="the cluster's folder (default .cluster)")
+    args = p.parse_args(argv)
+    try:
+        if args.cmd == "up":
+            cluster = LocalCluster(LocalClusterConfig(
+                root=Path(args.dir), servers=args.servers, base_port=args.base_port, replication=args.replication,
+                admin_token=args.admin_token, read_token=args.read_token, secret=args.cluster_secret))
+            try:
+                cluster.up(wait=args.timeout)
+            except BaseException:
+                cluster.down()
+                raise
+            leader = cluster.leader_id()
+            print(f"cluster of {len(cluster.slots)} servers up under {cluster.root} (leader {leader})")
+            for s in cluster.slots:
+                print(f"  {s.server_id}  grpc {s.grpc}  raft {s.raft}  pid {s.pid}  log {s.log_file}")
+            print(f"reach it with:  paramctl --cluster {cluster.slots[0].grpc} status")
+            print(f"stop it with:   python -m deploy.local down --dir {args.dir}")
+            return 0
+        cluster = LocalCluster.load_state(Path(args.dir))
+        if args.cmd == "down":
+            cluster.down()
+            print(f"cluster under {cluster.root} stopped")
+            return 0
+        leader = cluster.leader_id() if cluster.running() else None
+        for s in cluster.slots:
+            state = "running" if s.pid and _alive(s.pid) else "stopped"
+            print(f"{s.server_id}  {state:8s} grpc {s.grpc}  raft {s.raft}  pid {s.pid}{'  (leader)' if s.server_id == leader else ''}")
+        return 0
+    except LauncherError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,4 @@
+"""paramserver package."""
+from __future__ import annotations
+
+__all__: list[str] = []

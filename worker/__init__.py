@@ -1,0 +1,4 @@
+"""worker package."""
+from __future__ import annotations
+
+__all__: list[str] = []
