@@ -1,0 +1,172 @@
+"""Chunk access heatmaps: which chunks a model version reads, how often, and in what order.
+
+A worker records each chunk index as it is read (``HeatmapRecorder.record``), sends
+``snapshot()`` to the servers periodically, the servers ``merge`` reports from many workers, and a
+new worker prefetches in ``prefetch_order``. A report keeps, per chunk index, the read count, the
+sum of its first-access ranks and how many sources saw it; that makes ``merge`` exact,
+commutative and associative (merging merged reports equals merging the originals), and the
+mean first-access rank is what orders the prefetch.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from worker.errors import HeatmapMismatch
+
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class HeatReport:
+    """Per chunk index: read count, summed first-access rank and number of sources that saw it.
+
+    Entries are sorted by mean first-access rank (ties: more reads first, then lower index), so
+    ``indices`` is already the observed access order.
+    """
+
+    model: str
+    version: int
+    sources: int
+    indices: tuple[int, ...]
+    counts: tuple[int, ...]
+    rank_sums: tuple[int, ...]
+    seen: tuple[int, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "model": self.model,
+            "version": self.version,
+            "sources": self.sources,
+            "indices": list(self.indices),
+            "counts": list(self.counts),
+            "rank_sums": list(self.rank_sums),
+            "seen": list(self.seen),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HeatReport:
+        if data.get("format") != FORMAT:
+            raise HeatmapMismatch(f"heat report format {data.get('format')!r} is not {FORMAT}; upgrade the worker")
+        cols = [tuple(int(x) for x in data[name]) for name in ("indices", "counts", "rank_sums", "seen")]
+        if len({len(c) for c in cols}) != 1:
+            raise HeatmapMismatch("heat report columns have different lengths; the report is damaged")
+        return _build(str(data["model"]), int(data["version"]), int(data["sources"]),
+                      {i: (c, r, s) for i, c, r, s in zip(*cols)})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> HeatReport:
+        return cls.from_dict(json.loads(text))
+
+    def entries(self) -> list[tuple[int, int, int]]:
+        """``(chunk_index, count, first_access_order)`` rows in access order: the shape of the
+        wire's ``HeatEntry`` (``ReportHeat``). The order is the rank in this report, so a merged
+        report is sent as one source."""
+        return [(index, count, rank) for rank, (index, count) in enumerate(zip(self.indices, self.counts))]
+
+    @classmethod
+    def from_entries(
+        cls, model: str, version: int, entries: Iterable[tuple[int, int, int]], sources: int = 1
+    ) -> HeatReport:
+        """A report from ``(chunk_index, count, first_access_order)`` rows, e.g. a ``GetHeat``
+        reply, whose order is already the servers' aggregate rank."""
+        rows = {int(i): (int(c), int(r), 1) for i, c, r in entries}
+        return _build(model, int(version), max(1, int(sources)), rows)
+
+    def count(self, index: int) -> int:
+        try:
+            return self.counts[self.indices.index(index)]
+        except ValueError:
+            return 0
+
+
+def _build(model: str, version: int, sources: int, rows: dict[int, tuple[int, int, int]]) -> HeatReport:
+    def key(item: tuple[int, tuple[int, int, int]]) -> tuple[Fraction, int, int]:
+        index, (count, rank_sum, seen) = item
+        return (Fraction(rank_sum, seen), -count, index)
+
+    ordered = sorted(rows.items(), key=key)
+    return HeatReport(
+        model=model,
+        version=version,
+        sources=sources,
+        indices=tuple(i for i, _ in ordered),
+        counts=tuple(r[0] for _, r in ordered),
+        rank_sums=tuple(r[1] for _, r in ordered),
+        seen=tuple(r[2] for _, r in ordered),
+    )
+
+
+class HeatmapRecorder:
+    """Thread-safe recorder for one model version; ``record`` is a dict update under a lock."""
+
+    def __init__(self, model: str, version: int) -> None:
+        self.model = model
+        self.version = version
+        self._lock = threading.Lock()
+        self._counts: dict[int, int] = {}  # insertion order is first-access order
+
+    def record(self, index: int) -> None:
+        with self._lock:
+            self._counts[index] = self._counts.get(index, 0) + 1
+
+    def record_many(self, indices: Iterable[int]) -> None:
+        with self._lock:
+            counts = self._counts
+            for index in indices:
+                counts[index] = counts.get(index, 0) + 1
+
+    def snapshot(self) -> HeatReport:
+        with self._lock:
+            rows = {index: (count, rank, 1) for rank, (index, count) in enumerate(self._counts.items())}
+        return _build(self.model, self.version, 1, rows)
+
+    def reset(self) -> None:
+        """Start a new reporting period (after a report was sent)."""
+        with self._lock:
+            self._counts.clear()
+
+
+def merge(reports: Sequence[HeatReport]) -> HeatReport:
+    """Aggregate reports of one model version; the result does not depend on their order."""
+    if not reports:
+        raise HeatmapMismatch("merge needs at least one heat report")
+    model, version = reports[0].model, reports[0].version
+    rows: dict[int, tuple[int, int, int]] = {}
+    for report in reports:
+        if (report.model, report.version) != (model, version):
+            raise HeatmapMismatch(
+                f"cannot merge heat reports of {model} v{version} and {report.model} v{report.version}; "
+                "aggregate per model version"
+            )
+        for index, count, rank_sum, seen in zip(report.indices, report.counts, report.rank_sums, report.seen):
+            c, r, s = rows.get(index, (0, 0, 0))
+            rows[index] = (c + count, r + rank_sum, s + seen)
+    return _build(model, version, sum(r.sources for r in reports), rows)
+
+
+def prefetch_order(report: HeatReport | None, all_indices: Iterable[int], by: str = "rank") -> list[int]:
+    """Chunk indices to fetch: those the report saw first (``by="rank"``: earliest first;
+    ``by="count"``: hottest first), then every other index in manifest order."""
+    all_list = list(all_indices)
+    if report is None:
+        return all_list
+    wanted = set(all_list)
+    if by == "rank":
+        seen = [i for i in report.indices if i in wanted]
+    elif by == "count":
+        pos = {i: n for n, i in enumerate(report.indices)}
+        seen = sorted((i for i in report.indices if i in wanted),
+                      key=lambda i: (-report.counts[pos[i]], pos[i]))
+    else:
+        raise ValueError(f"by must be 'rank' or 'count', got {by!r}")
+    first = set(seen)
+    return seen + [i for i in all_list if i not in first]

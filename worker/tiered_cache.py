@@ -1,0 +1,96 @@
+"""Memory tier (LRU-K) over an optional disk tier, with per-tier counters."""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+from worker.config import CacheConfig
+from worker.disk_cache import DiskCache
+from worker.lru_k import LRUKCache
+
+Tier = Literal["memory", "disk"]
+
+
+class Lookup(NamedTuple):
+    """A cache answer: the raw chunk bytes and the tier that served them (both None on a miss)."""
+
+    value: Any | None
+    tier: Tier | None
+
+
+class TieredCache:
+    """``get`` looks in memory, then on disk (promoting a disk hit into memory); ``put`` writes both.
+
+    The disk tier is write-through so a chunk survives a worker restart as soon as it was fetched.
+    """
+
+    def __init__(self, memory: LRUKCache, disk: DiskCache | None = None) -> None:
+        self.memory = memory
+        self.disk = disk
+        self._lock = threading.Lock()
+        self._lookups = 0
+        self._full_misses = 0
+
+    @classmethod
+    def from_config(
+        cls,
+        config: CacheConfig,
+        clock: Callable[[], float] = time.monotonic,
+        on_corrupt: Callable[[str, str], None] | None = None,
+    ) -> TieredCache:
+        config.validate()
+        memory = LRUKCache(
+            config.memory_bytes,
+            k=config.k,
+            correlated_reference_period=config.correlated_reference_period_s,
+            retained_information_period=config.retained_information_period_s,
+            max_retained_history=config.max_retained_history,
+            clock=clock,
+        )
+        disk = None
+        if config.disk_dir is not None:
+            disk = DiskCache(config.disk_dir, config.disk_bytes, verify=config.disk_verify,
+                             fsync=config.disk_fsync, on_corrupt=on_corrupt)
+        return cls(memory, disk)
+
+    def get(self, key: str) -> Lookup:
+        value = self.memory.get(key)
+        if value is not None:
+            self._count(miss=False)
+            return Lookup(value, "memory")
+        if self.disk is not None:
+            value = self.disk.get(key)
+            if value is not None:
+                self.memory.put(key, value)
+                self._count(miss=False)
+                return Lookup(value, "disk")
+        self._count(miss=True)
+        return Lookup(None, None)
+
+    def put(self, key: str, value: Any) -> None:
+        """Cache verified raw chunk bytes under their content id in every tier."""
+        self.memory.put(key, value)
+        if self.disk is not None:
+            self.disk.put(key, value)
+
+    def contains(self, key: str) -> bool:
+        return self.memory.contains(key) or (self.disk is not None and self.disk.contains(key))
+
+    __contains__ = contains
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Counters per tier, e.g. ``{"memory": {"hits": ..}, "disk": {..}, "total": {..}}``."""
+        out = {"memory": self.memory.stats().as_dict()}
+        if self.disk is not None:
+            out["disk"] = self.disk.stats().as_dict()
+        with self._lock:
+            out["total"] = {"lookups": self._lookups, "hits": self._lookups - self._full_misses,
+                            "misses": self._full_misses}
+        return out
+
+    def _count(self, miss: bool) -> None:
+        with self._lock:
+            self._lookups += 1
+            self._full_misses += miss
