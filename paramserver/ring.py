@@ -1,0 +1,118 @@
+"""Consistent-hash placement ring with virtual nodes.
+
+Each server owns ``vnodes`` points at ``u64(blake3("server_id#i")[:8])``; a
+chunk's replicas are the first R distinct servers clockwise from the chunk's
+point. Built only from the member list, so every process that sees the same
+members computes the same placement. Adding or removing one of N servers moves
+about 1/N of the primaries, and only to or from that server.
+
+Zone-aware placement (when members carry zones) prefers servers in zones not
+yet used by earlier replicas, then fills with the remaining servers in ring
+order, so R > number of zones still works.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Mapping
+
+import blake3
+
+DEFAULT_VNODES = 128
+
+
+def _point(key: bytes) -> int:
+    return int.from_bytes(blake3.blake3(key).digest(length=8), "big")
+
+
+def key_point(chunk_id: str) -> int:
+    """Ring position of a key. Content ids are already uniform hashes: use their first 64 bits."""
+    if len(chunk_id) >= 16:
+        try:
+            return int(chunk_id[:16], 16)
+        except ValueError:
+            pass
+    return _point(chunk_id.encode())
+
+
+@dataclass(frozen=True)
+class RingConfig:
+    vnodes: int = DEFAULT_VNODES
+    zone_aware: bool = True
+
+    def validate(self) -> RingConfig:
+        if not 1 <= self.vnodes <= 4096:
+            raise ValueError(f"vnodes must be between 1 and 4096, got {self.vnodes}")
+        return self
+
+
+class Ring:
+    def __init__(self, servers: Iterable[str] | Mapping[str, str], config: RingConfig = RingConfig()) -> None:
+        """``servers``: ids, or a mapping server id -> zone."""
+        config.validate()
+        self.config = config
+        zones = dict(servers) if isinstance(servers, Mapping) else {s: "" for s in servers}
+        if any(not s for s in zones):
+            raise ValueError("server ids must be non-empty")
+        self.zones: dict[str, str] = dict(sorted(zones.items()))
+        points: list[tuple[int, str]] = []
+        for server in self.zones:
+            for i in range(config.vnodes):
+                points.append((_point(f"{server}#{i}".encode()), server))
+        points.sort()  # ties (astronomically rare) broken by server id: still deterministic
+        self._points = [p for p, _ in points]
+        self._owners = [s for _, s in points]
+        self._zone_count = len({z for z in self.zones.values()})
+
+    @property
+    def servers(self) -> list[str]:
+        return list(self.zones)
+
+    def __len__(self) -> int:
+        return len(self.zones)
+
+    def primary(self, chunk_id: str) -> str:
+        return self.replicas(chunk_id, 1)[0]
+
+    def replicas(self, chunk_id: str, r: int) -> list[str]:
+        """R distinct servers for ``chunk_id`` (R capped by the cluster size), primary first."""
+        if not self.zones:
+            raise ValueError("the ring has no servers; add members before placing chunks")
+        r = max(1, min(r, len(self.zones)))
+        start = bisect.bisect_right(self._points, key_point(chunk_id))
+        walk = self._distinct_from(start)
+        if not (self.config.zone_aware and self._zone_count > 1):
+            return [next(walk) for _ in range(r)]
+        # First one server per zone (in ring order), then the rest in ring order.
+        chosen: list[str] = []
+        passed: list[str] = []
+        used_zones: set[str] = set()
+        for server in walk:
+            passed.append(server)
+            if self.zones[server] not in used_zones:
+                chosen.append(server)
+                used_zones.add(self.zones[server])
+                if len(chosen) == r or len(used_zones) == self._zone_count:
+                    break
+        fill = (s for s in [*passed, *walk] if s not in chosen)
+        while len(chosen) < r:
+            chosen.append(next(fill))
+        return chosen
+
+    def _distinct_from(self, start: int) -> Iterator[str]:
+        owners = self._owners
+        n = len(owners)
+        seen: set[str] = set()
+        for step in range(n):
+            server = owners[(start + step) % n]
+            if server not in seen:
+                seen.add(server)
+                yield server
+                if len(seen) == len(self.zones):
+                    return
+
+    def placement(self, chunk_ids: Iterable[str], r: int) -> dict[str, list[str]]:
+        return {cid: self.replicas(cid, r) for cid in chunk_ids}
+
+
+__all__ = ["Ring", "RingConfig", "DEFAULT_VNODES", "key_point"]

@@ -1,0 +1,94 @@
+"""Quorum check before commit and replica fetch, over three in-process data-plane servers."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+from chunking import ChunkingConfig, pack
+from chunking.hashing import content_id
+from consensus.records import MemberRecord
+from paramserver.client import ParamServerClient, make_chunk
+from paramserver.cluster import PeerSet, QuorumVersionCheck, ReplicaFetcher, cluster_blob_fetcher
+from paramserver.config import ServerConfig
+from paramserver.errors import InvalidChunkError
+from paramserver.rpc_errors import PreconditionFailed
+from paramserver.service import RunningServer, start_server
+from paramserver.store import HEADER_SIZE
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[list[RunningServer]]:
+    servers = [
+        start_server(ServerConfig(server_id=f"ps{i}", data_dir=tmp_path / f"ps{i}", listen="127.0.0.1:0", fsync=False, workers=4, cache_bytes=0))
+        for i in range(3)
+    ]
+    yield servers
+    for s in servers:
+        s.stop(0)
+
+
+def members_of(servers: list[RunningServer]) -> list[MemberRecord]:
+    return [MemberRecord(f"ps{i}", s.address, f"127.0.0.1:{7100 + i}") for i, s in enumerate(servers)]
+
+
+@pytest.fixture
+def model() -> tuple[str, bytes, dict[str, bytes], object]:
+    state = {"a.weight": torch.arange(200_000, dtype=torch.float32), "b.bias": torch.ones(1000)}
+    packed = pack(state, model="m", config=ChunkingConfig(chunk_size=64 * 1024))
+    body = packed.manifest.to_bytes()
+    return content_id(body), body, packed.source(), packed.manifest
+
+
+def push(servers: list[RunningServer], peers: PeerSet, blobs: dict[str, bytes], copies: int) -> None:
+    ring = peers.ring()
+    for cid, data in blobs.items():
+        for server_id in ring.replicas(cid, 3)[:copies]:
+            idx = int(server_id[2:])
+            with ParamServerClient(servers[idx].address) as c:
+                c.put_chunks([make_chunk(cid, data)])
+
+
+def test_quorum_check_counts_replicas(cluster: list[RunningServer], model: tuple) -> None:  # type: ignore[type-arg]
+    mid, body, chunks, manifest = model
+    peers = PeerSet("ps0", lambda: members_of(cluster))
+    check = QuorumVersionCheck(peers, cluster[0].servicer.chunks.store)
+    push(cluster, peers, {**chunks, mid: body}, copies=1)
+    with pytest.raises(PreconditionFailed, match=r"write quorum \(W=2 of R=3\)"):
+        check(mid, body)
+    push(cluster, peers, {**chunks, mid: body}, copies=2)
+    facts = check(mid, body)
+    assert facts.chunk_count == len(manifest.chunks) and facts.nbytes == manifest.raw_bytes  # type: ignore[attr-defined]
+    # An unreachable replica counts as holding nothing: chunks whose second copy
+    # is on the stopped server fall below W=2 again.
+    cluster[2].stop(0)
+    members = members_of(cluster)
+    assert any("ps2" in peers.ring().replicas(cid, 3)[:2] for cid in [mid, *chunks])
+    with pytest.raises(PreconditionFailed, match="have not reached"):
+        QuorumVersionCheck(PeerSet("ps0", lambda: members), cluster[0].servicer.chunks.store)(mid, body)
+    with pytest.raises(InvalidChunkError, match="cannot be committed"):
+        check(mid, body[:-1] + b" ")
+    peers.close()
+
+
+def test_replica_fetcher_repairs_from_a_healthy_copy(cluster: list[RunningServer]) -> None:
+    data = b"x" * 50_000
+    cid = content_id(data)
+    for s in cluster[1:]:
+        with ParamServerClient(s.address) as c:
+            c.put_chunks([make_chunk(cid, data)])
+    # ps1's copy is corrupt: the fetcher must skip it and use ps2's.
+    store1 = cluster[1].servicer.chunks.store
+    path = store1.path(cid)
+    blob = bytearray(path.read_bytes())
+    blob[HEADER_SIZE] ^= 1
+    path.write_bytes(bytes(blob))
+    local = cluster[0].servicer.chunks.store
+    peers = PeerSet("ps0", lambda: members_of(cluster))
+    found = ReplicaFetcher(peers, local)(cid)
+    assert found is not None and found.data == data
+    assert cluster_blob_fetcher(local, ReplicaFetcher(peers, local))(cid) == data
+    assert ReplicaFetcher(peers, local)("e" * 64) is None
+    peers.close()

@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from paramserver.ring import Ring, RingConfig
+
+N_KEYS = 20_000
+
+
+@pytest.fixture(scope="module")
+def keys() -> list[str]:
+    rng = random.Random(1234)
+    return [rng.getrandbits(256).to_bytes(32, "big").hex() for _ in range(N_KEYS)]
+
+
+def test_deterministic_and_order_independent(keys: list[str]) -> None:
+    a = Ring(["ps1", "ps2", "ps3", "ps4"])
+    b = Ring(["ps4", "ps2", "ps1", "ps3"])
+    assert [a.replicas(k, 3) for k in keys[:500]] == [b.replicas(k, 3) for k in keys[:500]]
+
+
+def test_replicas_distinct_and_capped(keys: list[str]) -> None:
+    ring = Ring([f"s{i}" for i in range(4)])
+    for k in keys[:1000]:
+        reps = ring.replicas(k, 3)
+        assert len(reps) == 3 == len(set(reps))
+        assert reps[0] == ring.primary(k)
+    assert sorted(ring.replicas(keys[0], 10)) == ["s0", "s1", "s2", "s3"]
+    assert Ring(["only"]).replicas(keys[0], 3) == ["only"]
+    with pytest.raises(ValueError, match="no servers"):
+        Ring([]).replicas(keys[0], 1)
+
+
+@pytest.mark.parametrize("n", [3, 5, 10])
+def test_balance(keys: list[str], n: int) -> None:
+    ring = Ring([f"server-{i}" for i in range(n)])
+    counts = Counter(ring.primary(k) for k in keys)
+    mean = N_KEYS / n
+    assert len(counts) == n
+    # 128 vnodes: load spread of a few tens of percent at worst.
+    assert max(counts.values()) < 1.35 * mean, counts
+    assert min(counts.values()) > 0.65 * mean, counts
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_adding_a_server_moves_about_one_nth(keys: list[str], n: int) -> None:
+    old = Ring([f"server-{i}" for i in range(n)])
+    new = Ring([f"server-{i}" for i in range(n + 1)])
+    moved = [k for k in keys if old.primary(k) != new.primary(k)]
+    share = len(moved) / N_KEYS
+    assert 0.5 / (n + 1) < share < 1.6 / (n + 1), share
+    # Keys only move *to* the new server, never between old ones.
+    assert all(new.primary(k) == f"server-{n}" for k in moved)
+    # Replica sets: a key's set changes only by admitting the new server.
+    for k in keys[:3000]:
+        before, after = set(old.replicas(k, 3)), set(new.replicas(k, 3))
+        assert after - before <= {f"server-{n}"}
+
+
+def test_removing_a_server_moves_only_its_keys(keys: list[str]) -> None:
+    full = Ring([f"server-{i}" for i in range(6)])
+    less = Ring([f"server-{i}" for i in range(6) if i != 2])
+    moved = [k for k in keys if full.primary(k) != less.primary(k)]
+    assert all(full.primary(k) == "server-2" for k in moved)
+    assert 0.5 / 6 < len(moved) / N_KEYS < 1.6 / 6
+
+
+def test_zone_aware_spreads_across_zones(keys: list[str]) -> None:
+    zones = {"a1": "za", "a2": "za", "b1": "zb", "b2": "zb", "c1": "zc", "c2": "zc"}
+    ring = Ring(zones)
+    for k in keys[:2000]:
+        reps = ring.replicas(k, 3)
+        assert len({zones[s] for s in reps}) == 3
+    two_zones = Ring({"a1": "za", "a2": "za", "b1": "zb"})
+    for k in keys[:500]:
+        reps = two_zones.replicas(k, 3)
+        assert len(set(reps)) == 3 and {"za", "zb"} <= {zones.get(s, "zb") for s in reps}
+    plain = Ring(zones, RingConfig(zone_aware=False))
+    assert any(len({zones[s] for s in plain.replicas(k, 3)}) < 3 for k in keys[:2000])

@@ -1,0 +1,269 @@
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from chunking.hashing import content_id, crc32c
+from paramserver.errors import (
+    ChunkCorruptError,
+    ChunkNotFoundError,
+    ChunkTransferCorruptError,
+    InvalidChunkError,
+    UnknownCodecError,
+)
+from paramserver.repair import RepairQueue, Repairer, Scrubber
+from paramserver.store import HEADER_SIZE, ChunkStore, StoredChunk, decode_header
+
+KiB = 1024
+
+
+def raw_chunk(size: int = 64 * KiB, seed: int | None = None) -> tuple[str, bytes, str, int, int]:
+    data = random.Random(seed).randbytes(size) if seed is not None else os.urandom(size)
+    return content_id(data), data, "raw", len(data), crc32c(data)
+
+
+def zstd_chunk(raw: bytes, **kw: object) -> tuple[str, bytes, str, int, int]:
+    stored = zstandard.ZstdCompressor(**kw).compress(raw)  # type: ignore[arg-type]
+    return content_id(raw), stored, "zstd", len(raw), crc32c(stored)
+
+
+@pytest.fixture
+def corrupt_log() -> list[tuple[str, str]]:
+    return []
+
+
+@pytest.fixture
+def store(tmp_path: Path, corrupt_log: list[tuple[str, str]]) -> ChunkStore:
+    return ChunkStore(tmp_path / "data", cache_bytes=0, on_corrupt=lambda cid, why: corrupt_log.append((cid, why)))
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    blob = bytearray(path.read_bytes())
+    blob[offset] ^= 0x40
+    path.write_bytes(bytes(blob))
+
+
+def test_put_get_round_trip_layout_and_header(store: ChunkStore) -> None:
+    cid, data, codec, raw_size, crc = raw_chunk()
+    assert store.put(cid, data, codec, raw_size, crc) is True
+    path = store.data_dir / "chunks" / cid[:2] / cid[2:4] / cid
+    assert path.is_file() and path.stat().st_size == HEADER_SIZE + len(data)
+    assert decode_header(path.read_bytes()[:HEADER_SIZE]) == ("raw", raw_size, len(data), crc)
+    got = store.get(cid)
+    assert got == StoredChunk(cid, data, "raw", raw_size, crc)
+    assert store.has(cid) and not store.has("f" * 64) and not store.has("nothex")
+    # No temp files left behind by the atomic write.
+    assert [p.name for p in path.parent.iterdir()] == [cid]
+
+
+def test_dedup_and_counts(store: ChunkStore) -> None:
+    chunks = [raw_chunk(8 * KiB, seed=i) for i in range(10)]
+    assert store.put_many(chunks) == [True] * 10
+    assert store.put_many(chunks[:3]) == [False] * 3
+    stats = store.stats()
+    assert stats.chunk_count == 10 == len(store)
+    assert stats.bytes_on_disk == 10 * (HEADER_SIZE + 8 * KiB)
+    assert sorted(store.iter_ids()) == sorted(c[0] for c in chunks)
+    assert store.delete(chunks[0][0]) and not store.delete(chunks[0][0])
+    assert store.stats().chunk_count == 9
+    with pytest.raises(ChunkNotFoundError, match="not stored on this server"):
+        store.get(chunks[0][0])
+
+
+def test_counts_survive_restart_and_stale_temp_files_are_removed(tmp_path: Path) -> None:
+    s1 = ChunkStore(tmp_path, cache_bytes=0)
+    cid, *rest = raw_chunk(4 * KiB, seed=1)
+    s1.put(cid, *rest)
+    # Simulate a crash between write and rename.
+    stale = s1.path(cid).parent / f".tmp-{cid[:16]}-deadbeef"
+    stale.write_bytes(b"partial")
+    s2 = ChunkStore(tmp_path, cache_bytes=0)
+    assert not stale.exists()
+    assert s2.stats().chunk_count == 1 and s2.get(cid).data == rest[0]
+
+
+def test_ingest_rejects_bytes_that_do_not_match_the_id(store: ChunkStore) -> None:
+    cid, data, codec, raw_size, _ = raw_chunk()
+    other = os.urandom(len(data))
+    with pytest.raises(InvalidChunkError, match=cid) as info:
+        store.put(cid, other, codec, raw_size, crc32c(other))
+    assert "not to its id" in str(info.value)
+    assert not store.has(cid) and store.stats().chunk_count == 0
+
+
+def test_ingest_rejects_crc_mismatch_truncation_and_bad_ids(store: ChunkStore) -> None:
+    cid, data, codec, raw_size, crc = raw_chunk()
+    with pytest.raises(ChunkTransferCorruptError, match="CRC32C"):
+        store.put(cid, data[:-1], codec, raw_size, crc)  # truncated in transit
+    with pytest.raises(InvalidChunkError, match="raw_size"):
+        store.put(cid, data[:-1], codec, raw_size, crc32c(data[:-1]))
+    with pytest.raises(InvalidChunkError, match="not a content id"):
+        store.put("../../etc/passwd", data, codec, raw_size, crc)
+    with pytest.raises(InvalidChunkError, match="not a content id"):
+        store.put(cid.upper(), data, codec, raw_size, crc)
+    with pytest.raises(UnknownCodecError, match="unknown codec"):
+        store.put(cid, data, "lz77", raw_size, crc)
+    assert store.stats().chunk_count == 0
+
+
+def test_zstd_chunk_verified_and_bomb_refused(store: ChunkStore) -> None:
+    raw = bytes(200 * KiB)
+    cid, stored, codec, raw_size, crc = zstd_chunk(raw)
+    assert store.put(cid, stored, codec, raw_size, crc)
+    assert store.verify(cid).codec == "zstd"
+    # A frame declaring (and expanding to) far more than raw_size is refused before allocation.
+    bomb_raw = bytes(64 << 20)
+    bomb = zstandard.ZstdCompressor().compress(bomb_raw)
+    with pytest.raises(InvalidChunkError, match="bomb"):
+        store.put(content_id(bytes(1024)), bomb, "zstd", 1024, crc32c(bomb))
+    # Same without a declared content size: decoding stops at raw_size.
+    bomb2 = zstandard.ZstdCompressor(write_content_size=False).compress(bomb_raw)
+    with pytest.raises(InvalidChunkError, match="raw_size"):
+        store.put(content_id(bytes(1024)), bomb2, "zstd", 1024, crc32c(bomb2))
+
+
+@pytest.mark.parametrize("where", ["data", "header"])
+def test_flipped_byte_is_detected_quarantined_and_never_returned(
+    store: ChunkStore, corrupt_log: list[tuple[str, str]], where: str
+) -> None:
+    cid, data, *rest = raw_chunk(32 * KiB)
+    store.put(cid, data, *rest)
+    path = store.path(cid)
+    flip_byte(path, HEADER_SIZE + 1000 if where == "data" else 30)
+    with pytest.raises(ChunkCorruptError, match=cid) as info:
+        store.get(cid)
+    assert "quarantined" in str(info.value)
+    assert not path.exists() and len(list(store.quarantine_dir.iterdir())) == 1
+    assert [c for c, _ in corrupt_log] == [cid]
+    assert store.stats().quarantined == 1 and store.stats().chunk_count == 0
+    with pytest.raises(ChunkNotFoundError):
+        store.get(cid)
+    # A fresh good copy can be stored again (repair).
+    assert store.put(cid, data, *rest) is True
+    assert store.get(cid).data == data
+
+
+def test_random_flips_never_return_wrong_bytes(tmp_path: Path) -> None:
+    rng = random.Random(7)
+    store = ChunkStore(tmp_path, cache_bytes=0)
+    cid, data, *rest = raw_chunk(4 * KiB, seed=3)
+    for _ in range(50):
+        store.put(cid, data, *rest)
+        flip_byte(store.path(cid), rng.randrange(HEADER_SIZE + len(data)))
+        with pytest.raises(ChunkCorruptError):
+            store.get(cid)
+
+
+def test_put_over_a_corrupt_copy_replaces_it(store: ChunkStore) -> None:
+    cid, data, *rest = raw_chunk(16 * KiB)
+    store.put(cid, data, *rest)
+    flip_byte(store.path(cid), HEADER_SIZE + 5)
+    assert store.put(cid, data, *rest) is True  # not deduplicated against the bad copy
+    assert store.get(cid).data == data
+
+
+def test_hot_cache_respects_budget_and_serves_hits(tmp_path: Path) -> None:
+    store = ChunkStore(tmp_path, cache_bytes=256 * KiB)
+    chunks = [raw_chunk(32 * KiB, seed=i) for i in range(20)]
+    store.put_many(chunks)
+    for c in chunks:
+        store.get(c[0])
+    stats = store.cache.stats()
+    assert stats.used_bytes <= 256 * KiB and stats.entries == 8 and stats.evictions == 12
+    os.unlink(store.path(chunks[-1][0]))  # a hit does not touch the disk
+    assert store.get(chunks[-1][0]).data == chunks[-1][1]
+    assert store.cache.stats().hits == 1
+    big = raw_chunk(128 * KiB)  # over a quarter of the budget: not cached
+    store.put(*big)
+    store.get(big[0])
+    assert big[0] not in store.cache
+
+
+def test_scrubber_finds_untouched_corruption_and_repairer_restores(tmp_path: Path) -> None:
+    queue = RepairQueue(clock=lambda: 0.0)
+    store = ChunkStore(tmp_path / "a", cache_bytes=0, on_corrupt=queue.add)
+    healthy = ChunkStore(tmp_path / "b", cache_bytes=0)
+    chunks = [raw_chunk(16 * KiB, seed=i) for i in range(12)]
+    store.put_many(chunks)
+    healthy.put_many(chunks)
+    victim = chunks[5][0]
+    flip_byte(store.path(victim), HEADER_SIZE + 7)
+    scrubber = Scrubber(store, queue)
+    first = scrubber.step(budget_bytes=4 * 16 * KiB)
+    assert first.bytes_checked >= 4 * 16 * KiB and not first.finished_pass
+    total_corrupt = list(first.corrupt)
+    while True:
+        report = scrubber.step(budget_bytes=4 * 16 * KiB)
+        total_corrupt += report.corrupt
+        if report.finished_pass:
+            break
+    assert total_corrupt == [victim] and victim in queue
+    missing = [chunks[0][0]]
+    store.delete(missing[0])
+    queue.add(missing[0], "under-replicated")
+
+    def fetch(cid: str) -> StoredChunk | None:
+        return healthy.get(cid) if healthy.has(cid) else None
+
+    result = Repairer(store, queue, fetch).step()
+    assert sorted(result.repaired) == sorted([victim, missing[0]]) and len(queue) == 0
+    assert store.verify(victim).data == chunks[5][1]
+
+
+def test_repair_backs_off_when_no_replica_has_it(tmp_path: Path) -> None:
+    now = [0.0]
+    queue = RepairQueue(clock=lambda: now[0])
+    store = ChunkStore(tmp_path, cache_bytes=0)
+    queue.add("a" * 64, "lost")
+    assert Repairer(store, queue, lambda cid: None).step().failed == ["a" * 64]
+    assert queue.due() == []
+    now[0] = 100.0
+    assert [i.chunk_id for i in queue.due()] == ["a" * 64]
+
+
+def test_chunking_codecs_are_verified_on_ingest(store: ChunkStore) -> None:
+    np = pytest.importorskip("numpy")
+    from chunking.codec import encode_chunk
+    from chunking.config import ChunkingConfig
+
+    raw = np.random.default_rng(0).standard_normal(16 * KiB).astype(np.float32).tobytes()
+    for elem in (1, 4):
+        codec, stored = encode_chunk(raw, ChunkingConfig(codec="on"), elem_size=elem)
+        stored = bytes(stored)
+        assert codec == ("zstd+shuffle4" if elem == 4 else "zstd")
+        cid = content_id(raw)
+        store.delete(cid)
+        assert store.put(cid, stored, codec, len(raw), crc32c(stored))
+        assert store.verify(cid).codec == codec
+    with pytest.raises(InvalidChunkError, match="not to its id"):
+        other = bytes(len(raw))
+        codec, stored = encode_chunk(other, ChunkingConfig(codec="on"), elem_size=4)
+        store.put(content_id(raw), bytes(stored), codec, len(raw), crc32c(bytes(stored)))
+
+
+def test_periodic_runs_survives_errors_and_stops() -> None:
+    import threading
+
+    from paramserver.background import Periodic
+
+    calls: list[int] = []
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def step() -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        if len(calls) >= 4:
+            done.set()
+
+    task = Periodic("t", 0.01, step, on_error=errors.append).start()
+    assert done.wait(5)
+    task.stop()
+    n = len(calls)
+    assert n >= 4 and len(errors) == 1 and "boom" in str(errors[0])
+    assert len(calls) == n  # no run after stop
