@@ -37,3 +37,17 @@ class ChunkCorrupt(ChunkingError):
 
 class DecompressionBomb(ChunkCorrupt):
     """A compressed chunk would expand beyond its declared raw size."""
+
+
+class ChunkMissing(ChunkingError):
+    """A chunk source did not deliver every chunk a manifest names."""
+
+    def __init__(self, chunk_ids: Sequence[str], tensors: Sequence[str] = ()) -> None:
+        self.chunk_ids = tuple(chunk_ids)
+        self.tensors = tuple(tensors)
+        shown = ", ".join(self.chunk_ids[:4]) + (" ..." if len(self.chunk_ids) > 4 else "")
+        feeds = f"; incomplete tensors: {', '.join(self.tensors[:8])}" + (" ..." if len(self.tensors) > 8 else "") if self.tensors else ""
+        super().__init__(
+            f"{len(self.chunk_ids)} chunk(s) were not delivered: {shown}{feeds}. "
+            "Check that the chunk source holds every chunk of the manifest (push again or repair the replicas)."
+        )

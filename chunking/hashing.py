@@ -16,6 +16,13 @@ import numpy as np
 Buffer = Union[bytes, bytearray, memoryview, np.ndarray]
 
 CONTENT_ID_HEX_LEN = 64
+_PARALLEL_HASH_BYTES = 1 << 20
+
+
+def _byte_view(data: Buffer) -> memoryview:
+    if isinstance(data, np.ndarray):
+        return memoryview(data.reshape(-1).view(np.uint8))
+    return memoryview(data).cast("B")
 
 
 def _as_hashable(data: Buffer) -> bytes | np.ndarray:
@@ -35,12 +42,14 @@ def crc32c(data: Buffer) -> int:
 
 def content_id(data: Buffer, algorithm: str = "blake3") -> str:
     """Hex content id of the raw bytes: BLAKE3 by default, SHA-256 on request."""
-    buf = memoryview(data).cast("B") if not isinstance(data, np.ndarray) else memoryview(data.reshape(-1).view(np.uint8))
     if algorithm == "blake3":
+        if isinstance(data, bytes) and len(data) < _PARALLEL_HASH_BYTES:
+            return _blake3.blake3(data).hexdigest()  # the hot path: one stored chunk
+        buf = _byte_view(data)
         # max_threads lets blake3 hash large buffers on several cores.
-        return _blake3.blake3(buf, max_threads=_blake3.blake3.AUTO if len(buf) >= (1 << 20) else 1).hexdigest()
+        return _blake3.blake3(buf, max_threads=_blake3.blake3.AUTO if len(buf) >= _PARALLEL_HASH_BYTES else 1).hexdigest()
     if algorithm == "sha256":
-        return hashlib.sha256(buf).hexdigest()
+        return hashlib.sha256(_byte_view(data)).hexdigest()
     raise ValueError(f"unknown content hash {algorithm!r}: use 'blake3' or 'sha256'")
 
 

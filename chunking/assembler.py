@@ -1,0 +1,152 @@
+"""Write verified chunks straight into destination tensors and track which are complete."""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import torch
+
+from chunking.codec import as_u8, decode_chunk
+from chunking.dtypes import torch_dtype
+from chunking.errors import ChunkCorrupt, ChunkMissing, InvalidInput
+from chunking.hashing import Buffer
+from chunking.manifest import ChunkRef, Manifest
+
+
+class Assembler:
+    """Fills ``targets`` (name -> preallocated tensor) from a manifest's chunks.
+
+    ``add_stored`` verifies a stored chunk and writes it; ``write_chunk`` writes
+    raw bytes the caller has verified itself. Both may be called from several
+    threads and in any order; a chunk id used at several indices fills all of
+    them. A tensor is reported ready (``ready_tensors()``, ``on_tensor_ready``)
+    only once every chunk it spans has been written; tensors without bytes
+    (empty ones) are reported during construction. Bytes reach a target only
+    after they are verified, so a corrupt chunk never overwrites live weights.
+    Targets on CPU are written through numpy views; others (CUDA) through
+    ``Tensor.copy_``. Extra names in ``targets`` are ignored.
+    """
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        targets: Mapping[str, torch.Tensor],
+        *,
+        on_tensor_ready: Callable[[str], None] | None = None,
+    ) -> None:
+        self.manifest = manifest
+        self._plan = manifest.plan
+        self._on_ready = on_tensor_ready
+        self._cpu: list[np.ndarray | None] = []
+        self._dev: list[torch.Tensor | None] = []
+        for entry in manifest.tensors:
+            t = targets.get(entry.name)
+            if t is None:
+                raise InvalidInput(f"target has no tensor {entry.name!r}; pass one for every tensor of the manifest")
+            want = torch_dtype(entry.dtype)
+            if t.dtype != want or tuple(t.shape) != entry.shape:
+                raise InvalidInput(
+                    f"target tensor {entry.name!r} is {t.dtype} {tuple(t.shape)}; the manifest needs {want} {entry.shape}"
+                )
+            if not t.is_contiguous() or t.layout != torch.strided:
+                raise InvalidInput(f"target tensor {entry.name!r} must be dense and contiguous to be filled in place")
+            u8 = t.detach().reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+            if t.device.type == "cpu":
+                self._cpu.append(u8.numpy())
+                self._dev.append(None)
+            else:
+                self._cpu.append(None)
+                self._dev.append(u8)
+        self._lock = threading.Lock()
+        self._written = bytearray(self._plan.count)
+        self._remaining = [len(c) for c in self._plan.tensor_chunks]
+        self._by_id: dict[str, list[int]] = {}
+        for ref in manifest.chunks:
+            self._by_id.setdefault(ref.id, []).append(ref.index)
+        self._missing = self._plan.count
+        self._ready: list[str] = []
+        for i, left in enumerate(self._remaining):
+            if left == 0:
+                self._mark_ready(manifest.tensors[i].name)
+
+    # -- state -----------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self._missing == 0
+
+    def ready_tensors(self) -> tuple[str, ...]:
+        with self._lock:
+            return tuple(self._ready)
+
+    def missing_chunks(self) -> tuple[ChunkRef, ...]:
+        return tuple(ref for ref in self.manifest.chunks if not self._written[ref.index])
+
+    def incomplete_tensors(self) -> tuple[str, ...]:
+        return tuple(t.name for t, left in zip(self.manifest.tensors, self._remaining) if left)
+
+    def raise_if_incomplete(self) -> None:
+        if not self.done:
+            missing = self.missing_chunks()
+            raise ChunkMissing(sorted({r.id for r in missing}), self.incomplete_tensors())
+
+    # -- writing ---------------------------------------------------------
+    def add_stored(self, ref: ChunkRef, stored: Buffer) -> None:
+        """Verify a stored chunk (CRC32C, size, content id) and write it wherever the manifest uses it."""
+        mine = self._own_ref(ref)
+        indices = [i for i in self._by_id[mine.id] if not self._written[i]]
+        if not indices:
+            return
+        try:
+            raw = decode_chunk(mine, stored, algorithm=self.manifest.hash_algorithm)
+        except ChunkCorrupt as exc:
+            names = {n: None for i in self._by_id[mine.id] for n in self.manifest.tensors_of_chunk(i)}
+            raise type(exc)(exc.chunk_id, exc.reason, tuple(names), mine.index) from None
+        for i in indices:
+            self.write_chunk(i, raw)
+
+    def write_chunk(self, index: int, raw: Buffer | torch.Tensor) -> None:
+        """Copy the raw bytes of chunk ``index`` (already verified) into its tensors.
+
+        ``raw`` may be any buffer or a CPU tensor (e.g. a slice of a pinned staging pool).
+        """
+        src = raw.detach().reshape(-1).view(torch.uint8).numpy() if isinstance(raw, torch.Tensor) else as_u8(raw)
+        segs = self._plan.segments[index]
+        if len(src) != self._plan.raw_sizes[index]:
+            raise ValueError(f"chunk #{index} is {len(src)} bytes; the manifest says {self._plan.raw_sizes[index]}")
+        for s in segs:
+            dst = self._cpu[s.tensor]
+            if dst is not None:
+                dst[s.tensor_offset : s.tensor_offset + s.length] = src[s.chunk_offset : s.chunk_offset + s.length]
+            else:
+                dev = self._dev[s.tensor]
+                assert dev is not None
+                piece = torch.from_numpy(src[s.chunk_offset : s.chunk_offset + s.length].copy())
+                dev[s.tensor_offset : s.tensor_offset + s.length].copy_(piece)
+        ready: list[str] = []
+        with self._lock:
+            if self._written[index]:
+                return
+            self._written[index] = 1
+            self._missing -= 1
+            for s in segs:
+                self._remaining[s.tensor] -= 1
+                if self._remaining[s.tensor] == 0:
+                    ready.append(self.manifest.tensors[s.tensor].name)
+        for name in ready:
+            self._mark_ready(name)
+
+    def _mark_ready(self, name: str) -> None:
+        with self._lock:
+            self._ready.append(name)
+        if self._on_ready is not None:
+            self._on_ready(name)
+
+    def _own_ref(self, ref: ChunkRef) -> ChunkRef:
+        # Trust only the manifest's sizes and checksums, never the source's copy of the ref.
+        if 0 <= ref.index < len(self.manifest.chunks) and self.manifest.chunks[ref.index].id == ref.id:
+            return self.manifest.chunks[ref.index]
+        indices = self._by_id.get(ref.id)
+        if not indices:
+            raise InvalidInput(f"chunk {ref.id} is not part of manifest {self.manifest.model} v{self.manifest.version}")
+        return self.manifest.chunks[indices[0]]
