@@ -54,6 +54,9 @@ class ServerConfig:
     fsync: bool = True
     scrub_bytes_per_s: int = 64 * MiB
     repair_interval_s: float = 5.0
+    anti_entropy_interval_s: float = 10.0  # how often each server re-checks that its chunks have all R replicas
+    gc_interval_s: float = 600.0  # orphan-chunk collection period; 0 disables it
+    orphan_grace_s: float = 3600.0  # an unreferenced chunk is deleted only when older than this (longer than any push)
     workers: int = 16  # gRPC server thread pool
     extra: Mapping[str, Any] = field(default_factory=dict)  # unknown keys from a file, for other components
 
@@ -109,6 +112,10 @@ class ServerConfig:
             raise ConfigError(f"scrub_bytes_per_s must be >= 0 (0 disables the scrubber), got {self.scrub_bytes_per_s}")
         if self.repair_interval_s <= 0:
             raise ConfigError(f"repair_interval_s must be > 0, got {self.repair_interval_s}")
+        if self.anti_entropy_interval_s <= 0:
+            raise ConfigError(f"anti_entropy_interval_s must be > 0, got {self.anti_entropy_interval_s}")
+        if self.gc_interval_s < 0 or self.orphan_grace_s < 0:
+            raise ConfigError("gc_interval_s and orphan_grace_s must be >= 0 (gc_interval_s 0 disables orphan collection)")
         if not 1 <= self.workers <= 1024:
             raise ConfigError(f"workers must be between 1 and 1024, got {self.workers}")
         return self

@@ -1,0 +1,90 @@
+"""Orphan collection: delete chunks no committed version refers to.
+
+A failed or interrupted push leaves chunks that no manifest names. They are
+deleted once older than a grace period, which must exceed the longest push
+(a push in flight has uploaded chunks it has not committed yet). When any
+manifest cannot be read, the step deletes nothing: never delete when unsure.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from chunking.errors import ManifestError
+from chunking.manifest import Manifest
+from consensus.api import MetadataPlane
+
+from .errors import ParamServerError
+from .store import ChunkStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GcReport:
+    scanned: int = 0
+    referenced: int = 0
+    deleted: int = 0
+    skipped_reason: str = ""
+
+
+class OrphanCollector:
+    def __init__(
+        self,
+        metadata: MetadataPlane,
+        store: ChunkStore,
+        fetch_blob: Callable[[str], bytes],
+        *,
+        grace_s: float = 3600.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.metadata = metadata
+        self.store = store
+        self.fetch_blob = fetch_blob
+        self.grace_s = grace_s
+        self.clock = clock
+        self._chunks_of: dict[str, frozenset[str]] = {}  # manifests are immutable: parse each once
+
+    def referenced(self) -> set[str] | None:
+        refs: set[str] = set()
+        for model in self.metadata.list_models().value:
+            for version in self.metadata.list_versions(model).value:
+                mid = version.manifest_id
+                if mid not in self._chunks_of:
+                    try:
+                        manifest = Manifest.from_bytes(self.fetch_blob(mid), expected_id=mid)
+                    except (ParamServerError, ManifestError) as exc:
+                        log.warning("orphan collection skipped: manifest %s of %s v%d unreadable (%s)", mid, model, version.number, exc)
+                        return None
+                    self._chunks_of[mid] = frozenset(manifest.chunk_ids())
+                refs.add(mid)
+                refs |= self._chunks_of[mid]
+        return refs
+
+    def step(self) -> GcReport:
+        report = GcReport()
+        refs = self.referenced()
+        if refs is None:
+            report.skipped_reason = "a manifest could not be read"
+            return report
+        report.referenced = len(refs)
+        cutoff = self.clock() - self.grace_s
+        for chunk_id in list(self.store.iter_ids()):
+            report.scanned += 1
+            if chunk_id in refs:
+                continue
+            try:
+                mtime = os.stat(self.store.path(chunk_id)).st_mtime
+            except OSError:
+                continue
+            if mtime < cutoff and self.store.delete(chunk_id):
+                report.deleted += 1
+        if report.deleted:
+            log.info("orphan collection deleted %d unreferenced chunks", report.deleted)
+        return report
+
+
+__all__ = ["GcReport", "OrphanCollector"]
