@@ -218,15 +218,32 @@ class LocalCluster:
     # ---- readiness ------------------------------------------------------------------
     def cluster_info(self, server_id: str | None = None, timeout: float = 2.0) -> dict[str, Any] | None:
         """ClusterInfo from one server (or the first that answers), as a dict."""
-        from paramserver.client import ServerClient, ServerClientError
+        import grpc
+
+        from paramserver.client import ParamServerClient
 
         candidates = [self.slot(server_id)] if server_id else [s for s in self.slots if s.pid]
         for slot in candidates:
+            client = ParamServerClient(slot.grpc, token=self.config.read_token or self.config.admin_token)
             try:
-                with ServerClient(slot.grpc, token=self.config.read_token or self.config.admin_token) as c:
-                    return c.cluster_info_dict(timeout=timeout)
-            except ServerClientError:
+                reply = client.stub.ClusterInfo(_cluster_info_request(), timeout=timeout)
+            except grpc.RpcError:
                 continue
+            finally:
+                client.close()
+            return {
+                "server_id": reply.server_id,
+                "leader_id": reply.leader_id,
+                "leader_grpc_address": reply.leader_grpc_address,
+                "term": reply.term,
+                "commit_index": reply.commit_index,
+                "is_leader": reply.is_leader,
+                "members": [
+                    {"server_id": m.server_id, "grpc_address": m.grpc_address, "raft_address": m.raft_address,
+                     "state": m.state, "zone": m.zone}
+                    for m in reply.members
+                ],
+            }
         return None
 
     def leader_id(self, timeout: float = 2.0) -> str | None:
@@ -293,6 +310,12 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.down()
+
+
+def _cluster_info_request() -> Any:
+    from paramserver.proto import pb
+
+    return pb.ClusterInfoRequest()
 
 
 def _config_to_json(c: LocalClusterConfig) -> dict[str, Any]:

@@ -1,0 +1,178 @@
+"""The paramserver process itself: CLI, config errors, re-replication, orphan GC, metrics.
+
+Real processes on 127.0.0.1 through deploy.local.LocalCluster; chunks are placed
+by hand with the low-level client so each test controls exactly which replica
+holds what.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from chunking import pack
+from deploy.local import LocalCluster, LocalClusterConfig
+from paramserver.client import ParamServerClient, make_chunk
+from paramserver.ring import Ring, RingConfig
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.integration
+
+METRICS_PORT = free_port()
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    root = tmp_path_factory.mktemp("server-process")
+    c = LocalCluster(LocalClusterConfig(
+        root=root, servers=3,
+        extra_args=("--anti-entropy-interval", "0.5", "--gc-interval", "1", "--orphan-grace", "2", "--no-fsync"),
+    ))
+    try:
+        c.up(wait=90)
+        yield c
+    finally:
+        c.down()
+
+
+class Placement:
+    def __init__(self, cluster: LocalCluster) -> None:
+        info = ParamServerClient(cluster.addresses[0]).cluster_info()
+        self.ring = Ring(sorted(m.server_id for m in info.members if m.state == "up"), RingConfig(vnodes=info.ring.vnodes))
+        self.clients = {m.server_id: ParamServerClient(m.grpc_address) for m in info.members}
+        self.r = min(info.ring.replication_factor, len(self.ring))
+
+    def replicas(self, chunk_id: str) -> list[str]:
+        return self.ring.replicas(chunk_id, self.r)
+
+    def holders(self, chunk_id: str) -> set[str]:
+        return {sid for sid, c in self.clients.items() if c.has_chunks([chunk_id])[0]}
+
+
+def _model(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(200_000, generator=g), "b": torch.randn(17, generator=g).to(torch.bfloat16)}
+
+
+def test_serve_help_documents_options() -> None:
+    out = subprocess.run([sys.executable, "-m", "paramserver", "serve", "--help"], capture_output=True, text=True, check=True).stdout
+    for flag in ("--id", "--data-dir", "--listen", "--raft", "--peer", "--config", "--replication", "--write-quorum",
+                 "--admin-token", "--read-token", "--cluster-secret", "--tls-cert", "--metrics-port"):
+        assert flag in out
+    assert "default" in out
+
+
+def test_bad_config_is_refused_with_a_clear_message(tmp_path: Path) -> None:
+    bad = tmp_path / "ps.toml"
+    bad.write_text('server_id = "ps1"\ndata_dir = "%s"\nlisten = "nowhere"\n' % tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "paramserver", "serve", "--config", str(bad)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "listen must be HOST:PORT" in proc.stderr
+    missing = subprocess.run([sys.executable, "-m", "paramserver", "serve", "--listen", "127.0.0.1:1"], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "server_id" in missing.stderr
+
+
+def test_version_pushed_to_two_replicas_gets_its_third(cluster: LocalCluster) -> None:
+    placement = Placement(cluster)
+    result = pack(_model(1), model="rerep")
+    manifest = result.manifest
+    per_server: dict[str, list[object]] = {}
+    short_of: dict[str, str] = {}
+    for chunk in result.chunks():
+        reps = placement.replicas(chunk.ref.id)
+        short_of[chunk.ref.id] = reps[-1]
+        for sid in reps[:2]:  # W=2 of R=3: exactly the quorum, the third replica is left out
+            per_server.setdefault(sid, []).append(make_chunk(chunk.ref.id, chunk.data, chunk.ref.codec, chunk.ref.raw_size))
+    blob = manifest.to_bytes()
+    for sid in placement.replicas(manifest.id)[:2]:
+        per_server.setdefault(sid, []).append(make_chunk(manifest.id, blob))
+    for sid, chunks in per_server.items():
+        placement.clients[sid].put_chunks(chunks)
+    version = placement.clients["ps1"].commit_version("rerep", manifest.id, publisher="test").version
+    assert version.number == 1
+    for chunk_id, missing_on in short_of.items():
+        wait_until(lambda: missing_on in placement.holders(chunk_id), 30, f"chunk {chunk_id[:12]} re-replicated to {missing_on}")
+        assert placement.holders(chunk_id) == set(placement.replicas(chunk_id))
+
+
+def test_commit_refused_below_write_quorum(cluster: LocalCluster) -> None:
+    import grpc
+
+    placement = Placement(cluster)
+    result = pack(_model(2), model="short")
+    first = next(iter(result.chunks()))
+    for chunk in result.chunks():
+        if chunk.ref.id != first.ref.id:
+            for sid in placement.replicas(chunk.ref.id):
+                placement.clients[sid].put_chunks([make_chunk(chunk.ref.id, chunk.data, chunk.ref.codec, chunk.ref.raw_size)])
+    only = placement.replicas(first.ref.id)[0]
+    placement.clients[only].put_chunks([make_chunk(first.ref.id, first.data, first.ref.codec, first.ref.raw_size)])
+    blob = result.manifest.to_bytes()
+    for sid in placement.replicas(result.manifest.id):
+        placement.clients[sid].put_chunks([make_chunk(result.manifest.id, blob)])
+    with pytest.raises(grpc.RpcError) as err:
+        placement.clients["ps2"].commit_version("short", result.manifest.id, publisher="test")
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "write quorum" in err.value.details()
+    assert "short" not in list(placement.clients["ps3"].list_models().models)
+
+
+def test_orphans_are_collected_and_committed_chunks_kept(cluster: LocalCluster) -> None:
+    placement = Placement(cluster)
+    kept = pack(_model(3), model="kept")
+    for chunk in kept.chunks():
+        for sid in placement.replicas(chunk.ref.id):
+            placement.clients[sid].put_chunks([make_chunk(chunk.ref.id, chunk.data, chunk.ref.codec, chunk.ref.raw_size)])
+    blob = kept.manifest.to_bytes()
+    for sid in placement.replicas(kept.manifest.id):
+        placement.clients[sid].put_chunks([make_chunk(kept.manifest.id, blob)])
+    placement.clients["ps1"].commit_version("kept", kept.manifest.id, publisher="test")
+
+    orphan = pack(_model(4), model="orphan")  # uploaded, never committed: an interrupted push
+    orphan_ids = []
+    for chunk in orphan.chunks():
+        orphan_ids.append(chunk.ref.id)
+        for client in placement.clients.values():
+            client.put_chunks([make_chunk(chunk.ref.id, chunk.data, chunk.ref.codec, chunk.ref.raw_size)])
+    wait_until(lambda: all(not placement.holders(cid) for cid in orphan_ids), 60, "orphan chunks collected on every server")
+    for chunk in kept.chunks():
+        assert placement.holders(chunk.ref.id) == set(placement.replicas(chunk.ref.id))
+
+
+def test_metrics_endpoint(tmp_path: Path) -> None:
+    grpc_port, raft_port = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "paramserver", "serve", "--id", "solo", "--data-dir", str(tmp_path / "solo"),
+                             "--listen", f"127.0.0.1:{grpc_port}", "--raft", f"127.0.0.1:{raft_port}",
+                             "--metrics-port", str(METRICS_PORT)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        body = ""
+
+        def scraped() -> bool:
+            nonlocal body
+            try:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=2).read().decode()
+            except OSError:
+                return False
+            return "paramserver_is_leader" in body and 'paramserver_members{server="solo"} 1.0' in body
+
+        wait_until(scraped, 60, "metrics to show a registered one-server cluster")
+        assert 'paramserver_chunks{server="solo"}' in body
+        assert 'paramserver_is_leader{server="solo"} 1.0' in body
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
