@@ -31,24 +31,16 @@ class GcReport:
     skipped_reason: str = ""
 
 
-class OrphanCollector:
-    def __init__(
-        self,
-        metadata: MetadataPlane,
-        store: ChunkStore,
-        fetch_blob: Callable[[str], bytes],
-        *,
-        grace_s: float = 3600.0,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
+class References:
+    """The chunk ids (manifests included) that committed versions refer to."""
+
+    def __init__(self, metadata: MetadataPlane, fetch_blob: Callable[[str], bytes]) -> None:
         self.metadata = metadata
-        self.store = store
         self.fetch_blob = fetch_blob
-        self.grace_s = grace_s
-        self.clock = clock
         self._chunks_of: dict[str, frozenset[str]] = {}  # manifests are immutable: parse each once
 
-    def referenced(self) -> set[str] | None:
+    def __call__(self) -> set[str] | None:
+        """The referenced ids, or None when some manifest cannot be read right now."""
         refs: set[str] = set()
         for model in self.metadata.list_models().value:
             for version in self.metadata.list_versions(model).value:
@@ -64,9 +56,24 @@ class OrphanCollector:
                 refs |= self._chunks_of[mid]
         return refs
 
+
+class OrphanCollector:
+    def __init__(
+        self,
+        references: References,
+        store: ChunkStore,
+        *,
+        grace_s: float = 3600.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.references = references
+        self.store = store
+        self.grace_s = grace_s
+        self.clock = clock
+
     def step(self) -> GcReport:
         report = GcReport()
-        refs = self.referenced()
+        refs = self.references()
         if refs is None:
             report.skipped_reason = "a manifest could not be read"
             return report
@@ -87,4 +94,4 @@ class OrphanCollector:
         return report
 
 
-__all__ = ["GcReport", "OrphanCollector"]
+__all__ = ["GcReport", "OrphanCollector", "References"]

@@ -4,13 +4,14 @@ chunk's ring replicas, pushing copies to the ones that lack it.
 This is what restores R copies after a server comes back (a push made while it
 was down reached only W replicas), and what moves about 1/N of the chunks when
 a member joins or leaves: the ring changes, and the new owners get copies.
-Driven by explicit ``step()`` calls so tests control when it runs.
+Driven by explicit ``step()`` calls so tests control when it runs. A push in
+flight needs no help: the client writes every replica itself.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import grpc
 
@@ -32,8 +33,19 @@ class ReplicationReport:
 
 
 class ReReplicator:
-    def __init__(self, peers: PeerSet, store: ChunkStore, *, batch: int = 1024, push_batch_bytes: int = 4 << 20) -> None:
+    def __init__(
+        self,
+        peers: PeerSet,
+        store: ChunkStore,
+        *,
+        references: Callable[[], set[str] | None] | None = None,
+        batch: int = 1024,
+        push_batch_bytes: int = 4 << 20,
+    ) -> None:
         self.peers = peers
+        # Only chunks of committed versions are copied: copying orphans would hand
+        # them back to servers that just collected them, and they would never die.
+        self.references = references
         self.store = store
         self.batch = batch
         self.push_batch_bytes = push_batch_bytes
@@ -45,9 +57,12 @@ class ReReplicator:
             return report
         r = min(self.peers.replication_factor, len(ring))
         members = self.peers.members()
+        refs = self.references() if self.references is not None else None
         wanted: dict[str, list[str]] = {}
         for chunk_id in self.store.iter_ids():
             report.scanned += 1
+            if refs is not None and chunk_id not in refs:
+                continue
             for server in ring.replicas(chunk_id, r):
                 if server != self.peers.self_id:
                     wanted.setdefault(server, []).append(chunk_id)

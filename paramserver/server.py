@@ -16,7 +16,7 @@ from consensus.records import MemberRecord
 from .background import Periodic
 from .cluster import PeerSet, QuorumVersionCheck, ReplicaFetcher, cluster_blob_fetcher
 from .config import ServerConfig
-from .gc import OrphanCollector
+from .gc import OrphanCollector, References
 from .metrics import ServerCollector, serve_metrics
 from .repair import RepairQueue, Repairer, Scrubber
 from .replication import ReReplicator
@@ -63,16 +63,17 @@ class ParamServer:
                                     version_check=QuorumVersionCheck(peers, store))
         log.info("%s serving gRPC on %s, Raft on %s", cfg.server_id, self.running.address, cfg.raft)
 
+        references = References(node, fetch_blob)
         threading.Thread(target=self._register_loop, name="register", daemon=True).start()
         self._tasks = [
             Periodic("repair", cfg.repair_interval_s, Repairer(store, queue, fetcher).step),
-            Periodic("re-replicate", cfg.anti_entropy_interval_s, ReReplicator(peers, store).step),
+            Periodic("re-replicate", cfg.anti_entropy_interval_s, ReReplicator(peers, store, references=references).step),
         ]
         if cfg.scrub_bytes_per_s:
             scrubber = Scrubber(store, queue)
             self._tasks.append(Periodic("scrub", 1.0, lambda: scrubber.step(cfg.scrub_bytes_per_s)))
         if cfg.gc_interval_s:
-            gc = OrphanCollector(node, store, fetch_blob, grace_s=cfg.orphan_grace_s)
+            gc = OrphanCollector(references, store, grace_s=cfg.orphan_grace_s)
             self._tasks.append(Periodic("orphan-gc", cfg.gc_interval_s, gc.step))
         for task in self._tasks:
             task.start()

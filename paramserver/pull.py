@@ -1,0 +1,377 @@
+"""Pull a version by tag: resolve, fetch the manifest, stream chunks from replicas, verify, save.
+
+Chunks are spread over their replicas by bytes already assigned, fetched with
+a few parallel GetChunks streams per server (allow_partial, so one missing or
+corrupt chunk does not end a stream), verified (CRC32C, size, content id) and
+written straight into the destination tensors. A chunk that fails on one
+replica is fetched from another, then from any member (repair may have moved
+it); a replica that served bad bytes is told with ReportCorrupt. The worker
+package has the full-featured client (cache, heatmap order, GPU staging);
+this one is the simple, correct path for paramctl, the demo and benchmarks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import threading
+import time
+from collections import Counter
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import grpc
+import torch
+
+from chunking.assembler import Assembler
+from chunking.codec import decode_chunk
+from chunking.errors import ChunkCorrupt, ChunkingError, ManifestError
+from chunking.manifest import ChunkRef, Manifest
+from chunking.unpack import empty_like_manifest
+
+from .client import ChunkData
+from .clusterview import RETRYABLE, ClusterOptions, ClusterView, parse_seeds
+from .config import DEFAULT_GET_MESSAGE_BYTES
+from .errors import ConfigError
+from .progress import ProgressFn, no_progress
+from .proto import pb
+from .transfer_errors import PullError, TransferError, rpc_code, rpc_details
+
+
+@dataclass(frozen=True)
+class PullOptions:
+    streams_per_server: int = 2  # parallel GetChunks calls per server
+    message_bytes: int = DEFAULT_GET_MESSAGE_BYTES  # GetChunks coalescing target
+    rounds: int = 4  # fetch rounds: later ones retry what failed on other replicas
+    linearizable: bool = True  # resolve the tag at the leader: a pull right after a push sees it
+
+    def validate(self) -> PullOptions:
+        if not 1 <= self.streams_per_server <= 16:
+            raise ConfigError(f"streams_per_server must be between 1 and 16, got {self.streams_per_server}")
+        if not 64 << 10 <= self.message_bytes <= 64 << 20:
+            raise ConfigError(f"message_bytes must be between 64 KiB and 64 MiB, got {self.message_bytes}")
+        if self.rounds < 1:
+            raise ConfigError(f"rounds must be >= 1, got {self.rounds}")
+        return self
+
+
+@dataclass(frozen=True)
+class PullReport:
+    model: str
+    version: int
+    tag: str | None
+    manifest_id: str
+    bytes_total: int  # raw tensor bytes
+    bytes_fetched: int  # stored bytes received (retries included)
+    chunks_total: int
+    chunks_unique: int
+    seconds: float  # resolve + fetch + verify (+ save when writing a file)
+    fetch_seconds: float
+    save_seconds: float
+    per_server: Mapping[str, int]  # stored bytes received from each server
+    retried: int  # chunk fetches that failed once and were fetched elsewhere
+    path: str | None = None
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_total / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @property
+    def fetch_gbps(self) -> float:
+        return self.bytes_total / self.fetch_seconds / 1e9 if self.fetch_seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    model: str
+    tag: str | None = None
+    version: int | None = None  # None with no tag: the latest version
+
+    def __str__(self) -> str:
+        if self.tag:
+            return f"{self.model}:{self.tag}"
+        return f"{self.model}@{self.version}" if self.version else self.model
+
+
+def parse_ref(text: str) -> ModelRef:
+    """"model:tag", "model@3" (a version number) or "model" (its latest version)."""
+    model, sep, tag = text.partition(":")
+    if sep:
+        if not model or not tag:
+            raise ConfigError(f"{text!r} is not MODEL:TAG (e.g. resnet50:prod)")
+        return ModelRef(model, tag=tag)
+    model, sep, number = text.partition("@")
+    if sep:
+        if not model or not number.isdigit() or int(number) < 1:
+            raise ConfigError(f"{text!r} is not MODEL@VERSION (e.g. resnet50@3)")
+        return ModelRef(model, version=int(number))
+    if not text:
+        raise ConfigError("empty model reference: use MODEL:TAG, MODEL@VERSION or MODEL")
+    return ModelRef(text)
+
+
+def resolve(view: ClusterView, ref: ModelRef, linearizable: bool = True) -> pb.Version:
+    """The version ``ref`` names, asked of the leader (linearizable) and, failing that, of any member."""
+
+    def ask(client_linear: bool) -> pb.Version:
+        client = view.leader_client() if client_linear else view.any_client()
+        if ref.tag:
+            return client.resolve_tag(ref.model, ref.tag, linearizable=client_linear).version
+        if ref.version:
+            return client.get_version(ref.model, ref.version, linearizable=client_linear).version
+        versions = client.list_versions(ref.model).versions
+        if not versions:
+            raise PullError(f"model {ref.model} has no versions; push one first", grpc.StatusCode.NOT_FOUND)
+        return max(versions, key=lambda v: v.number)
+
+    try:
+        return ask(linearizable)
+    except grpc.RpcError as exc:
+        if linearizable and rpc_code(exc) in RETRYABLE:
+            try:
+                return ask(False)
+            except grpc.RpcError as exc2:
+                exc = exc2
+        raise PullError(f"cannot resolve {ref}: {rpc_details(exc)}", rpc_code(exc)) from None
+
+
+def fetch_manifest_by_id(view: ClusterView, manifest_id: str) -> Manifest:
+    """Manifest bytes from the leader or any member, accepted only if they hash to ``manifest_id``."""
+    addresses = [view.leader_client().address, *(m.grpc_address for m in view.members.values())]
+    problems: list[str] = []
+    for address in dict.fromkeys(addresses):
+        try:
+            reply = view.client(address).get_manifest(manifest_id=manifest_id)
+            return Manifest.from_bytes(reply.data, expected_id=manifest_id)
+        except grpc.RpcError as exc:
+            if rpc_code(exc) in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                raise PullError(f"{address}: {rpc_details(exc)}", rpc_code(exc)) from None
+            problems.append(f"{address}: {rpc_code(exc).name}")
+        except ManifestError as exc:
+            problems.append(f"{address}: {exc}")
+    raise PullError(f"manifest {manifest_id} is not readable from any member ({'; '.join(problems)})", grpc.StatusCode.UNAVAILABLE)
+
+
+class _Fetcher:
+    def __init__(self, view: ClusterView, manifest: Manifest, targets: Mapping[str, torch.Tensor], options: PullOptions) -> None:
+        self.view = view
+        self.manifest = manifest
+        self.options = options
+        self.assembler = Assembler(manifest, targets)
+        self.refs: dict[str, ChunkRef] = {r.id: r for r in manifest.unique_chunks()}
+        self.indices: dict[str, list[int]] = {}
+        for r in manifest.chunks:
+            self.indices.setdefault(r.id, []).append(r.index)
+        self.lock = threading.Lock()
+        self.raw_done = 0
+        self.per_server: Counter[str] = Counter()
+        self.down: set[str] = set()
+        self.tried: dict[str, set[str]] = {cid: set() for cid in self.refs}
+        self.errors: dict[str, str] = {}
+        self.retried = 0
+
+    def _write(self, server: str, item: ChunkData) -> None:
+        ref = self.refs[item.id]
+        if item.codec == ref.codec and item.crc32c == ref.crc32c:
+            self.assembler.add_stored(ref, item.data)
+        else:
+            # The server kept another encoding of the same raw bytes (pushed earlier with another
+            # codec): check it against what it declares, then prove the raw bytes by the content id.
+            theirs = dataclasses.replace(ref, codec=item.codec, crc32c=item.crc32c, stored_size=len(item.data))
+            raw = decode_chunk(theirs, item.data, algorithm=self.manifest.hash_algorithm)
+            for index in self.indices[item.id]:
+                self.assembler.write_chunk(index, raw)
+        with self.lock:
+            self.raw_done += ref.raw_size
+            self.per_server[server] += len(item.data)
+
+    def _task(self, server: str, ids: list[str]) -> list[str]:
+        """Fetch ``ids`` from ``server``; return the ids that failed there."""
+        pending = set(ids)
+        failed: list[str] = []
+        corrupt: list[str] = []
+        try:
+            client = self.view.server_client(server)
+            for item in client.get_chunks_partial(ids, max_message_bytes=self.options.message_bytes):
+                if isinstance(item, ChunkData):
+                    if item.id in pending:
+                        pending.discard(item.id)
+                        try:
+                            self._write(server, item)
+                        except ChunkCorrupt as exc:
+                            self.errors[item.id] = f"{server}: {exc}"
+                            corrupt.append(item.id)
+                            failed.append(item.id)
+                else:
+                    if item.id in pending:
+                        pending.discard(item.id)
+                        self.errors[item.id] = f"{server}: {pb.ChunkStatus.Name(item.status)} {item.message}"
+                        failed.append(item.id)
+        except grpc.RpcError as exc:
+            if rpc_code(exc) in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                raise PullError(f"{server}: {rpc_details(exc)}", rpc_code(exc)) from None
+            if rpc_code(exc) in RETRYABLE:
+                self.down.add(server)
+            for cid in pending:
+                self.errors[cid] = f"{server}: {rpc_code(exc).name} {rpc_details(exc)}"
+            failed.extend(pending)
+        if corrupt:
+            try:
+                self.view.server_client(server).report_corrupt(corrupt, server_id=server, reporter="paramctl-pull", reason="pull verification failed")
+            except grpc.RpcError:
+                pass  # best effort: the scrubber finds it too
+        return failed
+
+    def _assign(self, ids: Sequence[str]) -> tuple[dict[str, list[str]], list[str]]:
+        load: Counter[str] = Counter()
+        plan: dict[str, list[str]] = {}
+        stuck: list[str] = []
+        everyone = sorted(self.view.members)
+        for cid in ids:
+            tried = self.tried[cid]
+            ring = [s for s in self.view.replicas(cid) if s not in tried and s not in self.down]
+            candidates = ring or [s for s in everyone if s not in tried and s not in self.down]
+            if not candidates:
+                stuck.append(cid)
+                continue
+            best = min(candidates, key=lambda s: load[s])
+            load[best] += self.refs[cid].stored_size
+            plan.setdefault(best, []).append(cid)
+            tried.add(best)
+        return plan, stuck
+
+    def run(self, progress: ProgressFn) -> None:
+        ids = list(self.refs)
+        # Chunks fill every index they are used at; count raw bytes per distinct chunk.
+        total = sum(r.raw_size for r in self.refs.values())
+        streams = self.options.streams_per_server
+        with ThreadPoolExecutor(max_workers=max(1, len(self.view.members) * streams), thread_name_prefix="pull") as pool:
+            for round_no in range(self.options.rounds):
+                plan, stuck = self._assign(ids)
+                if stuck and not plan:
+                    break
+                futures: list[Future[list[str]]] = []
+                for server, server_ids in plan.items():
+                    n = min(streams, len(server_ids))
+                    step = -(-len(server_ids) // n)
+                    for i in range(0, len(server_ids), step):
+                        futures.append(pool.submit(self._task, server, server_ids[i : i + step]))
+                failed: list[str] = list(stuck)
+                pending_f = set(futures)
+                while pending_f:
+                    done, pending_f = wait(pending_f, timeout=0.1, return_when=FIRST_COMPLETED)
+                    for f in done:
+                        failed.extend(f.result())
+                    progress("fetch", self.raw_done, total)
+                if round_no > 0:
+                    self.retried += len(ids) - len(failed)
+                ids = failed
+                if not ids:
+                    break
+        progress("fetch", self.raw_done, total)
+        if ids:
+            example = ids[0]
+            raise PullError(
+                f"{len(ids)} of {len(self.refs)} chunks of {self.manifest.model} could not be fetched intact from any replica "
+                f"(e.g. {example}: {self.errors.get(example, 'no replica reachable')}); unreachable: {', '.join(sorted(self.down)) or 'none'}. "
+                "Retry when the servers are back; repair restores lost replicas",
+                grpc.StatusCode.UNAVAILABLE,
+            )
+        self.assembler.raise_if_incomplete()
+
+
+def pull_tensors(
+    seeds: str | Sequence[str],
+    ref: str | ModelRef,
+    *,
+    token: str | None = None,
+    progress: ProgressFn | None = None,
+    options: PullOptions = PullOptions(),
+    cluster: ClusterOptions | None = None,
+) -> tuple[dict[str, torch.Tensor], PullReport]:
+    """The verified tensors of a version (CPU, in manifest order) and a report."""
+    t0 = time.perf_counter()
+    options.validate()
+    progress = progress or no_progress
+    target = parse_ref(ref) if isinstance(ref, str) else ref
+    cluster = cluster or ClusterOptions(parse_seeds(seeds), token=token)
+    with ClusterView.connect(cluster) as view:
+        progress("resolve", 0, 1)
+        version = resolve(view, target, options.linearizable)
+        manifest = fetch_manifest_by_id(view, version.manifest_id)
+        progress("resolve", 1, 1)
+        tensors = empty_like_manifest(manifest)
+        t_fetch = time.perf_counter()
+        fetcher = _Fetcher(view, manifest, tensors, options)
+        try:
+            fetcher.run(progress)
+        except ChunkingError as exc:
+            raise PullError(f"{target}: {exc}", grpc.StatusCode.DATA_LOSS) from None
+        fetch_s = time.perf_counter() - t_fetch
+        out = {t.name: tensors[t.name] for t in manifest.tensors}
+        report = PullReport(
+            model=target.model,
+            version=version.number,
+            tag=target.tag,
+            manifest_id=version.manifest_id,
+            bytes_total=manifest.raw_bytes,
+            bytes_fetched=sum(fetcher.per_server.values()),
+            chunks_total=len(manifest.chunks),
+            chunks_unique=len(fetcher.refs),
+            seconds=time.perf_counter() - t0,
+            fetch_seconds=fetch_s,
+            save_seconds=0.0,
+            per_server=dict(fetcher.per_server),
+            retried=fetcher.retried,
+        )
+        return out, report
+
+
+def save_safetensors(tensors: Mapping[str, torch.Tensor], out: str | os.PathLike[str], metadata: Mapping[str, str] | None = None) -> None:
+    """Write atomically (temp file in the same folder, then rename): a failed pull leaves no half file."""
+    from safetensors.torch import save_file
+
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(dict(tensors), tmp, metadata=dict(metadata or {}))
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def pull(
+    seeds: str | Sequence[str],
+    ref: str | ModelRef,
+    out: str | os.PathLike[str],
+    *,
+    token: str | None = None,
+    progress: ProgressFn | None = None,
+    options: PullOptions = PullOptions(),
+    cluster: ClusterOptions | None = None,
+) -> PullReport:
+    """Pull ``ref`` ("model:tag", "model@N" or "model") into a .safetensors file at ``out``."""
+    t0 = time.perf_counter()
+    tensors, report = pull_tensors(seeds, ref, token=token, progress=progress, options=options, cluster=cluster)
+    t_save = time.perf_counter()
+    progress = progress or no_progress
+    progress("save", 0, report.bytes_total)
+    meta = {"model": report.model, "version": str(report.version), "manifest_id": report.manifest_id}
+    try:
+        save_safetensors(tensors, out, meta)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise TransferError(f"cannot write {out}: {exc}", grpc.StatusCode.UNKNOWN) from None
+    progress("save", report.bytes_total, report.bytes_total)
+    now = time.perf_counter()
+    return dataclasses.replace(report, seconds=now - t0, save_seconds=now - t_save, path=str(out))
+
+
+__all__ = ["pull", "pull_tensors", "PullOptions", "PullReport", "ModelRef", "parse_ref", "resolve", "save_safetensors", "fetch_manifest_by_id"]
