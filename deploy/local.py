@@ -4,6 +4,15 @@
     python -m deploy.local status --dir .cluster
     python -m deploy.local down --dir .cluster
 
+With ``--netns`` (root on Linux, iproute2) each server runs in its own network
+namespace on a private bridge (see ``deploy.netns``) and binds its namespace's
+address instead of 127.0.0.1; clients in the root namespace reach every server
+through the topology's host port. Then real partitions can be cut and healed:
+
+    python -m deploy.local up --netns --dir .cluster
+    python -m deploy.local partition --dir .cluster --group ps1 --group ps2,ps3
+    python -m deploy.local heal --dir .cluster
+
 The same ``LocalCluster`` class drives the integration tests and the fault
 drills, so what the tests exercise is what a user launches.
 """
@@ -19,9 +28,14 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Sequence
+
+if TYPE_CHECKING:
+    from .netns import NetnsTopology
 
 STATE_FILE = "cluster.json"
+NETNS_GRPC_PORT = 7070  # in namespace mode every server has its own port space, so all use the same ports
+NETNS_RAFT_PORT = 7071
 
 
 class LauncherError(RuntimeError):
@@ -46,6 +60,12 @@ class LocalClusterConfig:
     replication: int = 3
     extra_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    # Namespace mode: each server in its own network namespace (root, Linux, iproute2);
+    # `host` is then unused, servers bind their namespace address.
+    netns: bool = False
+    netns_prefix: str | None = None  # None: a fresh unique "pdp-xxxxxx-"
+    netns_subnet: str | None = None  # None: a free 10.231.X.0/24
+    netns_clients: int = 0  # extra client namespaces on the bridge (for drills)
 
     def validate(self) -> None:
         if not 1 <= self.servers <= 15:
@@ -54,6 +74,8 @@ class LocalClusterConfig:
             raise LauncherError(f"--base-port {self.base_port} leaves no room for {self.servers} servers")
         if self.replication < 1:
             raise LauncherError("--replication must be at least 1")
+        if not self.netns and (self.netns_prefix or self.netns_subnet or self.netns_clients):
+            raise LauncherError("netns_prefix, netns_subnet and netns_clients need netns=True (--netns)")
 
 
 @dataclass
@@ -65,6 +87,7 @@ class ServerSlot:
     log_file: str
     pid: int | None = None
     args: list[str] = field(default_factory=list)
+    netns: str | None = None  # the server's network namespace in namespace mode
 
 
 class LocalCluster:
@@ -76,13 +99,18 @@ class LocalCluster:
         self.root = Path(config.root).resolve()
         self.slots: list[ServerSlot] = []
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.topology: NetnsTopology | None = None  # set by up() in namespace mode
 
     # ---- layout -----------------------------------------------------------------
     def _plan(self) -> list[ServerSlot]:
         c = self.config
         slots = []
         for i in range(c.servers):
-            if c.base_port:
+            host = c.host
+            if self.topology is not None:
+                host = self.topology.address(i)
+                gp, rp = (c.base_port + 2 * i, c.base_port + 2 * i + 1) if c.base_port else (NETNS_GRPC_PORT, NETNS_RAFT_PORT)
+            elif c.base_port:
                 gp, rp = c.base_port + 2 * i, c.base_port + 2 * i + 1
             else:
                 gp, rp = _free_port(c.host), _free_port(c.host)
@@ -90,10 +118,11 @@ class LocalCluster:
             slots.append(
                 ServerSlot(
                     server_id=sid,
-                    grpc=f"{c.host}:{gp}",
-                    raft=f"{c.host}:{rp}",
+                    grpc=f"{host}:{gp}",
+                    raft=f"{host}:{rp}",
                     data_dir=str(self.root / sid),
                     log_file=str(self.root / f"{sid}.log"),
+                    netns=self.topology.ns(i) if self.topology is not None else None,
                 )
             )
         return slots
@@ -118,6 +147,9 @@ class LocalCluster:
         if c.secret:
             args += ["--cluster-secret", c.secret]
         args += list(c.extra_args)
+        if self.topology is not None:
+            # `ip netns exec` execs the server, so the pid we keep is the server's own.
+            args = self.topology.exec_args(self.index_of(slot.server_id), args)
         return args
 
     @property
@@ -127,6 +159,13 @@ class LocalCluster:
     @property
     def seed(self) -> str:
         return ",".join(self.addresses)
+
+    def index_of(self, server_id: str) -> int:
+        """0-based position of a server (its index in the namespace topology)."""
+        for i, s in enumerate(self.slots):
+            if s.server_id == server_id:
+                return i
+        raise LauncherError(f"no server {server_id!r} in this cluster (have {[s.server_id for s in self.slots]})")
 
     def slot(self, server_id: str) -> ServerSlot:
         for s in self.slots:
@@ -141,12 +180,75 @@ class LocalCluster:
             old = self.load_state(self.root)
             if any(_alive(s.pid) for s in old.slots):
                 raise LauncherError(f"a cluster is already running under {self.root}: run 'python -m deploy.local down --dir {self.root}' first")
-        self.slots = self._plan()
-        for slot in self.slots:
-            slot.args = self._args_for(slot)
-            self._spawn(slot)
-        self.save_state()
-        self.wait_ready(wait)
+        try:
+            if self.config.netns:
+                self.topology = self._create_topology()
+            self.slots = self._plan()
+            for slot in self.slots:
+                slot.args = self._args_for(slot)
+                self._spawn(slot)
+            self.save_state()
+            self.wait_ready(wait)
+        except BaseException:
+            # Never leave processes or namespaces behind a failed start; the logs stay for reading.
+            self.down()
+            raise
+
+    def _create_topology(self) -> "NetnsTopology":
+        from .netns import NetnsConfig, NetnsError, NetnsTopology
+
+        c = self.config
+        try:
+            cfg = (NetnsConfig(c.netns_prefix, c.servers, c.netns_clients, c.netns_subnet) if c.netns_prefix
+                   else NetnsConfig.fresh(c.servers, c.netns_clients, c.netns_subnet))
+            # Kept only once created: down() destroys by name prefix, and a prefix that
+            # create() refused may belong to another running cluster.
+            return NetnsTopology(cfg).create()
+        except NetnsError as exc:
+            raise LauncherError(f"namespace mode unavailable: {exc}") from None
+
+    # ---- partitions (namespace mode) -----------------------------------------------------
+    def _need_topology(self) -> "NetnsTopology":
+        if self.topology is None:
+            raise LauncherError("partitions need a cluster started in namespace mode: "
+                                "LocalClusterConfig(netns=True) or 'python -m deploy.local up --netns' (as root)")
+        return self.topology
+
+    def partition(self, groups: Sequence[Collection[str]], host_side: int | None = None) -> None:
+        """Cut the network between groups of server ids, e.g. [["ps1"], ["ps2", "ps3"]].
+
+        host_side: index of the group that root-namespace clients (this process,
+        workers started from it) are attached to; None keeps them reaching every server.
+        """
+        from .netns import HOST, Endpoint, NetnsError
+
+        topo = self._need_topology()
+        sets: list[set[Endpoint]] = [{self.index_of(sid) for sid in g} for g in groups]
+        if host_side is not None:
+            if not 0 <= host_side < len(sets):
+                raise LauncherError(f"host_side must index one of the {len(sets)} groups, got {host_side}")
+            sets[host_side].add(HOST)
+        try:
+            topo.partition(sets)
+        except NetnsError as exc:
+            raise LauncherError(str(exc)) from None
+
+    def isolate(self, server_id: str) -> None:
+        """Cut one server off from the others (root-namespace clients stay with the rest)."""
+        from .netns import NetnsError
+
+        try:
+            self._need_topology().isolate(self.index_of(server_id))
+        except NetnsError as exc:
+            raise LauncherError(str(exc)) from None
+
+    def heal(self) -> None:
+        from .netns import NetnsError
+
+        try:
+            self._need_topology().heal()
+        except NetnsError as exc:
+            raise LauncherError(str(exc)) from None
 
     def _spawn(self, slot: ServerSlot) -> None:
         Path(slot.data_dir).mkdir(parents=True, exist_ok=True)
@@ -210,6 +312,8 @@ class LocalCluster:
                     pass
                 self._reap(slot, 5.0)
             slot.pid = None
+        if self.topology is not None:
+            self.topology.destroy()
         self.save_state()
 
     def running(self) -> list[str]:
@@ -283,7 +387,11 @@ class LocalCluster:
     # ---- state file -------------------------------------------------------------------
     def save_state(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        data = {"config": _config_to_json(self.config), "slots": [asdict(s) for s in self.slots]}
+        data: dict[str, Any] = {"config": _config_to_json(self.config), "slots": [asdict(s) for s in self.slots]}
+        if self.topology is not None:
+            t = self.topology
+            data["netns"] = {"prefix": t.prefix, "servers": t.n, "clients": t.config.clients,
+                             "subnet": t.subnet if t.has_subnet else None}
         tmp = self.root / (STATE_FILE + ".tmp")
         tmp.write_text(json.dumps(data, indent=2))
         tmp.replace(self.root / STATE_FILE)
@@ -300,9 +408,16 @@ class LocalCluster:
             admin_token=cfg.get("admin_token"), read_token=cfg.get("read_token"), secret=cfg.get("secret"),
             replication=cfg.get("replication", 3), extra_args=tuple(cfg.get("extra_args", ())),
             env=tuple(tuple(x) for x in cfg.get("env", ())),
+            netns=cfg.get("netns", False), netns_prefix=cfg.get("netns_prefix"), netns_subnet=cfg.get("netns_subnet"),
+            netns_clients=cfg.get("netns_clients", 0),
         )
         cluster = cls(config)
         cluster.slots = [ServerSlot(**s) for s in data["slots"]]
+        if data.get("netns"):
+            from .netns import NetnsConfig, NetnsTopology
+
+            n = data["netns"]
+            cluster.topology = NetnsTopology(NetnsConfig(n["prefix"], n["servers"], n.get("clients", 0), n.get("subnet")))
         return cluster
 
     def __enter__(self) -> "LocalCluster":
@@ -366,15 +481,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--read-token", default=os.environ.get("PARAMS_READ_TOKEN"), help="token for reads (env PARAMS_READ_TOKEN)")
     up.add_argument("--cluster-secret", default=os.environ.get("PARAMS_CLUSTER_SECRET"), help="encrypts Raft traffic (env PARAMS_CLUSTER_SECRET)")
     up.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for a leader (default 60)")
-    for name, text in (("down", "stop every server of the cluster"), ("status", "show servers, pids and the leader")):
+    up.add_argument("--netns", action="store_true",
+                    help="run each server in its own network namespace on a private bridge, so partitions can be cut "
+                         "(root on Linux, iproute2); servers then bind 10.231.X.i instead of 127.0.0.1")
+    up.add_argument("--subnet", help="with --netns: a private /24 for the bridge (default: a free 10.231.X.0/24)")
+    up.add_argument("--client-namespaces", type=int, default=0,
+                    help="with --netns: extra client namespaces on the bridge, for loaders on one side (default 0)")
+    for name, text in (("down", "stop every server of the cluster"), ("status", "show servers, pids and the leader"),
+                       ("partition", "cut the network between groups of servers (--netns clusters only)"),
+                       ("heal", "restore full connectivity (--netns clusters only)")):
         sp = sub.add_parser(name, help=text)
         sp.add_argument("--dir", default=".cluster", help="the cluster's folder (default .cluster)")
+        if name == "partition":
+            sp.add_argument("--group", action="append", required=True, metavar="ID[,ID...]",
+                            help="server ids on one side, e.g. --group ps1 --group ps2,ps3 (every server in one group)")
+            sp.add_argument("--host-side", type=int, default=None, metavar="K",
+                            help="attach root-namespace clients to group K (0-based); default: they reach every server")
     args = p.parse_args(argv)
     try:
         if args.cmd == "up":
             cluster = LocalCluster(LocalClusterConfig(
                 root=Path(args.dir), servers=args.servers, base_port=args.base_port, replication=args.replication,
-                admin_token=args.admin_token, read_token=args.read_token, secret=args.cluster_secret))
+                admin_token=args.admin_token, read_token=args.read_token, secret=args.cluster_secret,
+                netns=args.netns, netns_subnet=args.subnet, netns_clients=args.client_namespaces))
             try:
                 cluster.up(wait=args.timeout)
             except BaseException:
@@ -383,7 +512,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             leader = cluster.leader_id()
             print(f"cluster of {len(cluster.slots)} servers up under {cluster.root} (leader {leader})")
             for s in cluster.slots:
-                print(f"  {s.server_id}  grpc {s.grpc}  raft {s.raft}  pid {s.pid}  log {s.log_file}")
+                where = f"  netns {s.netns}" if s.netns else ""
+                print(f"  {s.server_id}  grpc {s.grpc}  raft {s.raft}  pid {s.pid}{where}  log {s.log_file}")
             print(f"reach it with:  paramctl --cluster {cluster.slots[0].grpc} status")
             print(f"stop it with:   python -m deploy.local down --dir {args.dir}")
             return 0
@@ -391,6 +521,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "down":
             cluster.down()
             print(f"cluster under {cluster.root} stopped")
+            return 0
+        if args.cmd == "partition":
+            groups = [[x.strip() for x in g.split(",") if x.strip()] for g in args.group]
+            cluster.partition(groups, host_side=args.host_side)
+            print(f"partitioned: {' | '.join(','.join(g) for g in groups)}"
+                  f"{'' if args.host_side is None else f' (root-namespace clients with group {args.host_side})'}")
+            return 0
+        if args.cmd == "heal":
+            cluster.heal()
+            print("healed: every server reaches every other")
             return 0
         leader = cluster.leader_id() if cluster.running() else None
         for s in cluster.slots:

@@ -1,0 +1,30 @@
+"""Fault-injection drills: kill the leader, partition the network, corrupt a chunk.
+
+``report`` records what a drill saw; ``framework`` runs the background workload
+and the invariant checks; drill modules (``partition``, ``kill_leader``,
+``corrupt_chunk``) drive a ``deploy.local.LocalCluster`` with real processes.
+"""
+from __future__ import annotations
+
+from .framework import (
+    DrillError,
+    Loaded,
+    Published,
+    Workload,
+    WorkloadConfig,
+    check_converged,
+    check_loads_bit_exact,
+    check_monotonic_reads,
+    check_no_failed_loads,
+    check_no_lost_commits,
+    check_within,
+    run_drill,
+    wait_for,
+)
+from .report import DrillReport, load_report
+
+__all__ = [
+    "DrillError", "DrillReport", "Loaded", "Published", "Workload", "WorkloadConfig", "check_converged",
+    "check_loads_bit_exact", "check_monotonic_reads", "check_no_failed_loads", "check_no_lost_commits",
+    "check_within", "load_report", "run_drill", "wait_for",
+]

@@ -1,0 +1,149 @@
+"""Drill: cut the leader off with a minority, under load, then heal.
+
+Phases (the cluster must run in namespace mode, ``LocalClusterConfig(netns=True)``):
+
+1. majority view: root-namespace clients (publisher, loaders) sit with the
+   majority. The majority must elect a new leader and keep committing.
+2. minority view (optional): the clients move to the minority side. Nothing may
+   commit there; loaders get current data or a clear staleness error, never an
+   older version of the tag (the worker's monotonic reads).
+3. heal: every server converges to the same versions, tags and vector clocks,
+   and no version the publisher saw committed is missing.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .framework import (
+    DrillError,
+    Workload,
+    check_converged,
+    check_loads_bit_exact,
+    check_monotonic_reads,
+    check_no_failed_loads,
+    check_no_lost_commits,
+    check_within,
+    wait_for,
+)
+from .probe import ClusterProbe
+from .report import DrillReport
+
+if TYPE_CHECKING:
+    from deploy.local import LocalCluster
+
+
+@dataclass(frozen=True)
+class PartitionDrillConfig:
+    hold_s: float = 3.0  # time spent in each partitioned phase under load
+    minority_clients: bool = True  # run phase 2 (clients attached to the minority side)
+    # A new leader needs the election timeout (0.3-0.6 s) plus the time to notice the
+    # silent link; 5 s is "a few election timeouts" with room for a loaded CI machine.
+    election_limit_s: float = 5.0
+    commit_limit_s: float = 10.0  # cut -> first committed write on the majority side
+    settle_s: float = 30.0  # heal -> every server converged
+    commit_grace_s: float = 1.0  # a publish already in flight when the clients move may still land
+    # Errors a loader may see while the cluster elects or while it only reaches the minority.
+    allowed_load_errors: tuple[str, ...] = ("StaleRead", "UNAVAILABLE", "DEADLINE_EXCEEDED")
+
+    def validate(self) -> None:
+        for name in ("hold_s", "election_limit_s", "commit_limit_s", "settle_s"):
+            if getattr(self, name) <= 0:
+                raise DrillError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.commit_grace_s < 0:
+            raise DrillError(f"commit_grace_s must be >= 0, got {self.commit_grace_s}")
+
+
+def split(servers: list[str], leader: str) -> tuple[list[str], list[str]]:
+    """(minority with the leader, majority): the largest minority, (n-1)//2 servers, so the cut is the hardest."""
+    if leader not in servers:
+        raise DrillError(f"leader {leader} is not among the running servers {servers}")
+    if len(servers) < 3:
+        raise DrillError(f"a partition drill needs at least 3 servers (have {len(servers)}): a smaller cluster has no majority to cut")
+    size = (len(servers) - 1) // 2
+    others = [s for s in servers if s != leader]
+    minority = [leader, *others[: size - 1]]
+    return minority, [s for s in servers if s not in minority]
+
+
+def wait_converged(probe: ClusterProbe, servers: list[str], timeout: float) -> dict[str, Any] | None:
+    """The servers' states once all answer and agree; None if they do not within timeout."""
+    def agreed() -> dict[str, Any] | None:
+        states = probe.states(servers)
+        return states if len(states) == len(servers) and len({repr(v) for v in states.values()}) == 1 else None
+
+    try:
+        return wait_for(agreed, timeout, interval=0.2, what="every server holding the same versions and tags")
+    except TimeoutError:
+        return None
+
+
+def run_partition(cluster: "LocalCluster", report: DrillReport, workload: Workload,
+                  config: PartitionDrillConfig = PartitionDrillConfig(), probe: ClusterProbe | None = None) -> None:
+    """The drill body; the workload must be started (the publisher is needed, loaders are optional)."""
+    config.validate()
+    if cluster.topology is None:
+        raise DrillError("the partition drill needs a cluster in namespace mode: LocalClusterConfig(netns=True) "
+                         "or 'python -m deploy.local up --netns' (root on Linux, iproute2)")
+    probe = probe or ClusterProbe(cluster)
+    servers = cluster.running()
+    old = probe.wait_leader(servers, config.settle_s)
+    minority, majority = split(servers, old)
+    report.info.update(servers=servers, old_leader=old, minority=minority, majority=majority)
+    if workload.wait_success("publisher", after=report.now() - 1e9, timeout=config.settle_s) is None:
+        raise DrillError("the publisher never committed before the partition; is the cluster healthy?")
+
+    # ---- phase 1: clients with the majority ------------------------------------------------------
+    cut = report.event("partitioned", minority=minority, majority=majority, clients="majority")
+    cluster.partition([minority, majority], host_side=1)
+    report.info["cuts"] = cluster.topology.cuts()
+    new: str | None = None
+    try:
+        new = probe.wait_leader(majority, config.election_limit_s * 2, exclude=[old])
+        report.event("new_leader", leader=new)
+        iv = report.measure("time_to_new_leader", cut, "new_leader").seconds
+    except TimeoutError:
+        iv = None
+    check_within(report, "majority_elects_leader", iv, config.election_limit_s)
+    t_commit = workload.wait_success("publisher", after=cut.t, timeout=config.commit_limit_s)
+    if t_commit is not None:
+        report.event("first_commit_after_cut", at=round(t_commit, 3))
+        report.interval("time_to_next_commit", t_commit - cut.t, "partitioned", "first_commit_after_cut")
+    check_within(report, "majority_keeps_committing", None if t_commit is None else t_commit - cut.t,
+                 config.commit_limit_s)
+    time.sleep(config.hold_s)
+
+    # ---- phase 2: clients with the minority --------------------------------------------------------
+    if config.minority_clients:
+        moved = report.event("clients_moved", side="minority")
+        cluster.partition([minority, majority], host_side=0)
+        before = probe.states(minority)
+        time.sleep(config.hold_s)
+        after = probe.states(minority)
+        landed = [t for t in workload.successes("publisher") if t > moved.t + config.commit_grace_s]
+        report.check("minority_commits_nothing", not landed and bool(before) and before == after,
+                     f"{len(landed)} publishes committed via the minority" if landed else
+                     ("the minority did not answer the probe" if not before else
+                      "minority state changed while cut off" if before != after else
+                      f"no commit in {config.hold_s:.1f}s on the minority side"))
+
+    # ---- heal --------------------------------------------------------------------------------------
+    healed = report.event("healed")
+    cluster.heal()
+    report.info["cuts"] = {}
+    if wait_converged(probe, servers, config.settle_s) is not None:
+        report.event("converged")
+        report.measure("time_to_converge", healed, "converged")
+    t_after = workload.wait_success("publisher", after=healed.t, timeout=config.commit_limit_s)
+    check_within(report, "commits_after_heal", None if t_after is None else t_after - healed.t, config.commit_limit_s)
+    workload.stop()
+    # Judged again after the workload stopped: on a quiet cluster every server must hold the same.
+    final = wait_converged(probe, servers, config.settle_s) or probe.states(servers)
+    check_converged(report, final)
+    reference = next(iter(final.values()), {})
+    check_no_lost_commits(report, workload.committed(), lambda p: any(
+        v[0] == p.version for v in reference.get(p.model, {}).get("versions", [])))
+    check_monotonic_reads(report, workload)
+    check_loads_bit_exact(report, workload)
+    check_no_failed_loads(report, workload, allowed_kinds=config.allowed_load_errors)
