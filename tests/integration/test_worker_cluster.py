@@ -1,0 +1,381 @@
+"""The worker against a real 3-server cluster (real Raft, real gRPC, separate processes)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from chunking.diff import diff
+from chunking.hashing import crc32c
+from chunking.manifest import Manifest
+from chunking.synthetic import finetune
+from paramserver.client import ParamServerClient
+from paramserver.proto import pb, pb_grpc
+from paramserver.store import HEADER_SIZE, decode_header, encode_header
+from tests.integration.test_worker_harness import REPO, Cluster, make_cluster
+from worker.client import ClusterClient
+from worker.config import CacheConfig, ClusterClientConfig, PrefetchConfig
+from worker.errors import ChunkDataLoss, StaleRead
+from worker.loader import load, load_into, load_state_dict, start_load
+from worker.monotonic import Resolution
+from worker.swap import HotSwapper
+from worker.tiered_cache import TieredCache
+
+pytestmark = pytest.mark.integration
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = make_cluster(tmp_path_factory.mktemp("workercluster"))
+    try:
+        c.up()
+        yield c
+    finally:
+        c.down()
+
+
+@pytest.fixture()
+def client(cluster: Cluster) -> Iterator[ClusterClient]:
+    with ClusterClient(cluster.seed) as c:
+        yield c
+
+
+def mem_cache(mb: int = 256) -> TieredCache:
+    return TieredCache.from_config(CacheConfig(memory_bytes=mb * MiB))
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def assert_bit_exact(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    bad = [k for k in want if not same(got[k], want[k])]
+    assert not bad, f"tensors differ: {bad}"
+
+
+def mixed(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "enc.weight": torch.randn(513, 257, generator=g),  # float32, odd shape, spans chunks
+        "enc.bias": torch.randn(257, generator=g),
+        "half": torch.randn(3, 5, 7, generator=g).half(),
+        "bf16": torch.randn(300, 301, generator=g).bfloat16(),
+        "int8": torch.randint(-128, 127, (999,), generator=g, dtype=torch.int8),
+        "scalar": torch.tensor(3.25),
+        "empty": torch.empty(0, 7),
+        "unicodé.名前": torch.arange(10, dtype=torch.int64),
+    }
+
+
+def layers(n: int, rows: int = 256, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.weight": torch.randn(rows, 1024, generator=g) for i in range(n)}
+
+
+def test_load_by_tag_is_bit_exact(cluster: Cluster, client: ClusterClient) -> None:
+    sd = mixed()
+    cluster.push(sd, "mixed", tag="prod")
+    loaded = load(client, "mixed:prod")
+    assert_bit_exact(loaded.tensors, sd)
+    assert loaded.report.bytes_network == loaded.manifest.raw_bytes and loaded.report.version == 1
+    assert_bit_exact(load_state_dict(cluster.seed, "mixed@1"), sd)  # by exact version, from seed strings
+
+
+def test_load_into_meta_module(cluster: Cluster, client: ClusterClient) -> None:
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 4)).eval()
+    cluster.push(ref.state_dict(), "seq", tag="prod")
+    with torch.device("meta"):
+        module = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 4))
+    report = load_into(module, client, "seq:prod")
+    module.eval()
+    assert report.chunks >= 1
+    assert_bit_exact(module.state_dict(), ref.state_dict())
+    x = torch.randn(5, 16)
+    assert torch.equal(module(x), ref(x))
+
+
+def test_second_load_moves_zero_network_bytes(cluster: Cluster, client: ClusterClient) -> None:
+    sd = layers(8)
+    cluster.push(sd, "again", tag="prod")
+    cache = mem_cache()
+    first = load(client, "again:prod", cache=cache).report
+    before = dict(client.stats.by_server)
+    second = load(client, "again:prod", cache=cache)
+    assert first.bytes_network == second.report.bytes_total > 0
+    assert second.report.bytes_network == 0 and second.report.bytes_network_stored == 0
+    assert second.report.bytes_memory == second.report.bytes_total
+    assert client.stats.by_server == before  # not one chunk byte crossed the wire
+    assert_bit_exact(second.tensors, sd)
+
+
+def test_version_sharing_90_percent_fetches_only_the_rest(cluster: Cluster, client: ClusterClient) -> None:
+    base = layers(20, seed=1)
+    tuned = finetune(base, fraction=0.1, seed=2)
+    v1 = cluster.push(base, "tuned", tag="prod").version.number
+    v2 = cluster.push(tuned, "tuned", parent=v1).version.number
+    cache = mem_cache()
+    old = load(client, f"tuned@{v1}", cache=cache)
+    new = load(client, f"tuned@{v2}", cache=cache)
+    d = diff(old.manifest, new.manifest)
+    assert d.shared_fraction >= 0.85
+    assert new.report.bytes_network == d.added_bytes
+    assert new.report.bytes_memory == d.shared_bytes
+    assert_bit_exact(new.tensors, tuned)
+
+
+def test_hot_swap_fetches_only_changed_chunks_and_swaps_atomically(cluster: Cluster, client: ClusterClient) -> None:
+    base = layers(10, seed=5)
+    tuned = finetune(base, fraction=0.2, seed=6)
+    v1 = cluster.push(base, "swap", tag="live").version.number
+    swaps: list[int] = []
+    swapper = HotSwapper(client, "swap:live", "cpu", cache=None, on_swap=lambda new, old: swaps.append(new.info.number))
+    first = swapper.start()
+    assert swapper.check() is None  # tag did not move
+    v2 = cluster.push(tuned, "swap", parent=v1, tag="live").version.number
+    old_tensors = swapper.current.tensors
+    new = swapper.check()
+    assert new is not None and new.info.number == v2 and swaps == [v1, v2]
+    d = diff(first.manifest, new.manifest)
+    assert new.report.bytes_network == d.added_bytes and new.report.bytes_local == d.shared_bytes
+    assert_bit_exact(swapper.current.tensors, tuned)
+    assert_bit_exact(old_tensors, base)  # the old version was never written to
+
+
+def test_server_killed_mid_load_does_not_fail_it(cluster: Cluster) -> None:
+    sd = layers(24, rows=512, seed=7)  # 48 MiB
+    cluster.push(sd, "big", tag="prod")
+    victim = "ps2"
+    config = ClusterClientConfig(chunks_per_call=4, max_streams=2)
+    with ClusterClient(cluster.seed, config=config) as c:
+        c.refresh()
+        killer: list[threading.Thread] = []
+        landed = [0]
+
+        def progress(n: int) -> None:
+            landed[0] += n
+            if landed[0] > 8 * MiB and not killer:
+                killer.append(threading.Thread(target=cluster.kill, args=(victim,)))
+                killer[0].start()
+
+        try:
+            handle = start_load(c, "big:prod", "cpu", None, on_progress=progress)
+            tensors, report = handle.result(timeout=120)
+            assert killer, "the load ended before the kill"
+            assert_bit_exact(tensors, sd)
+            assert report.bytes_network == report.bytes_total
+            assert report.failovers > 0  # calls to the dead server were re-planned onto live replicas
+            served = c.stats.by_server
+            assert served.get(victim, 0) < report.bytes_network  # the others took over its share
+        finally:
+            for t in killer:
+                t.join(30)
+            cluster.restart(victim)
+
+
+def _rewrite_stored(path: Path, flip_at: int, fix_crc: bool) -> None:
+    blob = bytearray(path.read_bytes())
+    codec, raw_size, stored_size, crc = decode_header(bytes(blob[:HEADER_SIZE]))
+    data = bytearray(blob[HEADER_SIZE:])
+    data[flip_at % len(data)] ^= 0x5A
+    if fix_crc:  # the server's own CRC check passes: only the worker's check against the manifest can catch it
+        crc = crc32c(bytes(data))
+    path.write_bytes(encode_header(codec, raw_size, stored_size, crc) + bytes(data))
+
+
+def test_corrupt_replica_is_detected_read_elsewhere_and_reported(cluster: Cluster) -> None:
+    sd = layers(4, seed=9)
+    cluster.push(sd, "corrupt", tag="prod")
+    config = ClusterClientConfig(down_backoff_s=120)
+    with ClusterClient(cluster.seed, config=config) as c:
+        info = c.resolve("corrupt", "prod")
+        manifest: Manifest = c.manifest(info.manifest_id)
+        victim_chunk = manifest.chunks[2].id
+        replicas = c.replicas(victim_chunk)
+        bad = replicas[0]
+        _rewrite_stored(cluster.chunk_path(bad, victim_chunk), 1000, fix_crc=True)
+        for other in replicas[1:]:
+            c.selector.mark_down(other)  # steer every read to the bad replica first
+        loaded = load(c, "corrupt:prod")
+        assert_bit_exact(loaded.tensors, sd)
+        assert loaded.report.corrupt_reports >= 1 and loaded.report.failovers >= 1
+        deadline = time.monotonic() + 10
+        quarantined = 0
+        with ParamServerClient(cluster.slot(bad).grpc) as ps:
+            while time.monotonic() < deadline:
+                quarantined = ps.server_status().quarantined
+                if quarantined:
+                    break
+                time.sleep(0.1)
+        assert quarantined >= 1, "the bad replica was not reported (ReportCorrupt makes it quarantine the chunk)"
+        assert c.corrupt_reports_sent >= 1
+
+
+def test_data_loss_on_every_replica_names_the_chunk(cluster: Cluster, client: ClusterClient) -> None:
+    sd = layers(3, seed=11)
+    cluster.push(sd, "lost", tag="prod")
+    info = client.resolve("lost", "prod")
+    victim = client.manifest(info.manifest_id).chunks[1].id
+    for sid in client.replicas(victim):
+        _rewrite_stored(cluster.chunk_path(sid, victim), 7, fix_crc=False)
+    with pytest.raises(ChunkDataLoss, match=victim) as err:
+        load(client, "lost:prod")
+    assert "DATA_LOSS" in str(err.value) and "re-push" in str(err.value)
+
+
+class StaleServer(pb_grpc.ParamServerServicer):
+    """A server stuck in the past: answers ResolveTag with an old resolution, nothing else."""
+
+    def __init__(self, reply: pb.VersionReply) -> None:
+        self.reply = reply
+        self.asked = 0
+
+    def ResolveTag(self, request: pb.ResolveTagRequest, context: grpc.ServicerContext) -> pb.VersionReply:  # noqa: N802
+        self.asked += 1
+        return self.reply
+
+
+@pytest.fixture()
+def stale_server() -> Iterator[tuple[str, StaleServer]]:
+    servicer = StaleServer(pb.VersionReply())
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_ParamServerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}", servicer
+    finally:
+        server.stop(0)
+
+
+def test_stale_server_cannot_roll_the_worker_back(cluster: Cluster, stale_server: tuple[str, StaleServer], tmp_path: Path) -> None:
+    fake, servicer = stale_server
+    old_sd, new_sd = layers(2, seed=20), layers(2, seed=21)
+    v1 = cluster.push(old_sd, "mono", tag="stable").version.number
+    with ParamServerClient(cluster.addresses[0]) as ps:
+        servicer.reply = ps.resolve_tag("mono", "stable")  # what a lagging server will keep saying
+    cluster.push(new_sd, "mono", parent=v1, tag="stable")
+    memory = str(tmp_path / "seen.json")
+    with ClusterClient(cluster.seed, config=ClusterClientConfig(monotonic_path=memory)) as fresh:
+        assert fresh.resolve("mono", "stable").number == v1 + 1
+    # A restarted worker whose nearest server is stale: the old answer is refused, the next server asked.
+    with ClusterClient([fake, *cluster.addresses], config=ClusterClientConfig(monotonic_path=memory)) as c:
+        got = load_state_dict(c, "mono:stable")
+        assert servicer.asked >= 1
+        assert_bit_exact(got, new_sd)
+    # Only the stale server reachable: a clear staleness error, never the old version.
+    with ClusterClient([fake], config=ClusterClientConfig(monotonic_path=memory)) as c:
+        with pytest.raises(StaleRead, match="older"):
+            c.resolve("mono", "stable")
+    # Feeding a resolution with an older clock than one remembered is refused by every real server too.
+    with ClusterClient(cluster.seed) as c:
+        c.monotonic.remember(Resolution("mono", "stable", 99, "0" * 64, {"tests": 10_000}, 10**9, "future"))
+        with pytest.raises(StaleRead):
+            c.resolve("mono", "stable")
+
+
+def test_deliberate_rollback_is_followed(cluster: Cluster, client: ClusterClient) -> None:
+    v1 = cluster.push(layers(1, seed=30), "rb", tag="prod").version.number
+    cluster.push(layers(1, seed=31), "rb", parent=v1, tag="prod")
+    assert client.resolve("rb", "prod").number == v1 + 1
+    cluster.rollback_tag("rb", "prod")
+    assert client.resolve("rb", "prod").number == v1  # a later commit proves it is a rollback, not staleness
+    with ClusterClient(cluster.seed, config=ClusterClientConfig(allow_rollback=False)) as strict:
+        strict.monotonic.remember(Resolution("rb", "prod", v1 + 1, "0" * 64, {"tests": 10_000}, 0, "x"))
+        with pytest.raises(StaleRead):
+            strict.resolve("rb", "prod")
+
+
+def test_heat_is_reported_and_served(cluster: Cluster, client: ClusterClient) -> None:
+    cluster.push(layers(4, seed=40), "heat", tag="prod")
+    loaded = load(client, "heat:prod", config=PrefetchConfig(use_heatmap=True))
+    entries = client.get_heat("heat", loaded.info.number)
+    assert entries is not None
+    assert {i for i, _, _ in entries} == set(range(len(loaded.manifest.chunks)))
+
+
+def test_cli_load_prints_tiers(cluster: Cluster) -> None:
+    cluster.push(layers(4, seed=50), "cli", tag="prod")
+    out = subprocess.run(
+        [sys.executable, "-m", "worker", "load", "cli:prod", "--cluster", cluster.seed, "--device", "cpu",
+         "--cache-mb", "64", "--repeat", "2", "--json"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    first, second = (json.loads(line) for line in out.stdout.strip().splitlines())
+    assert first["bytes_network"] == first["bytes_total"] > 0
+    assert second["bytes_network"] == 0 and second["bytes_memory"] == second["bytes_total"]
+    bad = subprocess.run([sys.executable, "-m", "worker", "load", "nope", "--cluster", cluster.seed],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "MODEL:TAG" in bad.stderr
+
+
+def small_net() -> torch.nn.Module:
+    """Factory for the serve test (built on the meta device by paramworker serve)."""
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def _post(address: str, body: object) -> dict[str, object]:
+    req = urllib.request.Request(f"http://{address}/infer", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())  # type: ignore[no-any-return]
+
+
+def test_serve_answers_and_follows_tag(cluster: Cluster) -> None:
+    torch.manual_seed(1)
+    a, b = small_net(), small_net()
+    v1 = cluster.push(a.state_dict(), "net", tag="prod").version.number
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker", "serve", "--model", "net:prod", "--factory",
+         "tests.integration.test_worker_cluster:small_net", "--cluster", cluster.seed, "--listen", "127.0.0.1:0",
+         "--poll-s", "0.2", "--device", "cpu", "--cache-mb", "16"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("LISTENING"), line + proc.stdout.read()[-2000:] if proc.poll() is not None else line
+        address = line.split()[1]
+        x = [[1.0, 2.0, 3.0, 4.0], [0.5, -1.0, 0.0, 2.0]]
+        with torch.no_grad():
+            want_a, want_b = a(torch.tensor(x)).tolist(), b(torch.tensor(x)).tolist()
+        got = _post(address, {"input": x})
+        assert got["output"] == want_a and got["version"] == v1
+        cluster.push(b.state_dict(), "net", parent=v1, tag="prod")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            got = _post(address, x)
+            if got["version"] != v1:
+                break
+            time.sleep(0.1)
+        assert got["version"] == v1 + 1 and got["output"] == want_b
+        with urllib.request.urlopen(f"http://{address}/healthz", timeout=5) as r:
+            health = json.loads(r.read())
+        assert health["swaps"] == 1 and health["version"] == v1 + 1
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_help_documents_options() -> None:
+    out = subprocess.run([sys.executable, "-m", "worker", "serve", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    for opt in ("--model", "--factory", "--listen", "--cluster", "--token", "--device", "--cache-mb", "--disk-cache", "default"):
+        assert opt in out.stdout

@@ -1,0 +1,174 @@
+"""Pure parts of the cluster client: monotonic reads, replica choice, model references."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from worker.errors import BadModelRef, StaleRead
+from worker.loader import ModelRef
+from worker.monotonic import MonotonicReads, Order, Resolution, compare_clocks, judge
+from worker.replicas import ReplicaSelector, Want, batches
+
+
+def res(version: int, clock: dict[str, int], commit: int, server: str = "s") -> Resolution:
+    return Resolution("m", "prod", version, f"{version:064x}", clock, commit, server)
+
+
+class TestClocks:
+    def test_orders(self) -> None:
+        assert compare_clocks({"a": 2}, {"a": 1}) is Order.AFTER
+        assert compare_clocks({"a": 1}, {"a": 2}) is Order.BEFORE
+        assert compare_clocks({"a": 1, "b": 0}, {"a": 1}) is Order.EQUAL
+        assert compare_clocks({"a": 2}, {"b": 1}) is Order.CONCURRENT
+        assert compare_clocks({"a": 1, "b": 1}, {"a": 1}) is Order.AFTER
+
+
+class TestJudge:
+    def test_first_and_newer_accepted(self) -> None:
+        assert judge(None, res(1, {"p": 1}, 5)).accepted
+        assert judge(res(1, {"p": 1}, 5), res(2, {"p": 2}, 9)).accepted
+        assert judge(res(2, {"p": 2}, 9), res(2, {"p": 2}, 9)).accepted
+
+    def test_older_from_stale_server_refused(self) -> None:
+        v = judge(res(2, {"p": 2}, 9), res(1, {"p": 1}, 5, server="ps3"))
+        assert not v.accepted
+        assert "ps3" in v.reason and "v1" in v.reason and "v2" in v.reason
+
+    def test_older_with_same_commit_index_refused(self) -> None:
+        assert not judge(res(2, {"p": 2}, 9), res(1, {"p": 1}, 9)).accepted
+
+    def test_rollback_proven_by_later_commit_accepted_unless_disabled(self) -> None:
+        seen, back = res(2, {"p": 2}, 9), res(1, {"p": 1}, 12)
+        assert judge(seen, back).accepted
+        assert not judge(seen, back, allow_rollback=False).accepted
+
+    def test_concurrent_refused_without_fresher_commit(self) -> None:
+        assert not judge(res(2, {"a": 2}, 9), res(3, {"b": 1}, 8)).accepted
+
+    def test_no_clocks_falls_back_to_version_numbers(self) -> None:
+        assert judge(res(2, {}, 0), res(3, {}, 0)).accepted
+        assert not judge(res(3, {}, 0), res(2, {}, 0)).accepted
+
+
+class TestMonotonicReads:
+    def test_accept_then_refuse_and_persist(self, tmp_path: Path) -> None:
+        path = tmp_path / "seen.json"
+        mem = MonotonicReads(path)
+        mem.accept(res(2, {"p": 2}, 9))
+        with pytest.raises(StaleRead, match="older than"):
+            mem.accept(res(1, {"p": 1}, 3))
+        again = MonotonicReads(path)  # a restarted worker remembers
+        assert again.seen("m", "prod") == res(2, {"p": 2}, 9)
+        with pytest.raises(StaleRead):
+            again.accept(res(1, {"p": 1}, 3))
+
+    def test_same_version_from_lagging_server_keeps_highest_commit_index(self) -> None:
+        mem = MonotonicReads()
+        mem.accept(res(2, {"p": 2}, 9))
+        mem.accept(res(2, {"p": 2}, 4))
+        seen = mem.seen("m", "prod")
+        assert seen is not None and seen.commit_index == 9
+        # A rollback must still be proven against commit index 9, not 4.
+        with pytest.raises(StaleRead):
+            mem.accept(res(1, {"p": 1}, 6))
+
+    def test_unreadable_file_says_what_to_do(self, tmp_path: Path) -> None:
+        path = tmp_path / "bad.json"
+        path.write_text("{nope")
+        with pytest.raises(StaleRead, match="delete it"):
+            MonotonicReads(path)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class TestReplicaSelector:
+    def test_equal_servers_share_bytes_evenly(self) -> None:
+        sel = ReplicaSelector()
+        plan = sel.plan([Want(f"c{i}", 100, ["a", "b", "c"]) for i in range(300)])
+        assert sorted(len(v) for v in plan.values()) == [100, 100, 100]
+
+    def test_faster_server_gets_more(self) -> None:
+        sel = ReplicaSelector(alpha=1.0)
+        sel.observe("a", 300, 1.0)
+        sel.observe("b", 100, 1.0)
+        plan = sel.plan([Want(f"c{i}", 10, ["a", "b"]) for i in range(400)])
+        assert len(plan["a"]) == 300 and len(plan["b"]) == 100
+
+    def test_moving_average(self) -> None:
+        sel = ReplicaSelector(alpha=0.5)
+        sel.observe("a", 100, 1.0)
+        sel.observe("a", 300, 1.0)
+        assert sel.rate("a") == pytest.approx(200)
+
+    def test_down_server_avoided_unless_only_candidate(self) -> None:
+        clock = FakeClock()
+        sel = ReplicaSelector(down_backoff_s=5, clock=clock)
+        sel.mark_down("a")
+        plan = sel.plan([Want("x", 1, ["a", "b"]), Want("y", 1, ["a"])])
+        assert plan == {"b": ["x"], "a": ["y"]}
+        clock.now = 6.0  # backoff over: a is a candidate again
+        assert not sel.is_down("a")
+
+    def test_success_clears_down_mark(self) -> None:
+        sel = ReplicaSelector(down_backoff_s=100)
+        sel.mark_down("a")
+        sel.observe("a", 10, 0.1)
+        assert not sel.is_down("a")
+
+    def test_plan_keeps_order_and_skips_chunks_without_candidates(self) -> None:
+        sel = ReplicaSelector()
+        plan = sel.plan([Want("1", 1, ["a"]), Want("2", 1, []), Want("3", 1, ["a"])])
+        assert plan == {"a": ["1", "3"]}
+
+    def test_batches(self) -> None:
+        assert batches(list("abcde"), 2) == [["a", "b"], ["c", "d"], ["e"]]
+
+
+class TestModelRef:
+    def test_parse(self) -> None:
+        assert ModelRef.parse("resnet50:prod") == ModelRef("resnet50", "prod", None)
+        assert ModelRef.parse("resnet50@3") == ModelRef("resnet50", None, 3)
+        assert ModelRef.parse("m:v3") == ModelRef("m", "v3", None)
+        assert str(ModelRef.parse("m@12")) == "m@12"
+
+    @pytest.mark.parametrize("bad", ["", "m", "m:", "m@", "m@0", "m@x", "m:a:b", "a b:c", ":tag"])
+    def test_refuses_bad(self, bad: str) -> None:
+        with pytest.raises(BadModelRef, match="MODEL:TAG"):
+            ModelRef.parse(bad)
+
+
+def test_client_ring_matches_the_servers_placement() -> None:
+    """The worker must find chunks where the servers put them: same members -> same replicas."""
+    import hashlib
+
+    from consensus.records import MemberRecord
+    from paramserver.cluster import PeerSet
+    from paramserver.proto import pb
+    from paramserver.ring import RingConfig
+    from worker.client import ClusterClient
+
+    records = [MemberRecord(f"ps{i}", f"127.0.0.1:{7000 + i}", f"127.0.0.1:{7100 + i}", "up", f"z{i % 2}") for i in range(5)]
+    records.append(MemberRecord("gone", "127.0.0.1:7999", "127.0.0.1:7998", "leaving", "z0"))
+    info = pb.ClusterInfoReply(
+        server_id="ps0", leader_id="ps0", term=3,
+        members=[pb.Member(server_id=m.server_id, grpc_address=m.grpc_address, raft_address=m.raft_address,
+                           state=m.state, zone=m.zone) for m in records],
+        ring=pb.RingParams(vnodes=128, replication_factor=3, write_quorum=2, hash="blake3"),
+    )
+    client = ClusterClient("127.0.0.1:1")
+    try:
+        client._apply_info(info)
+        peers = PeerSet("ps0", lambda: records, ring_config=RingConfig(vnodes=128), replication_factor=3)
+        for i in range(300):
+            cid = hashlib.sha256(str(i).encode()).hexdigest()
+            assert client.replicas(cid) == peers.ring().replicas(cid, 3)
+            assert "gone" not in client.replicas(cid)
+    finally:
+        client.close()

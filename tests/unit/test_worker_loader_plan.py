@@ -1,0 +1,169 @@
+"""Load planning without a network: cache tiers first, heatmap order, readiness, reuse of old tensors."""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from chunking.codec import decode_chunk
+from chunking.diff import diff
+from chunking.manifest import ChunkRef
+from chunking.pack import pack
+from chunking.synthetic import finetune
+from worker.client import FetchStats
+from worker.config import CacheConfig, PrefetchConfig
+from worker.errors import TensorFailed
+from worker.heatmap import HeatReport
+from worker.loader import empty_targets
+from worker.prefetch import Prefetcher, unique_order
+from worker.swap import tensor_source
+from worker.tiered_cache import TieredCache
+
+
+class FakeClient:
+    """Serves stored chunks from a dict, verifying them the way ClusterClient does."""
+
+    def __init__(self, stored: dict[str, bytes]) -> None:
+        self.stored = stored
+        self.asked: list[str] = []
+
+    def fetch(self, refs: Sequence[ChunkRef], on_chunk: Callable[..., None], *, algorithm: str = "blake3",
+              tensors_of: object = None) -> FetchStats:
+        stats = FetchStats()
+        for ref in refs:
+            self.asked.append(ref.id)
+            on_chunk(ref, decode_chunk(ref, self.stored[ref.id], algorithm=algorithm), "fake")
+            stats.chunks += 1
+        return stats
+
+
+def model(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        **{f"layer{i}.weight": torch.randn(256, 300, generator=g) for i in range(10)},
+        "half": torch.randn(77, 3, generator=g).half(),
+        "bf": torch.randn(1025, generator=g).bfloat16(),
+        "int8": torch.randint(-128, 127, (13, 11), generator=g, dtype=torch.int8),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 4),
+    }
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def run(packed, cache=None, heat=None, local=None, client=None):  # type: ignore[no-untyped-def]
+    targets = empty_targets(packed.manifest, torch.device("cpu"))
+    client = client if client is not None else FakeClient(packed.source())
+    p = Prefetcher(packed.manifest, targets, client=client, cache=cache, heat=heat, local=local)
+    counters = p.run()
+    return targets, counters, client, p
+
+
+def test_network_load_is_bit_exact_and_fills_the_cache() -> None:
+    sd = model()
+    packed = pack(sd, model="m")
+    cache = TieredCache.from_config(CacheConfig(memory_bytes=64 << 20))
+    targets, counters, _, _ = run(packed, cache)
+    assert all(same(targets[k], v) for k, v in sd.items())
+    assert counters.bytes["network"] == packed.manifest.raw_bytes
+    again, counters2, client2, _ = run(packed, cache, client=FakeClient({}))
+    assert all(same(again[k], v) for k, v in sd.items())
+    assert counters2.bytes["network"] == 0 and client2.asked == []
+    assert counters2.bytes["memory"] == packed.manifest.raw_bytes
+
+
+def test_disk_tier_serves_after_memory_is_gone(tmp_path: Path) -> None:
+    sd = model()
+    packed = pack(sd, model="m")
+    cfg = CacheConfig(memory_bytes=64 << 20, disk_dir=str(tmp_path), disk_bytes=64 << 20, disk_fsync=False)
+    run(packed, TieredCache.from_config(cfg))
+    fresh = TieredCache.from_config(cfg)  # a restarted worker: empty memory, same disk
+    targets, counters, client, _ = run(packed, fresh, client=FakeClient({}))
+    assert all(same(targets[k], v) for k, v in sd.items())
+    assert counters.bytes["disk"] == packed.manifest.raw_bytes and client.asked == []
+
+
+def test_heatmap_order_is_the_fetch_order() -> None:
+    packed = pack(model(), model="m")
+    n = len(packed.manifest.chunks)
+    order = list(reversed(range(n)))
+    heat = HeatReport.from_entries("m", 1, [(i, 1, rank) for rank, i in enumerate(order)])
+    assert [r.index for r in unique_order(packed.manifest, heat)][:3] == order[:3]
+    _, _, client, _ = run(packed, heat=heat)
+    assert client.asked[0] == packed.manifest.chunks[order[0]].id
+
+
+def test_tensor_ready_before_the_load_ends() -> None:
+    packed = pack(model(), model="m")
+    first = packed.manifest.chunks[0]
+    name0 = packed.manifest.tensors_of_chunk(0)[0]
+    seen: dict[str, bool] = {}
+    gate = threading.Event()
+
+    class Slow(FakeClient):
+        def fetch(self, refs, on_chunk, **kw):  # type: ignore[no-untyped-def]
+            on_chunk(refs[0], decode_chunk(refs[0], self.stored[refs[0].id]), "fake")
+            gate.wait(5)
+            return super().fetch(refs[1:], on_chunk, **kw)
+
+    targets = empty_targets(packed.manifest, torch.device("cpu"))
+    p = Prefetcher(packed.manifest, targets, client=Slow(packed.source()))
+    t = threading.Thread(target=p.run)
+    t.start()
+    p.readiness.wait(name0, timeout=5)
+    seen["early"] = not p.readiness.is_ready(packed.manifest.tensors_of_chunk(len(packed.manifest.chunks) - 1)[-1])
+    gate.set()
+    t.join(10)
+    assert first.index == 0 and seen["early"]
+    assert p.counters.first_tensor_s is not None
+
+
+def test_corrupt_bytes_never_reach_a_ready_tensor() -> None:
+    packed = pack(model(), model="m")
+    stored = packed.source()
+    victim = packed.manifest.chunks[3]
+    bad = bytearray(stored[victim.id])
+    bad[100] ^= 0xFF
+    stored[victim.id] = bytes(bad)
+    targets = empty_targets(packed.manifest, torch.device("cpu"))
+    p = Prefetcher(packed.manifest, targets, client=FakeClient(stored))
+    with pytest.raises(Exception, match="corrupt"):
+        p.run()
+    with pytest.raises(TensorFailed):
+        p.readiness.wait(packed.manifest.tensors_of_chunk(victim.index)[0], timeout=1)
+
+
+def test_swap_reuses_unchanged_chunks_from_old_tensors() -> None:
+    old_sd = model()
+    new_sd = finetune(old_sd, fraction=0.1, seed=3)
+    old = pack(old_sd, model="m")
+    new = pack(new_sd, model="m", previous=old.manifest)
+    old_targets, _, _, _ = run(old)
+    d = diff(old.manifest, new.manifest)
+    shared = set(d.shared)
+    src = tensor_source(old.manifest, old_targets)
+    client = FakeClient(new.source())
+    targets, counters, _, _ = run(new, local=lambda r: src(r) if r.id in shared else None, client=client)
+    assert all(same(targets[k], v) for k, v in new_sd.items())
+    assert set(client.asked) == set(d.added)
+    assert counters.bytes["network"] == d.added_bytes and counters.bytes["local"] == d.shared_bytes
+
+
+def test_tensor_source_refuses_modified_tensors() -> None:
+    packed = pack(model(), model="m")
+    targets, _, _, _ = run(packed)
+    src = tensor_source(packed.manifest, targets)
+    ref = packed.manifest.chunks[0]
+    assert src(ref) is not None
+    targets[packed.manifest.tensors_of_chunk(0)[0]].view(-1)[0] += 1
+    assert src(ref) is None
+
+
+def test_prefetch_config_validates() -> None:
+    with pytest.raises(ValueError, match="max_streams_in_flight"):
+        PrefetchConfig(max_streams_in_flight=0).validate()

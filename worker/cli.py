@@ -1,0 +1,148 @@
+"""``paramworker``: load a model version from the cluster, or serve it and follow its tag.
+
+    paramworker load MODEL:TAG --cluster HOST:PORT[,HOST:PORT] [--device cuda:0]
+    paramworker serve --model MODEL:TAG --factory package.module:function --cluster HOST:PORT
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from worker.config import MIB, CacheConfig, ClusterClientConfig, PrefetchConfig
+from worker.errors import WorkerError
+
+ENV_TOKEN = "PARAMS_READ_TOKEN"
+ENV_CLUSTER = "PARAMS_CLUSTER"
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster", default=os.environ.get(ENV_CLUSTER),
+                   help=f"any member's gRPC address(es), comma-separated (default: ${ENV_CLUSTER})")
+    p.add_argument("--token", default=None, help=f"read token (default: ${ENV_TOKEN}; none when unset)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto = cuda:0 when CUDA is present (default auto)")
+    p.add_argument("--cache-mb", type=int, default=4096, help="memory tier (LRU-K) budget in MiB, 0 disables it (default 4096)")
+    p.add_argument("--cache-k", type=int, default=2, help="K of LRU-K (default 2)")
+    p.add_argument("--disk-cache", default=None, metavar="DIR", help="directory of the disk tier (default: no disk tier)")
+    p.add_argument("--disk-cache-mb", type=int, default=16384, help="disk tier budget in MiB (default 16384)")
+    p.add_argument("--streams", type=int, default=4, help="GetChunks streams in flight (default 4)")
+    p.add_argument("--chunks-per-call", type=int, default=64, help="chunk ids per GetChunks call (default 64)")
+    p.add_argument("--no-heatmap", action="store_true", help="fetch in manifest order, ignoring the servers' heatmap")
+    p.add_argument("--monotonic-file", default=None, metavar="FILE",
+                   help="persist the newest tag resolutions seen, so a restart cannot be rolled back (default: memory only)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="paramworker",
+        description="GPU worker for the parameter-server cluster: load model weights by tag, or serve a model that follows its tag.",
+        epilog="A model reference is MODEL:TAG (e.g. resnet50:prod) or MODEL@N for the exact version N (e.g. resnet50@3).",
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+    load = sub.add_parser("load", help="load a model version, print a progress bar and a summary",
+                          description="Load MODEL:TAG or MODEL@N into memory (GPU when present) and print where the bytes came from.")
+    load.add_argument("model", help="MODEL:TAG or MODEL@N")
+    _common(load)
+    load.add_argument("--repeat", type=int, default=1, help="load this many times in one process (shows the cache tiers; default 1)")
+    load.add_argument("--json", action="store_true", help="print the summary as JSON lines instead of text")
+    load.add_argument("--no-progress", action="store_true", help="no progress bar")
+    serve = sub.add_parser("serve", help="keep a module loaded, follow tag moves, answer inference over HTTP",
+                           description="Serve MODEL:TAG: POST /infer with a JSON list, GET /healthz. Tag moves are hot-swapped.")
+    serve.add_argument("--model", required=True, help="MODEL:TAG (followed) or MODEL@N (fixed)")
+    serve.add_argument("--factory", required=True, help="package.module:function returning the nn.Module (built on the meta device)")
+    serve.add_argument("--listen", default="127.0.0.1:8080", help="HTTP HOST:PORT, port 0 picks a free one (default 127.0.0.1:8080)")
+    serve.add_argument("--poll-s", type=float, default=2.0, help="seconds between tag checks, 0 = never (default 2.0)")
+    _common(serve)
+    return p
+
+
+def _setup(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from worker.client import ClusterClient
+    from worker.tiered_cache import TieredCache
+
+    if not args.cluster:
+        raise WorkerError(f"no cluster address: pass --cluster HOST:PORT or set {ENV_CLUSTER}")
+    token = args.token if args.token is not None else os.environ.get(ENV_TOKEN)
+    client_config = ClusterClientConfig(token=token, max_streams=args.streams, chunks_per_call=args.chunks_per_call,
+                                        monotonic_path=args.monotonic_file)
+    client = ClusterClient(args.cluster, config=client_config)
+    cache_config = CacheConfig(
+        memory_bytes=args.cache_mb * MIB, k=args.cache_k, disk_dir=args.disk_cache,
+        disk_bytes=args.disk_cache_mb * MIB if args.disk_cache else 0,
+        # The disk tier is a cache verified on every read; fsync per chunk would halve cold loads.
+        disk_fsync=False,
+    )
+    cache = TieredCache.from_config(cache_config) if (args.cache_mb > 0 or args.disk_cache) else None
+    prefetch = PrefetchConfig(max_streams_in_flight=args.streams, chunks_per_stream=args.chunks_per_call,
+                              use_heatmap=not args.no_heatmap)
+    return client, cache, prefetch
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    from worker.loader import ModelRef, resolve_device, resolve_ref, start_load
+
+    console = Console(stderr=True)
+    ref = ModelRef.parse(args.model)
+    client, cache, prefetch = _setup(args)
+    try:
+        device = resolve_device(args.device)
+        for _ in range(max(1, args.repeat)):
+            info = resolve_ref(client, ref)
+            manifest = client.manifest(info.manifest_id)
+            total = manifest.raw_bytes
+            with Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                          TimeRemainingColumn(), console=console, disable=args.no_progress or args.json, transient=False) as bar:
+                task = bar.add_task(f"{info.model} v{info.number}", total=total)
+                handle = start_load(client, ref, device, cache, config=prefetch, info=info, manifest=manifest,
+                                    on_progress=lambda n: bar.advance(task, n))
+                _tensors, report = handle.result()
+            if args.json:
+                print(json.dumps(report.to_dict(), sort_keys=True))
+            else:
+                print(report.summary())
+    finally:
+        client.close()
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from worker.serve import ModelServer, load_factory
+
+    factory = load_factory(args.factory)
+    client, cache, prefetch = _setup(args)
+    server = ModelServer(client, args.model, factory, args.device, cache, prefetch)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        address = server.start(args.listen, args.poll_s)
+        _module, loaded = server.snapshot()
+        print(f"LISTENING {address} serving {loaded.info.model} v{loaded.info.number}", flush=True)
+        print(loaded.report.summary(), flush=True)
+        stop.wait()
+    finally:
+        server.stop()
+        client.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return cmd_load(args) if args.cmd == "load" else cmd_serve(args)
+    except WorkerError as exc:
+        print(f"paramworker: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

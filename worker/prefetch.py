@@ -1,0 +1,334 @@
+"""Fill a model's destination tensors: cache tiers first, then coalesced streams from the cluster.
+
+Chunks are taken in heatmap order when the servers have a heatmap for the version (else manifest
+order). Each verified chunk is written straight into its destination tensors: on CPU by one copy
+from the received (or cached) bytes into the tensor's memory; on CUDA through the reused pinned
+staging pool and a ``non_blocking`` copy on a side stream. ``TensorReadiness`` marks each tensor
+usable as soon as its own chunks have landed. Chunks fetched from the network fill the cache.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from chunking.codec import as_u8
+from chunking.hashing import Buffer
+from chunking.manifest import ChunkRef, Manifest
+from worker.config import PrefetchConfig
+from worker.heatmap import HeatmapRecorder, HeatReport, prefetch_order
+from worker.readiness import TensorReadiness
+from worker.staging import COMPLETED, Copier, StagingPool, byte_view
+from worker.tiered_cache import TieredCache
+
+# A local source of raw chunk bytes (e.g. the tensors of the version being replaced); it must
+# return only bytes it has verified against the chunk id, or None.
+LocalSource = Callable[[ChunkRef], Buffer | None]
+
+TIERS = ("network", "memory", "disk", "local")
+HIT_THREADS = max(1, min(4, os.cpu_count() or 1))
+HIT_BLOCK = 8  # chunks a hit-copying thread takes at a time (keeps the fetch order roughly)
+
+
+@dataclass
+class LoadCounters:
+    """Bytes and chunks per source. ``bytes`` are raw (decoded) bytes written into tensors;
+    ``network_stored_bytes`` are the bytes that crossed the wire."""
+
+    bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    chunks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    network_stored_bytes: int = 0
+    failovers: int = 0
+    corrupt_reports: int = 0
+    first_tensor_s: float | None = None
+
+
+class ChunkWriter:
+    """Writes verified raw chunk bytes into the destination tensors of one manifest. Thread-safe."""
+
+    def __init__(self, manifest: Manifest, targets: Mapping[str, torch.Tensor], readiness: TensorReadiness,
+                 config: PrefetchConfig, pool: StagingPool | None = None) -> None:
+        self.manifest = manifest
+        self.readiness = readiness
+        self.config = config
+        self._plan = manifest.plan
+        self._cpu: list[np.ndarray | None] = []
+        self._dev: list[torch.Tensor | None] = []
+        cuda = False
+        for entry in manifest.tensors:
+            u8 = byte_view(targets[entry.name].detach())
+            if u8.device.type == "cpu":
+                self._cpu.append(u8.numpy())
+                self._dev.append(None)
+            else:
+                cuda = True
+                self._cpu.append(None)
+                self._dev.append(u8)
+        self.pool = pool
+        self.copier: Copier | None = None
+        if cuda:
+            device = next(t.device for t in self._dev if t is not None)
+            self.pool = pool or StagingPool.from_config(config)
+            self.copier = Copier(device)
+
+    def write(self, index: int, raw: Buffer) -> None:
+        src = as_u8(raw)
+        if len(src) != self._plan.raw_sizes[index]:
+            raise ValueError(f"chunk #{index} is {len(src)} bytes; the manifest says {self._plan.raw_sizes[index]}")
+        segs = self._plan.segments[index]
+        fence = COMPLETED
+        if self.copier is not None and any(self._dev[s.tensor] is not None for s in segs):
+            assert self.pool is not None
+            buf = self.pool.acquire(self.config.acquire_timeout_s)
+            try:
+                buf.write(0, src)
+            except BaseException:
+                buf.release()
+                raise
+            copies = []
+            for s in segs:
+                dev = self._dev[s.tensor]
+                if dev is not None:
+                    copies.append((s.chunk_offset, dev[s.tensor_offset : s.tensor_offset + s.length]))
+                else:
+                    cpu = self._cpu[s.tensor]
+                    assert cpu is not None
+                    cpu[s.tensor_offset : s.tensor_offset + s.length] = src[s.chunk_offset : s.chunk_offset + s.length]
+            fence = self.copier.copy_from(buf, copies)
+        else:
+            for s in segs:
+                cpu = self._cpu[s.tensor]
+                assert cpu is not None
+                cpu[s.tensor_offset : s.tensor_offset + s.length] = src[s.chunk_offset : s.chunk_offset + s.length]
+        self.readiness.mark_landed(index, fence)
+
+    def synchronize(self) -> None:
+        if self.copier is not None:
+            self.copier.synchronize()
+
+
+def unique_order(manifest: Manifest, heat: HeatReport | None) -> list[ChunkRef]:
+    """Distinct chunks in fetch order: the heatmap's first, then manifest order."""
+    seen: set[str] = set()
+    out: list[ChunkRef] = []
+    for index in prefetch_order(heat, range(len(manifest.chunks))):
+        ref = manifest.chunks[index]
+        if ref.id not in seen:
+            seen.add(ref.id)
+            out.append(ref)
+    return out
+
+
+class Prefetcher:
+    """One load of one manifest into ``targets``. ``run()`` blocks until every chunk landed (or raises)."""
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        targets: Mapping[str, torch.Tensor],
+        *,
+        client: Any | None = None,  # worker.client.ClusterClient; None = cache/local only
+        cache: TieredCache | None = None,
+        config: PrefetchConfig = PrefetchConfig(),
+        version: int | None = None,
+        heat: HeatReport | None = None,
+        local: LocalSource | None = None,
+        recorder: HeatmapRecorder | None = None,
+        pool: StagingPool | None = None,
+        on_progress: Callable[[int], None] | None = None,
+    ) -> None:
+        self.manifest = manifest
+        self.config = config.validate()
+        self.client = client
+        self.cache = cache
+        self.version = manifest.version if version is None else version
+        self.heat = heat
+        self.local = local
+        self.recorder = recorder or HeatmapRecorder(manifest.model, self.version)
+        self.on_progress = on_progress
+        self.readiness = TensorReadiness({t.name: manifest.plan.tensor_chunks[i] for i, t in enumerate(manifest.tensors)})
+        self.writer = ChunkWriter(manifest, targets, self.readiness, self.config, pool)
+        self.counters = LoadCounters()
+        self._indices: dict[str, list[int]] = {}
+        for ref in manifest.chunks:
+            self._indices.setdefault(ref.id, []).append(ref.index)
+        self._lock = threading.Lock()
+        self._done: set[str] = set()
+        self._disk_queue: queue.Queue[tuple[str, bytes] | None] | None = None
+        self._disk_thread: threading.Thread | None = None
+        self._t0 = time.perf_counter()
+        for i, t in enumerate(manifest.tensors):
+            if manifest.plan.tensor_chunks[i]:
+                self.readiness.on_ready(t.name, self._first_ready)
+
+    def _first_ready(self, _name: str) -> None:
+        with self._lock:
+            if self.counters.first_tensor_s is None:
+                self.counters.first_tensor_s = time.perf_counter() - self._t0
+
+    def _land(self, ref: ChunkRef, raw: Buffer, tier: str) -> None:
+        indices = self._indices[ref.id]
+        self._done.add(ref.id)
+        for index in indices:
+            self.writer.write(index, raw)
+            self.recorder.record(index)
+        with self._lock:
+            self.counters.bytes[tier] += ref.raw_size * len(indices)
+            self.counters.chunks[tier] += len(indices)
+        if self.on_progress is not None:
+            self.on_progress(ref.raw_size * len(indices))
+
+    def _from_network(self, ref: ChunkRef, raw: Buffer, _server: str) -> None:
+        self._land(ref, raw, "network")
+        if self.cache is not None:
+            # Decompressed chunks arrive as numpy arrays; the tiers keep plain bytes.
+            value = raw if isinstance(raw, (bytes, bytearray)) else as_u8(raw).tobytes()
+            self.cache.memory.put(ref.id, value)
+            if self.cache.disk is not None:
+                self._disk_writer().put((ref.id, value))
+        with self._lock:
+            self.counters.network_stored_bytes += ref.stored_size
+
+    def _disk_writer(self) -> queue.Queue[tuple[str, bytes] | None]:
+        # Disk-tier writes happen behind the fetch (write-behind) so file I/O overlaps the streams;
+        # run() drains the queue before it returns, so the tier is complete when a load is.
+        with self._lock:
+            if self._disk_queue is None:
+                self._disk_queue = queue.Queue(maxsize=256)
+                self._disk_thread = threading.Thread(target=self._drain_disk, name="paramworker-disk-tier", daemon=True)
+                self._disk_thread.start()
+            return self._disk_queue
+
+    def _drain_disk(self) -> None:
+        assert self._disk_queue is not None and self.cache is not None and self.cache.disk is not None
+        while True:
+            item = self._disk_queue.get()
+            if item is None:
+                return
+            try:
+                self.cache.disk.put(*item)
+            except Exception:  # noqa: BLE001 - a cache write failure costs a refetch later, never the load
+                pass
+
+    def _finish_disk(self) -> None:
+        if self._disk_queue is not None and self._disk_thread is not None:
+            self._disk_queue.put(None)
+            self._disk_thread.join()
+            self._disk_queue = self._disk_thread = None
+
+    def run(self) -> LoadCounters:
+        self._t0 = time.perf_counter()
+        order = unique_order(self.manifest, self.heat if self.config.use_heatmap else None)
+        try:
+            self._run(order)
+        except BaseException as exc:
+            for ref in self.manifest.chunks:
+                self.readiness.mark_failed(ref.index, exc)
+            raise
+        finally:
+            self._finish_disk()
+        self.writer.synchronize()
+        return self.counters
+
+    def _run(self, order: Sequence[ChunkRef]) -> None:
+        cache = self.cache
+        # Chunks the cache does not hold go to the network at once, in a background thread, so
+        # the streams run while this thread copies cache hits.
+        misses = [r for r in order if cache is None or not cache.contains(r.id)]
+        if self.local is not None:
+            misses = [r for r in misses if not self._try_local(r)]
+        net_error: list[BaseException] = []
+        net_thread: threading.Thread | None = None
+        if misses:
+            net_thread = threading.Thread(target=self._fetch, args=(misses, net_error), name="paramworker-prefetch", daemon=True)
+            net_thread.start()
+        late: list[ChunkRef] = []
+        if cache is not None:
+            missing = {r.id for r in misses}
+            hits = [r for r in order if r.id not in missing and r.id not in self._done]
+            late = self._land_hits(cache, hits)
+        if net_thread is not None:
+            net_thread.join()
+        if net_error:
+            raise net_error[0]
+        if late:
+            late = [r for r in late if not (self.local is not None and self._try_local(r))]
+            if late:
+                self._fetch(late, None)
+
+    def _land_hits(self, cache: TieredCache, hits: list[ChunkRef]) -> list[ChunkRef]:
+        """Copy cache hits into place; returns the ones the cache no longer had.
+
+        Several threads share the work in blocks taken in fetch order: numpy releases the GIL
+        while it copies, so one thread's bookkeeping overlaps another's copy.
+        """
+        late: list[ChunkRef] = []
+        lock = threading.Lock()
+        next_block = [0]
+        errors: list[BaseException] = []
+
+        def worker() -> None:
+            try:
+                while True:
+                    with lock:
+                        start = next_block[0]
+                        next_block[0] += HIT_BLOCK
+                    if start >= len(hits) or errors:
+                        return
+                    for ref in hits[start : start + HIT_BLOCK]:
+                        hit = cache.get(ref.id)
+                        if hit.value is None:
+                            with lock:  # evicted meanwhile, or dropped by the disk tier's verification
+                                late.append(ref)
+                            continue
+                        self._land(ref, hit.value, hit.tier or "memory")
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, name=f"paramworker-hits-{i}", daemon=True)
+                   for i in range(max(0, min(HIT_THREADS, -(-len(hits) // HIT_BLOCK)) - 1))]
+        for t in threads:
+            t.start()
+        worker()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        late.sort(key=lambda r: r.index)
+        return late
+
+    def _try_local(self, ref: ChunkRef) -> bool:
+        assert self.local is not None
+        raw = self.local(ref)
+        if raw is None:
+            return False
+        self._land(ref, raw, "local")
+        if self.cache is not None and not self.cache.contains(ref.id):
+            self.cache.put(ref.id, raw if isinstance(raw, bytes) else as_u8(raw).tobytes())
+        return True
+
+    def _fetch(self, refs: list[ChunkRef], errors: list[BaseException] | None) -> None:
+        try:
+            if self.client is None:
+                from chunking.errors import ChunkMissing
+
+                raise ChunkMissing([r.id for r in refs])
+            stats = self.client.fetch(refs, self._from_network, algorithm=self.manifest.hash_algorithm,
+                                      tensors_of=lambda r: self.manifest.tensors_of_chunk(r.index))
+            with self._lock:
+                self.counters.failovers += stats.failovers
+                self.counters.corrupt_reports += stats.corrupt_reports
+        except BaseException as exc:  # noqa: BLE001
+            if errors is None:
+                raise
+            errors.append(exc)
+
+
+__all__ = ["ChunkWriter", "LoadCounters", "LocalSource", "Prefetcher", "TIERS", "unique_order"]
