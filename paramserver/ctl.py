@@ -136,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("ref", metavar="MODEL:TAG", help="MODEL:TAG, MODEL@VERSION or MODEL (its latest version)")
     sp.add_argument("--out", "-o", type=Path, required=True, help="output .safetensors file (written atomically)")
     sp.add_argument("--streams", type=int, default=PullOptions().streams_per_server, help=f"parallel GetChunks streams per server (default {PullOptions().streams_per_server})")
+    sp.add_argument(
+        "--verify", choices=("content", "crc"), default="content",
+        help="content (default): check every chunk's BLAKE3 content id; crc: raw chunks by CRC32C only (faster, trusts the servers)",
+    )  # fmt: skip
     sp.add_argument("--no-progress", action="store_true", help="do not draw the progress bar (default: drawn on a terminal)")
 
     sp = sub.add_parser("tag", help="point TAG of MODEL at VERSION (history kept for rollback)", epilog=EPILOG, formatter_class=fmt)
@@ -219,7 +223,7 @@ def cmd_pull(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> in
     show = not args.no_progress and sys.stderr.isatty()
     try:
         with RichProgress(enabled=show) as bar:
-            r = pull(opts.seeds, args.ref, args.out, progress=bar, options=PullOptions(streams_per_server=args.streams), cluster=opts)
+            r = pull(opts.seeds, args.ref, args.out, progress=bar, options=PullOptions(streams_per_server=args.streams, verify=args.verify), cluster=opts)
     except ParamServerError as exc:
         if isinstance(exc, TransferError):
             raise
@@ -227,7 +231,7 @@ def cmd_pull(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> in
     ref = f"{r.model}:{r.tag}" if r.tag else r.model
     out.print(
         f"pulled {ref} v{r.version} -> {r.path}\n"
-        f"  bytes {human_bytes(r.bytes_total)}  chunks {r.chunks_total} ({r.chunks_unique} distinct, all verified)"
+        f"  bytes {human_bytes(r.bytes_total)}  chunks {r.chunks_total} ({r.chunks_unique} distinct, all verified by {args.verify})"
         f"  from {', '.join(f'{s} {human_bytes(n)}' for s, n in sorted(r.per_server.items()))}"
         f"{f'  retried {r.retried}' if r.retried else ''}\n"
         f"  {r.seconds:.2f} s  {r.gbps:.2f} GB/s (fetch + verify {r.fetch_seconds:.2f} s at {r.fetch_gbps:.2f} GB/s, save {r.save_seconds:.2f} s)"
@@ -266,7 +270,7 @@ def _when(ts: float) -> str:
 
 def cmd_ls(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> int:
     with ClusterView.connect(opts) as view:
-        client = view.any_client()
+        client = view.leader_client()  # the leader's view: a push that just returned is listed
         if args.model is None:
             models = client.list_models().models
             table = Table(title="models")

@@ -48,6 +48,13 @@ from .transfer_errors import PushConflict, PushError, TransferError, rpc_code, r
 
 Parent = int | None | Literal["head"]
 
+# PutChunks failures another round would only repeat (bad token, refused bytes, a message over
+# the server's limit): the push stops at once. Others (a server dying, DATA_LOSS in transit) are retried.
+FATAL_STREAM_CODES = frozenset({
+    grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNIMPLEMENTED,
+})  # fmt: skip
+
 
 @dataclass(frozen=True)
 class PushOptions:
@@ -235,7 +242,7 @@ class _Push:
             wire += plan.wire_bytes
             self.failed.update(failed)
             for server, (code, message) in failed.items():
-                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT):
+                if code in FATAL_STREAM_CODES:
                     # Another round would fail the same way: this is the caller's to fix.
                     raise PushError(f"PutChunks to {server} refused: {message}; nothing was committed", code)
             ids = self.ledger.short([item.id for item in self.items])
@@ -297,6 +304,10 @@ def commit(
         except grpc.RpcError as exc:
             code, details = rpc_code(exc), rpc_details(exc)
             if code == grpc.StatusCode.ABORTED:
+                if attempt:  # an earlier try may have landed after all, making our parent stale
+                    landed = _find_committed(view, model, manifest_id, parent, publisher)
+                    if landed is not None:
+                        return landed
                 head = head_version(view, model)
                 raise PushConflict(
                     f"push of {model} was based on version {parent if parent is not None else '(none)'} but version {head} "

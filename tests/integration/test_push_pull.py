@@ -1,0 +1,366 @@
+"""Push and pull on a real 3-server cluster (deploy.local.LocalCluster) on loopback.
+
+One cluster per module (starting it costs seconds). Tests that stop a server
+bring it back before they end, so their order does not matter.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Iterator
+
+import grpc
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from chunking.hashing import content_id, crc32c
+from chunking.manifest import Manifest
+from chunking.synthetic import synthetic_state_dict
+from deploy.local import LocalCluster, LocalClusterConfig
+from paramserver.client import ChunkData, ParamServerClient, make_chunk
+from paramserver.proto import pb
+from paramserver.pull import pull, pull_tensors
+from paramserver.push import push
+from paramserver.transfer_errors import PullError, PushError, TransferError
+
+pytestmark = pytest.mark.integration
+
+ADMIN, READ = "admin-token-pushpull", "read-token-pushpull"
+MiB = 1 << 20
+MAX_MESSAGE_MB = 16  # small, so the oversized-message case stays cheap
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    root = tmp_path_factory.mktemp("pushpull")
+    c = LocalCluster(
+        LocalClusterConfig(
+            root=root, servers=3, admin_token=ADMIN, read_token=READ,
+            extra_args=("--no-fsync", "--anti-entropy-interval", "1", "--max-message-mb", str(MAX_MESSAGE_MB), "--cache-mb", "64"),
+        )
+    )  # fmt: skip
+    try:
+        c.up(wait=90)
+        yield c
+    finally:
+        c.down()
+
+
+def admin(address: str) -> ParamServerClient:
+    return ParamServerClient(address, token=ADMIN)
+
+
+def as_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def assert_bit_exact(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for name, t in want.items():
+        g = got[name]
+        assert g.dtype == t.dtype and tuple(g.shape) == tuple(t.shape), name
+        assert as_bytes(g) == as_bytes(t), f"tensor {name} differs"
+
+
+def mixed_state_dict() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return {
+        "f32.odd": torch.randn(37, 53, generator=gen),
+        "f32.big": torch.randn(700, 1001, generator=gen),  # several chunks, not chunk-aligned
+        "f16": torch.randn(1000, 3, generator=gen).half(),
+        "bf16": torch.randn(300_001, generator=gen).bfloat16(),
+        "i8": torch.randint(-128, 127, (7, 11, 13), generator=gen).to(torch.int8),
+        "i64.scalar": torch.tensor(42, dtype=torch.int64),
+        "f32.scalar": torch.tensor(3.25),
+        "empty": torch.empty(0, 5),
+        "empty.bf16": torch.empty(3, 0, dtype=torch.bfloat16),
+        "bool": torch.rand(17, generator=gen) > 0.5,
+    }
+
+
+def versions(cluster: LocalCluster, model: str) -> list[int]:
+    try:
+        return [v.number for v in admin(cluster.addresses[0]).list_versions(model).versions]
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.NOT_FOUND
+        return []
+
+
+def manifest_of(cluster: LocalCluster, model: str, version: int) -> Manifest:
+    reply = admin(cluster.addresses[0]).get_manifest(model=model, version=version)
+    return Manifest.from_bytes(reply.data, expected_id=reply.manifest_id)
+
+
+# ------------------------------------------------------------------ happy paths
+
+
+def test_push_and_pull_by_tag_is_bit_exact(cluster: LocalCluster, tmp_path: Path) -> None:
+    state = mixed_state_dict()
+    report = push(cluster.seed, state, model="mixed", tag="prod", token=ADMIN)
+    assert report.version == 1 and report.parent is None and report.tag == "prod"
+    assert report.chunks_sent + report.chunks_deduplicated == report.chunks_unique
+    assert report.replication == 3 and report.write_quorum == 2 and report.unreachable == ()
+
+    out = tmp_path / "mixed.safetensors"
+    pulled = pull(cluster.addresses[1], "mixed:prod", out, token=READ)
+    assert pulled.version == 1 and pulled.manifest_id == report.manifest_id and pulled.path == str(out)
+    assert_bit_exact(load_file(str(out)), state)
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+    # Pushing the same weights again (on the head) sends no chunk: everything is deduplicated.
+    again = push(cluster.seed, state, model="mixed", token=ADMIN)
+    assert again.version == 2 and again.parent == 1 and again.bytes_sent == 0 and again.chunks_sent == 0
+    tensors, _ = pull_tensors(cluster.seed, "mixed@2", token=READ)
+    assert_bit_exact(tensors, state)
+
+
+def test_second_version_sharing_90_percent_uploads_only_new_chunks(cluster: LocalCluster) -> None:
+    base = synthetic_state_dict(20 * 256 * 1024, tensor_bytes=256 * 1024, seed=11)  # 20 weight tensors of 256 KiB
+    first = push(cluster.seed, base, model="ft", tag="prod", token=ADMIN)
+    weights = sorted(k for k in base if k.endswith(".weight"))
+    tuned = dict(base)
+    for name in weights[:2]:  # 10% of the weight tensors change
+        tuned[name] = base[name] + 1.0
+    second = push(cluster.seed, tuned, model="ft", tag="prod", token=ADMIN)
+    assert second.parent == first.version and second.version == first.version + 1
+
+    m1, m2 = manifest_of(cluster, "ft", first.version), manifest_of(cluster, "ft", second.version)
+    old = {c.id for c in m1.chunks}
+    new = {c.id: c for c in m2.chunks if c.id not in old}
+    assert second.chunks_sent == len(new) and second.bytes_sent == sum(c.stored_size for c in new.values())
+    assert second.chunks_deduplicated == second.chunks_unique - len(new)
+    assert 0 < second.bytes_sent <= 0.15 * second.bytes_stored
+    # Unchanged chunks keep the version that introduced them.
+    assert all(c.introduced_in == first.version for c in m2.chunks if c.id in old)
+    assert all(c.introduced_in == second.version for c in m2.chunks if c.id in new)
+    tensors, _ = pull_tensors(cluster.seed, "ft:prod", token=READ)
+    assert_bit_exact(tensors, tuned)
+
+
+def _leader_and_follower(cluster: LocalCluster) -> tuple[str, str]:
+    info = admin(cluster.addresses[0]).cluster_info()
+    follower = next(m.server_id for m in info.members if m.server_id != info.leader_id)
+    return info.leader_id, follower
+
+
+def test_push_with_one_server_down_commits_and_repair_restores_three_replicas(cluster: LocalCluster) -> None:
+    _, victim = _leader_and_follower(cluster)
+    cluster.kill(victim)
+    try:
+        state = synthetic_state_dict(3 * MiB, tensor_bytes=512 * 1024, seed=21)
+        live_seed = ",".join(s.grpc for s in cluster.slots if s.server_id != victim)
+        report = push(live_seed, state, model="degraded", tag="prod", token=ADMIN)
+        assert report.unreachable == (victim,)
+        tensors, pulled = pull_tensors(live_seed, "degraded:prod", token=READ)
+        assert_bit_exact(tensors, state)
+        assert victim not in pulled.per_server
+    finally:
+        cluster.restart(victim)
+    cluster.wait_ready(90)
+
+    manifest = manifest_of(cluster, "degraded", report.version)
+    ids = sorted({c.id for c in manifest.chunks} | {report.manifest_id})
+    deadline = time.monotonic() + 90
+    missing: dict[str, int] = {}
+    while time.monotonic() < deadline:
+        missing = {}
+        for slot in cluster.slots:
+            try:
+                flags = admin(slot.grpc).has_chunks(ids)
+            except grpc.RpcError:
+                flags = [False] * len(ids)
+            if not all(flags):
+                missing[slot.server_id] = flags.count(False)
+        if not missing:
+            break
+        time.sleep(1.0)
+    assert not missing, f"background repair did not restore 3 replicas within 90 s; chunks missing per server: {missing}"
+
+
+PUSH_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from chunking.synthetic import synthetic_state_dict
+    from paramserver.push import push, PushOptions
+
+    def progress(phase, done, total):
+        if phase == "upload" and done > 0:
+            print("UPLOADING", flush=True)
+
+    state = synthetic_state_dict(96 << 20, tensor_bytes=4 << 20, seed=5)
+    push(sys.argv[1], state, model="killed", tag="prod", token=sys.argv[2], progress=progress,
+         options=PushOptions(stream_bytes=8 << 20))
+    print("COMMITTED", flush=True)
+    """
+)
+
+
+def test_push_killed_mid_upload_commits_nothing(cluster: LocalCluster) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", PUSH_SCRIPT, cluster.seed, ADMIN], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.strip() == "UPLOADING", f"the pushing process did not start uploading: {line!r}"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    time.sleep(1.0)
+    assert versions(cluster, "killed") == []
+
+
+def test_push_interrupted_in_process_commits_nothing(cluster: LocalCluster) -> None:
+    calls = []
+
+    def interrupt(phase: str, done: int, total: int) -> None:
+        calls.append(phase)
+        if phase == "upload" and done > 0:
+            raise KeyboardInterrupt
+
+    state = synthetic_state_dict(24 * MiB, tensor_bytes=2 * MiB, seed=6)
+    with pytest.raises(KeyboardInterrupt):
+        push(cluster.seed, state, model="interrupted", token=ADMIN, progress=interrupt)
+    assert "commit" not in calls
+    assert versions(cluster, "interrupted") == []
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def test_unknown_model_or_tag_is_not_found(cluster: LocalCluster, tmp_path: Path) -> None:
+    c = admin(cluster.addresses[0])
+    with pytest.raises(grpc.RpcError) as info:
+        c.resolve_tag("no-such-model", "prod")
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND and "no-such-model" in info.value.details()
+    push(cluster.seed, {"w": torch.ones(4)}, model="tagged", tag="prod", token=ADMIN)
+    with pytest.raises(grpc.RpcError) as info:
+        c.resolve_tag("tagged", "no-such-tag")
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND and "no-such-tag" in info.value.details()
+    with pytest.raises(PullError) as pulled:
+        pull(cluster.seed, "tagged:no-such-tag", tmp_path / "x.safetensors", token=READ)
+    assert pulled.value.code == grpc.StatusCode.NOT_FOUND
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+@pytest.mark.parametrize("name", ["../x", ""])
+def test_bad_model_name_is_invalid_argument(cluster: LocalCluster, name: str) -> None:
+    # A real, fully replicated manifest, so the server gets as far as checking the name.
+    stored = push(cluster.seed, {"w": torch.arange(3.0)}, model="named", token=ADMIN)
+    c = admin(cluster.addresses[0])
+    with pytest.raises(grpc.RpcError) as info:
+        c.commit_version(name, stored.manifest_id, parent=None, publisher="tests")
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "model" in info.value.details()
+    with pytest.raises(PushError) as pushed:
+        push(cluster.seed, {"w": torch.ones(2)}, model=name, token=ADMIN)
+    assert pushed.value.code == grpc.StatusCode.INVALID_ARGUMENT and "model name" in str(pushed.value)
+
+
+def _random_chunk(size: int = 64 * 1024, seed: int = 0) -> ChunkData:
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)).numpy().tobytes()
+    return make_chunk(content_id(data), data)
+
+
+def _present_anywhere(cluster: LocalCluster, ids: list[str]) -> bool:
+    return any(any(admin(s.grpc).has_chunks(ids)) for s in cluster.slots)
+
+
+def test_chunk_whose_bytes_do_not_match_its_id_is_rejected(cluster: LocalCluster) -> None:
+    good = _random_chunk(seed=1)
+    forged = ChunkData(content_id(b"other bytes"), "raw", len(good.data), crc32c(good.data), good.data)
+    with pytest.raises(grpc.RpcError) as info:
+        admin(cluster.addresses[0]).put_chunks([forged])
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert forged.id in info.value.details() and "wrong bytes" in info.value.details()
+    assert not _present_anywhere(cluster, [forged.id])
+
+
+def test_truncated_chunk_and_cut_stream_leave_the_store_consistent(cluster: LocalCluster) -> None:
+    c = admin(cluster.addresses[0])
+    whole = _random_chunk(seed=2)
+    truncated = ChunkData(whole.id, whole.codec, whole.raw_size, whole.crc32c, whole.data[: len(whole.data) // 2])
+    with pytest.raises(grpc.RpcError) as info:
+        c.put_chunks([truncated])
+    assert info.value.code() == grpc.StatusCode.DATA_LOSS
+    assert whole.id in info.value.details() and "truncated" in info.value.details()
+    assert not _present_anywhere(cluster, [whole.id])
+
+    first, second = _random_chunk(seed=3), _random_chunk(seed=4)
+
+    def cut() -> Iterator[ChunkData]:
+        yield first
+        yield second
+        raise ConnectionError("client went away mid-stream")
+
+    with pytest.raises(grpc.RpcError):
+        c.put_chunks(cut(), batch_bytes=64 * 1024)
+    # Whatever arrived is either absent or intact: a present chunk reads back and verifies.
+    for cid, flag in zip([first.id, second.id], c.has_chunks([first.id, second.id])):
+        if flag:
+            (got,) = list(c.get_chunks([cid]))
+            assert content_id(got.data) == cid
+    assert all(ParamServerClient(s.grpc, token=READ).server_status().quarantined == 0 for s in cluster.slots)
+
+
+def test_oversized_message_is_resource_exhausted(cluster: LocalCluster) -> None:
+    big = _random_chunk(size=(MAX_MESSAGE_MB + 2) * MiB, seed=9)
+    with pytest.raises(grpc.RpcError) as info:
+        admin(cluster.addresses[0]).put_chunks([big], batch_bytes=64 * MiB)
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert not _present_anywhere(cluster, [big.id])
+
+
+def test_wrong_token_is_unauthenticated(cluster: LocalCluster) -> None:
+    wrong = ParamServerClient(cluster.addresses[0], token="wrong-token-123")
+    with pytest.raises(grpc.RpcError) as info:
+        wrong.list_models()
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED and "token" in info.value.details()
+    with pytest.raises(TransferError) as pushed:
+        push(cluster.seed, {"w": torch.ones(2)}, model="auth", token="wrong-token-123")
+    assert pushed.value.code == grpc.StatusCode.UNAUTHENTICATED
+    # The read token may read but not write: the push fails at PutChunks and commits nothing.
+    with pytest.raises(PushError) as pushed:
+        push(cluster.seed, {"w": torch.ones(2)}, model="auth", token=READ)
+    assert pushed.value.code == grpc.StatusCode.UNAUTHENTICATED and "admin token" in str(pushed.value)
+    assert versions(cluster, "auth") == []
+
+
+def test_conflicting_parent_is_aborted_naming_both_versions(cluster: LocalCluster) -> None:
+    push(cluster.seed, {"w": torch.zeros(8)}, model="conflict", token=ADMIN)
+    push(cluster.seed, {"w": torch.ones(8)}, model="conflict", token=ADMIN)
+    with pytest.raises(PushError) as info:
+        push(cluster.seed, {"w": torch.full((8,), 2.0)}, model="conflict", parent=1, token=ADMIN)
+    assert info.value.code == grpc.StatusCode.ABORTED
+    assert "version 1" in str(info.value) and "version 2" in str(info.value)
+    assert versions(cluster, "conflict") == [1, 2]
+
+
+def test_pull_refetches_a_chunk_corrupted_on_one_replica(cluster: LocalCluster) -> None:
+    state = synthetic_state_dict(3 * MiB, tensor_bytes=256 * 1024, seed=31)
+    report = push(cluster.seed, state, model="rotten", tag="prod", token=ADMIN)
+    manifest = manifest_of(cluster, "rotten", report.version)
+    _, victim = _leader_and_follower(cluster)
+    slot = cluster.slot(victim)
+    cluster.kill(victim)  # also drops its in-memory chunk cache
+    flipped = 0
+    try:
+        for ref in manifest.chunks:
+            for path in Path(slot.data_dir).rglob(ref.id):
+                data = bytearray(path.read_bytes())
+                data[-100] ^= 0xFF  # inside the chunk bytes, past the header
+                path.write_bytes(bytes(data))
+                flipped += 1
+    finally:
+        cluster.restart(victim)
+    cluster.wait_ready(90)
+    assert flipped > 0
+    tensors, pulled = pull_tensors(cluster.seed, "rotten:prod", token=READ)
+    assert_bit_exact(tensors, state)
+    print(f"chunks refetched from another replica: {pulled.retried}; bytes per server: {dict(pulled.per_server)}")
