@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 import grpc
 
@@ -21,6 +22,8 @@ from .errors import ConfigError
 from .proto import pb
 from .ring import Ring, RingConfig
 from .transfer_errors import ClusterUnreachable, TransferError, rpc_code, rpc_details
+
+T = TypeVar("T")
 
 # Codes after which another seed (or a later try) may answer.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
@@ -41,7 +44,8 @@ def parse_seeds(seeds: str | Sequence[str]) -> tuple[str, ...]:
 class ClusterOptions:
     seeds: tuple[str, ...]
     token: str | None = None
-    timeout_s: float = 30.0  # unary calls
+    timeout_s: float = 10.0  # unary calls; commits wait at most ~5 s for Raft
+    discovery_timeout_s: float = 3.0  # ClusterInfo from a seed: a silent (partitioned) seed must not stall a push
     tls: bool = False
     tls_ca: Path | None = None
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
@@ -49,8 +53,8 @@ class ClusterOptions:
     def validate(self) -> ClusterOptions:
         if not self.seeds:
             raise ConfigError("no cluster address given: pass --cluster HOST:PORT (any member) or set PARAMS_CLUSTER")
-        if self.timeout_s <= 0:
-            raise ConfigError(f"timeout must be > 0 seconds, got {self.timeout_s}")
+        if self.timeout_s <= 0 or self.discovery_timeout_s <= 0:
+            raise ConfigError(f"timeouts must be > 0 seconds, got {self.timeout_s} and {self.discovery_timeout_s}")
         for address in self.seeds:
             ClientConfig(address).validate()
         return self
@@ -72,23 +76,65 @@ class ClusterView:
 
     @classmethod
     def connect(cls, options: ClusterOptions) -> ClusterView:
-        """ClusterInfo from the first seed that answers; UNAUTHENTICATED and the like fail at once."""
+        """ClusterInfo from the seeds, asked all at once; the first answer that names a leader wins.
+
+        UNAUTHENTICATED and the like fail at once; a seed that is down or cut off
+        costs at most ``discovery_timeout_s``.
+        """
         options.validate()
         errors: list[str] = []
-        for address in options.seeds:
-            client = ParamServerClient(options.client_config(address))
+        fallback: tuple[pb.ClusterInfoReply, ParamServerClient] | None = None
+        clients = {a: ParamServerClient(replace(options.client_config(a), timeout_s=options.discovery_timeout_s)) for a in options.seeds}
+        chosen: tuple[pb.ClusterInfoReply, ParamServerClient] | None = None
+        fatal: TransferError | None = None
+        with ThreadPoolExecutor(max_workers=len(clients)) as pool:
+            pending = {pool.submit(c.cluster_info): a for a, c in clients.items()}
+            while pending and chosen is None and fatal is None:
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in done:
+                    address = pending.pop(future)
+                    try:
+                        info = future.result()
+                    except grpc.RpcError as exc:
+                        if rpc_code(exc) not in RETRYABLE:
+                            fatal = TransferError(f"{address}: {rpc_details(exc)}", rpc_code(exc))
+                        errors.append(f"{address} ({rpc_code(exc).name.lower()})")
+                        continue
+                    if info.leader_id and chosen is None:
+                        chosen = (info, clients[address])
+                    elif fallback is None:
+                        fallback = (info, clients[address])
+        for c in clients.values():
+            c.close()
+        if fatal is not None:
+            raise fatal
+        found = chosen or fallback
+        if found is None:
+            raise ClusterUnreachable(
+                f"no cluster member answered at {', '.join(errors)}; check --cluster (any member's gRPC address) and that the servers run"
+            )
+        info, answered = found
+        return cls(options, info, ParamServerClient(options.client_config(answered.address)))
+
+    def leader_call(self, fn: Callable[[ParamServerClient], T], deadline_s: float | None = None) -> T:
+        """``fn(leader client)``; on UNAVAILABLE or a timeout, refresh the view and try the new leader.
+
+        Right after a leader dies or is cut off, members still name it for an
+        election timeout or two; this keeps asking until the deadline.
+        """
+        end = time.monotonic() + (deadline_s if deadline_s is not None else self.options.timeout_s * 3)
+        while True:
             try:
-                info = client.cluster_info()
+                return fn(self.leader_client())
             except grpc.RpcError as exc:
-                client.close()
-                if rpc_code(exc) not in RETRYABLE:
-                    raise TransferError(f"{address}: {rpc_details(exc)}", rpc_code(exc)) from None
-                errors.append(f"{address} ({rpc_code(exc).name.lower()})")
-                continue
-            return cls(options, info, client)
-        raise ClusterUnreachable(
-            f"no cluster member answered at {', '.join(errors)}; check --cluster (any member's gRPC address) and that the servers run"
-        )
+                if rpc_code(exc) not in RETRYABLE or time.monotonic() >= end:
+                    raise
+            time.sleep(0.2)
+            try:
+                self.refresh(deadline_s=max(1.0, end - time.monotonic()))
+            except ClusterUnreachable:
+                if time.monotonic() >= end:
+                    raise
 
     def _apply(self, info: pb.ClusterInfoReply) -> None:
         self.info = info
@@ -108,7 +154,7 @@ class ClusterView:
         while True:
             for address in dict.fromkeys(candidates):
                 try:
-                    self._apply(self.client(address).cluster_info())
+                    self._apply(self.client(address).stub.ClusterInfo(pb.ClusterInfoRequest(), timeout=self.options.discovery_timeout_s))
                     return
                 except grpc.RpcError as exc:
                     if rpc_code(exc) not in RETRYABLE:

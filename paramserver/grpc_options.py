@@ -23,8 +23,6 @@ def _common(max_message_bytes: int) -> Options:
         ("grpc.http2.lookahead_bytes", 64 * MiB),
         ("grpc.http2.bdp_probe", 1),
         ("grpc.max_concurrent_streams", 256),
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]
@@ -33,13 +31,21 @@ def _common(max_message_bytes: int) -> Options:
 def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Options:
     return _common(max_message_bytes) + [
         ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        # Clients ping every 5 s (below); accept that instead of answering GOAWAY "too many pings".
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 4_000),
     ]
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Options:
     return _common(max_message_bytes) + [
         ("grpc.enable_retries", 1),
+        # A peer that went silent (kill -9 behind a partition, a cut cable) fails the calls on
+        # its connection within ~8 s instead of hanging a stream until its deadline.
+        ("grpc.keepalive_time_ms", 5_000),
+        ("grpc.keepalive_timeout_ms", 3_000),
         # Each client object gets its own connection, so parallel pulls from
         # several client objects do not share one HTTP/2 connection's window.
         ("grpc.use_local_subchannel_pool", 1),

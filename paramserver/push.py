@@ -44,7 +44,7 @@ from .progress import ProgressFn, no_progress
 from .proto import pb
 from .pushplan import AckLedger, Item, placement_of, plan_uploads, wanted_by_server
 from .sender import SendOptions, send_round
-from .transfer_errors import PushConflict, PushError, TransferError, rpc_code, rpc_details
+from .transfer_errors import ClusterUnreachable, PushConflict, PushError, TransferError, rpc_code, rpc_details
 
 Parent = int | None | Literal["head"]
 
@@ -137,7 +137,9 @@ def _checked_name(kind: str, value: str) -> str:
 def head_version(view: ClusterView, model: str) -> int | None:
     """The latest version number of ``model`` (asked of the leader), None for a new model."""
     try:
-        versions = view.leader_client().list_versions(model).versions
+        versions = view.leader_call(lambda c: c.list_versions(model)).versions
+    except ClusterUnreachable as exc:
+        raise TransferError(f"cannot list the versions of {model}: {exc}", grpc.StatusCode.UNAVAILABLE) from None
     except grpc.RpcError as exc:
         if rpc_code(exc) == grpc.StatusCode.NOT_FOUND:
             return None
@@ -147,7 +149,7 @@ def head_version(view: ClusterView, model: str) -> int | None:
 
 def fetch_manifest(view: ClusterView, model: str, version: int) -> Manifest:
     try:
-        reply = view.leader_client().get_manifest(model=model, version=version)
+        reply = view.leader_call(lambda c: c.get_manifest(model=model, version=version))
     except grpc.RpcError as exc:
         raise TransferError(f"cannot read the manifest of {model} v{version}: {rpc_details(exc)}", rpc_code(exc)) from None
     try:
@@ -270,8 +272,8 @@ class _Push:
 def _find_committed(view: ClusterView, model: str, manifest_id: str, parent: int | None, publisher: str) -> pb.Version | None:
     """A version an earlier CommitVersion try committed before its reply was lost."""
     try:
-        versions = view.leader_client().list_versions(model).versions
-    except grpc.RpcError:
+        versions = view.leader_call(lambda c: c.list_versions(model)).versions
+    except (grpc.RpcError, TransferError):
         return None
     for v in versions:
         same_parent = (v.parent if v.HasField("parent") else None) == parent
