@@ -20,8 +20,8 @@ from .errors import ConfigError
 from .proto import SERVICE_NAME
 
 AUTH_HEADER = "authorization"
-ADMIN_TOKEN_ENV = "PDPARAMS_ADMIN_TOKEN"
-READ_TOKEN_ENV = "PDPARAMS_READ_TOKEN"
+ADMIN_TOKEN_ENV = "PARAMS_ADMIN_TOKEN"
+READ_TOKEN_ENV = "PARAMS_READ_TOKEN"
 
 # RPCs that change state. Workers' reports (heat, corruption) are reads here:
 # a worker holding only the read token must be able to send them.

@@ -30,9 +30,8 @@ from .transfer_errors import TransferError, rpc_code, rpc_details
 
 DEFAULT_CLUSTER = "127.0.0.1:7000"
 CLUSTER_ENV = "PARAMS_CLUSTER"
-# PARAMS_* first; PDPARAMS_* are the names the server's auth messages mention.
-ADMIN_TOKEN_ENVS = ("PARAMS_ADMIN_TOKEN", "PDPARAMS_ADMIN_TOKEN")
-READ_TOKEN_ENVS = ("PARAMS_READ_TOKEN", "PDPARAMS_READ_TOKEN", *ADMIN_TOKEN_ENVS)
+ADMIN_TOKEN_ENVS = ("PARAMS_ADMIN_TOKEN",)
+READ_TOKEN_ENVS = ("PARAMS_READ_TOKEN", *ADMIN_TOKEN_ENVS)
 
 EXIT_CODES = {
     grpc.StatusCode.INVALID_ARGUMENT: 2,
@@ -51,7 +50,7 @@ exit codes: 0 ok, 1 other error, 2 bad arguments (INVALID_ARGUMENT), 3 not found
 7 precondition failed (chunks short of their write quorum), 8 data loss.
 
 environment: PARAMS_CLUSTER (addresses), PARAMS_ADMIN_TOKEN (writes: push, tag, rollback, untag),
-PARAMS_READ_TOKEN (reads: pull, ls, status; the admin token works too). PDPARAMS_* names are also read.
+PARAMS_READ_TOKEN (reads: pull, ls, status; the admin token works too).
 """
 
 KiB, MiB = 1024, 1 << 20
@@ -159,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("model", nargs="?", default=None, help="model name (default: list every model)")
 
     sub.add_parser("status", help="members, leader, term, and per-server chunk counts and disk use", epilog=EPILOG, formatter_class=fmt)
+
+    sp = sub.add_parser(
+        "drill", add_help=False, formatter_class=fmt,
+        help="fault-injection drills: kill-leader, partition, corrupt-chunk, restart-server, restart-cluster "
+        "('paramctl drill --help' for their options)",
+    )  # fmt: skip
+    sp.add_argument("drill_args", nargs=argparse.REMAINDER, help="the drill and its options")
     return p
 
 
@@ -362,8 +368,19 @@ def _fail(err: Console, code: int, message: str) -> int:
     return code
 
 
+def _drill(argv: Sequence[str]) -> int:
+    # The drills live in deploy/ (they start, kill and partition servers); paramctl is their front door.
+    from deploy.drills.run import main as drill_main
+
+    return drill_main(list(argv), prog="paramctl drill")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
+    if args.command == "drill":
+        return _drill([*args.drill_args, *extra])
+    if extra:
+        build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
     # Piped output (scripts, CI logs) gets wide tables instead of rich's 80-column fallback.
     out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
     err = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else 400)

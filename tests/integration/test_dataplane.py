@@ -37,7 +37,7 @@ class Server:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     root = tmp_path_factory.mktemp("dataplane")
     port_file = root / "port"
-    env = {**os.environ, "PDPARAMS_ADMIN_TOKEN": ADMIN, "PDPARAMS_READ_TOKEN": READ}
+    env = {**os.environ, "PARAMS_ADMIN_TOKEN": ADMIN, "PARAMS_READ_TOKEN": READ}
     proc = subprocess.Popen(
         [sys.executable, "-m", "paramserver.dataplane_dev", "--data-dir", str(root / "data"), "--port-file", str(port_file),
          "--cache-bytes", "0", "--max-message-bytes", str(MAX_MESSAGE), "--get-message-bytes", str(1 * MiB), "--no-fsync"],

@@ -30,7 +30,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 
 def paramctl(*args: str, cluster: LocalCluster | None = None, token: str | None = ADMIN, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     full = dict(os.environ)
-    for name in ("PARAMS_CLUSTER", "PARAMS_ADMIN_TOKEN", "PARAMS_READ_TOKEN", "PDPARAMS_ADMIN_TOKEN", "PDPARAMS_READ_TOKEN"):
+    for name in ("PARAMS_CLUSTER", "PARAMS_ADMIN_TOKEN", "PARAMS_READ_TOKEN"):
         full.pop(name, None)
     if cluster is not None:
         full["PARAMS_CLUSTER"] = cluster.seed
