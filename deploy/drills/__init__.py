@@ -1,8 +1,10 @@
-"""Fault-injection drills: kill the leader, partition the network, corrupt a chunk.
+"""Fault-injection drills: kill the leader, partition the network, corrupt a chunk, restart servers.
 
 ``report`` records what a drill saw; ``framework`` runs the background workload
-and the invariant checks; drill modules (``partition``, ``kill_leader``,
-``corrupt_chunk``) drive a ``deploy.local.LocalCluster`` with real processes.
+and the invariant checks; ``adapters`` plugs in the real publisher and loaders;
+drill modules (``kill_leader``, ``partition``, ``corrupt_chunk``, ``restart``)
+drive a ``deploy.local.LocalCluster`` with real processes; ``run.main(argv)`` is
+the CLI (``python -m deploy.drills``, and what ``paramctl drill`` calls).
 """
 from __future__ import annotations
 

@@ -60,19 +60,92 @@ def digest(state: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+@dataclass(frozen=True)
+class PublisherConfig:
+    """How the drill's publisher talks to the cluster: short deadlines, so a silent server costs seconds, not minutes."""
+
+    rpc_timeout_s: float = 1.5  # unary calls (ClusterInfo, HasChunks, ListVersions, ...): a cut-off server costs this
+    commit_deadline_s: float = 8.0  # CommitVersion retries on UNAVAILABLE this long, then the publish fails
+    publisher: str = "drill"
+    token: str | None = None
+
+    def validate(self) -> None:
+        if self.rpc_timeout_s <= 0:
+            raise ValueError(f"rpc_timeout_s must be > 0, got {self.rpc_timeout_s}")
+        if self.commit_deadline_s <= 0:
+            raise ValueError(f"commit_deadline_s must be > 0, got {self.commit_deadline_s}")
+
+
+class Publisher:
+    """publish(i): push version seed=i of spec.model and move spec.tag to it (a Workload publish callable).
+
+    ``prefer(addresses)`` puts those servers first in the seed list, so a drill
+    that cuts the network can point the publisher at the side it can reach
+    (``paramserver.push`` asks seeds one after another).
+    """
+
+    def __init__(self, seeds: Sequence[str], spec: ModelSpec = ModelSpec(),
+                 config: PublisherConfig = PublisherConfig()) -> None:
+        spec.validate()
+        config.validate()
+        if not seeds:
+            raise ValueError("a publisher needs at least one server address")
+        self.spec = spec
+        self.config = config
+        self._all = list(seeds)
+        self._order = list(seeds)
+        self._lock = threading.Lock()
+
+    @property
+    def seeds(self) -> list[str]:
+        with self._lock:
+            return list(self._order)
+
+    def prefer(self, addresses: Sequence[str] | None) -> None:
+        """Seeds in this order first, then the rest; None restores the original order."""
+        with self._lock:
+            first = [a for a in (addresses or []) if a in self._all]
+            self._order = first + [a for a in self._all if a not in first]
+
+    def __call__(self, i: int) -> Published:
+        from paramserver.clusterview import ClusterOptions
+        from paramserver.push import PushOptions, push
+
+        state = make_state(self.spec, i)
+        c = self.config
+        rep = push(self.seeds, state, model=self.spec.model, tag=self.spec.tag, parent="head", publisher=c.publisher,
+                   token=c.token, options=PushOptions(commit_deadline_s=c.commit_deadline_s),
+                   cluster=ClusterOptions(tuple(self.seeds), token=c.token, timeout_s=c.rpc_timeout_s))
+        return Published(self.spec.model, int(rep.version), self.spec.tag, nbytes=int(rep.bytes_total), seed=i)
+
+
 def make_publisher(seeds: Sequence[str], spec: ModelSpec = ModelSpec(), token: str | None = None,
-                   publisher: str = "drill") -> Callable[[int], Published]:
+                   publisher: str = "drill") -> Publisher:
     """publish(i): push version seed=i of spec.model and move spec.tag to it."""
-    from paramserver.push import push
+    return Publisher(seeds, spec, PublisherConfig(publisher=publisher, token=token))
 
-    spec.validate()
 
-    def publish(i: int) -> Published:
-        state = make_state(spec, i)
-        rep = push(list(seeds), state, model=spec.model, tag=spec.tag, parent="head", publisher=publisher, token=token)
-        return Published(spec.model, int(rep.version), spec.tag, nbytes=int(rep.bytes_total))
+def verify_loaded(spec: ModelSpec, tensors: Mapping[str, torch.Tensor]) -> tuple[int, bool, int]:
+    """(seed, bit-exact, bytes) of loaded tensors: the seed tensor says which weights they must equal."""
+    seed = int(tensors["seed"][0]) if "seed" in tensors else -1
+    ok = seed >= 0 and digest(tensors) == digest(make_state(spec, seed))
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    return seed, ok, nbytes
 
-    return publish
+
+def load_version(seeds: Sequence[str], spec: ModelSpec, version: int, seed: int | None = None,
+                 token: str | None = None) -> Loaded:
+    """Load spec.model@version with a fresh worker client (no cache) and verify it; seed: the expected one."""
+    from worker.client import ClusterClient
+    from worker.loader import load
+
+    with ClusterClient(list(seeds), token=token) as client:
+        got = load(client, f"{spec.model}@{version}", device="cpu")
+    found, ok, nbytes = verify_loaded(spec, got.tensors)
+    if seed is not None and found != seed:
+        ok = False
+    return Loaded(spec.model, f"@{version}", int(got.info.number), nbytes=nbytes, verified=ok,
+                  detail="" if ok else f"v{version}: got weights of seed {found}, expected seed {seed}")
 
 
 class LoaderPool:
@@ -98,11 +171,7 @@ class LoaderPool:
         from worker.loader import load
 
         got = load(self._client(k), f"{self.spec.model}:{self.spec.tag}", device="cpu")
-        tensors = got.tensors
-        seed = int(tensors["seed"][0]) if "seed" in tensors else -1
-        expected = digest(make_state(self.spec, seed)) if seed >= 0 else ""
-        ok = seed >= 0 and digest(tensors) == expected
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        seed, ok, nbytes = verify_loaded(self.spec, got.tensors)
         return Loaded(self.spec.model, self.spec.tag, int(got.info.number), nbytes=nbytes, verified=ok,
                       detail="" if ok else f"bytes differ from what seed {seed} pushed")
 

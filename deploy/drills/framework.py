@@ -34,6 +34,7 @@ class Published:
     version: int
     tag: str | None = None
     nbytes: int = 0
+    seed: int | None = None  # what the weights were generated from, when the publisher knows
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,8 @@ class Workload:
         self.published: list[Published] = []
         self.loads: dict[int, list[Loaded]] = {}
         self.stats: dict[str, _Stats] = {}
+        self._paused = False
+        self._loading = 0  # loads in flight
 
     # ---- threads ---------------------------------------------------------------------------------
     def start(self) -> "Workload":
@@ -184,14 +187,22 @@ class Workload:
                 while not self.published and not self._stop.is_set() and time.monotonic() < deadline:
                     self._cond.wait(0.1)
         for i in range(1, self.config.max_iterations + 1):
-            if self._stop.is_set():
-                return
+            with self._cond:
+                while self._paused and not self._stop.is_set():
+                    self._cond.wait(0.1)
+                if self._stop.is_set():
+                    return
+                self._loading += 1
             try:
                 result = self._load(k, i)
             except Exception as exc:  # noqa: BLE001 - every client error is data for the report
                 self._failed(name, exc)
                 self._stop.wait(self.config.error_backoff_s)
                 continue
+            finally:
+                with self._cond:
+                    self._loading -= 1
+                    self._cond.notify_all()
             if result is not None:
                 with self._cond:
                     self.loads[k].append(result)
@@ -217,6 +228,24 @@ class Workload:
         with self._cond:
             self.stats[name].failed += 1
         self.report.client_error(name, exc)
+
+    # ---- pausing the loaders (a drill that needs to be the first reader of something) ----------------------
+    def pause_loaders(self, timeout: float = 30.0) -> bool:
+        """Hold every loader before its next load and wait for in-flight loads; False if some are still running."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._paused = True
+            while self._loading > 0 and time.monotonic() < deadline:
+                self._cond.wait(min(0.1, max(0.0, deadline - time.monotonic())))
+            quiet = self._loading == 0
+        self.report.event("loaders_paused", quiet=quiet)
+        return quiet
+
+    def resume_loaders(self) -> None:
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+        self.report.event("loaders_resumed")
 
     # ---- queries for drills ------------------------------------------------------------------------
     def successes(self, name: str) -> list[float]:

@@ -24,7 +24,7 @@ from .framework import (
     check_within,
     wait_for,
 )
-from .partition import wait_converged
+from .partition import wait_converged, wait_steady
 from .probe import ClusterProbe
 from .report import DrillReport
 
@@ -60,8 +60,7 @@ def run_kill_leader(cluster: "LocalCluster", report: DrillReport, workload: Work
     if len(cluster.running()) < 3:
         raise DrillError(f"kill-leader needs at least 3 running servers, have {cluster.running()}")
     report.info.update(rounds=config.rounds, servers=cluster.running())
-    if workload.wait_success("publisher", after=-1e9, timeout=config.settle_s) is None:
-        raise DrillError("the publisher never committed before the first kill; is the cluster healthy?")
+    wait_steady(report, workload, probe, cluster.running(), config.settle_s)
     failovers: list[float] = []
     for r in range(config.rounds):
         servers = cluster.running()

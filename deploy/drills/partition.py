@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .framework import (
     DrillError,
@@ -79,9 +79,36 @@ def wait_converged(probe: ClusterProbe, servers: list[str], timeout: float) -> d
         return None
 
 
+def wait_steady(report: DrillReport, workload: Workload, probe: ClusterProbe, servers: list[str],
+                timeout: float) -> None:
+    """Start a fault from a steady state: a commit made, every loader served once, and every server
+    holding the latest commit (so a lagging follower's "no such model yet" is not blamed on the fault)."""
+    if workload.wait_success("publisher", after=-1e9, timeout=timeout) is None:
+        raise DrillError("the publisher never committed before the fault; is the cluster healthy?")
+    for name in sorted(n for n in workload.stats if n.startswith("loader-")):
+        if workload.wait_success(name, after=-1e9, timeout=timeout) is None:
+            raise DrillError(f"{name} never loaded the model before the fault; is the cluster healthy?")
+    last = workload.committed()[-1]
+    try:
+        wait_for(lambda: all(probe.has_version(s, last.model, last.version) for s in servers), timeout,
+                 interval=0.1, what=f"every server holding {last.model} v{last.version}")
+    except TimeoutError as exc:
+        raise DrillError(f"the cluster is not steady before the fault: {exc}") from None
+    report.event("steady", servers=servers, version=last.version)
+
+
 def run_partition(cluster: "LocalCluster", report: DrillReport, workload: Workload,
-                  config: PartitionDrillConfig = PartitionDrillConfig(), probe: ClusterProbe | None = None) -> None:
-    """The drill body; the workload must be started (the publisher is needed, loaders are optional)."""
+                  config: PartitionDrillConfig = PartitionDrillConfig(), probe: ClusterProbe | None = None,
+                  steer: Callable[[Sequence[str] | None], None] | None = None) -> None:
+    """The drill body; the workload must be started (the publisher is needed, loaders are optional).
+
+    steer(addresses): told which servers the root-namespace clients can reach after each cut (None: all),
+    so the publisher asks those first (``adapters.Publisher.prefer``).
+    """
+    def aim(ids: Sequence[str] | None) -> None:
+        if steer is not None:
+            steer(None if ids is None else [cluster.slot(s).grpc for s in ids])
+
     config.validate()
     if cluster.topology is None:
         raise DrillError("the partition drill needs a cluster in namespace mode: LocalClusterConfig(netns=True) "
@@ -91,11 +118,11 @@ def run_partition(cluster: "LocalCluster", report: DrillReport, workload: Worklo
     old = probe.wait_leader(servers, config.settle_s)
     minority, majority = split(servers, old)
     report.info.update(servers=servers, old_leader=old, minority=minority, majority=majority)
-    if workload.wait_success("publisher", after=report.now() - 1e9, timeout=config.settle_s) is None:
-        raise DrillError("the publisher never committed before the partition; is the cluster healthy?")
+    wait_steady(report, workload, probe, servers, config.settle_s)
 
     # ---- phase 1: clients with the majority ------------------------------------------------------
     cut = report.event("partitioned", minority=minority, majority=majority, clients="majority")
+    aim(majority)
     cluster.partition([minority, majority], host_side=1)
     report.info["cuts"] = cluster.topology.cuts()
     new: str | None = None
@@ -117,6 +144,7 @@ def run_partition(cluster: "LocalCluster", report: DrillReport, workload: Worklo
     # ---- phase 2: clients with the minority --------------------------------------------------------
     if config.minority_clients:
         moved = report.event("clients_moved", side="minority")
+        aim(minority)
         cluster.partition([minority, majority], host_side=0)
         before = probe.states(minority)
         time.sleep(config.hold_s)
@@ -131,6 +159,7 @@ def run_partition(cluster: "LocalCluster", report: DrillReport, workload: Worklo
     # ---- heal --------------------------------------------------------------------------------------
     healed = report.event("healed")
     cluster.heal()
+    aim(None)
     report.info["cuts"] = {}
     if wait_converged(probe, servers, config.settle_s) is not None:
         report.event("converged")

@@ -54,7 +54,19 @@ class ClientError:
 
 
 def error_kind(exc: BaseException) -> str:
-    """A gRPC status name (``UNAVAILABLE``, ``DATA_LOSS``) when the error carries one, else the type name."""
+    """A gRPC status name (``UNAVAILABLE``, ``DATA_LOSS``) when the error carries one, else the type name.
+
+    Wrappers are looked through: a worker's ``TensorFailed`` is classified by its
+    ``cause``, and ``ChunkDataLoss`` (every replica corrupt) counts as ``DATA_LOSS``.
+    """
+    for _ in range(8):  # a bounded walk down wrapped causes
+        inner = getattr(exc, "cause", None)
+        if isinstance(inner, BaseException) and inner is not exc:
+            exc = inner
+            continue
+        break
+    if type(exc).__name__ == "ChunkDataLoss":
+        return "DATA_LOSS"
     code = getattr(exc, "code", None)
     if callable(code):
         try:

@@ -1,93 +1,243 @@
-"""Run a drill end to end on a fresh local cluster: ``python -m deploy.drills partition|kill-leader|corrupt-chunk``.
+"""Run a fault drill under load and report: ``python -m deploy.drills DRILL [options]``.
 
-This is the harness ``paramctl drill ...`` can wrap: it starts a LocalCluster
-(in namespace mode for the partition drill), runs the real publisher and
-loaders from ``adapters``, prints the report tables, writes ``<out>/<drill>.json``
-and exits 1 when an invariant broke (2 when the cluster could not start).
+Drills: kill-leader, partition, corrupt-chunk, restart-server, restart-cluster.
+
+By default the drill starts a fresh local cluster (``deploy.local.LocalCluster``;
+in network-namespace mode for ``partition``, which needs root) in a temporary
+folder and stops it afterwards. With ``--cluster-dir DIR`` it drives a cluster
+already started by ``python -m deploy.local up --dir DIR`` (the drill needs
+its pids and data dirs to kill, restart and corrupt; the cluster is left
+running). It runs a real publisher (``paramserver.push``) and real loaders
+(``worker.loader``), prints the report tables, writes a JSON report and
+exits 0 when every invariant held, 1 when one broke, 2 when the drill could
+not run (no cluster, not root for ``partition``, bad options).
+
+``main(argv)`` is the entry point ``paramctl drill ...`` calls; ``execute``
+is the same as a library call (the tests use it).
 """
 from __future__ import annotations
 
 import argparse
 import sys
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-from .framework import Workload, WorkloadConfig, run_drill
+from .framework import DrillError, Workload, WorkloadConfig, run_drill
 from .report import DrillReport
 
-DRILLS = ("partition", "kill-leader", "corrupt-chunk")
+if TYPE_CHECKING:
+    from deploy.local import LocalCluster
+
+DRILLS = ("kill-leader", "partition", "corrupt-chunk", "restart-server", "restart-cluster")
+EXIT_CANNOT_RUN = 2
+
+# Server options of a fresh drill cluster, per drill (every drill adds --no-fsync: kill -9 keeps the page cache).
+FRESH_SERVER_ARGS: dict[str, tuple[str, ...]] = {
+    # No hot cache, so reads reach the corrupt files; quick repair; a slow scrubber, so the
+    # read-path phases are not raced by it (one pass over a drill's data takes ~10 s at 1 MB/s).
+    "corrupt-chunk": ("--cache-mb", "0", "--repair-interval", "0.5", "--scrub-mb-per-s", "1"),
+    "restart-server": ("--anti-entropy-interval", "2"),
+}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m deploy.drills", description=__doc__.split("\n")[0])
-    p.add_argument("drill", choices=DRILLS)
-    p.add_argument("--servers", type=int, default=3, help="cluster size (default 3)")
-    p.add_argument("--dir", type=Path, default=None, help="cluster folder (default: a new temporary folder)")
-    p.add_argument("--out", type=Path, default=None, help="folder for the JSON report (default: the cluster folder)")
-    p.add_argument("--rounds", type=int, default=10, help="kill-leader: rounds (default 10)")
-    p.add_argument("--loaders", type=int, default=2, help="loader threads (default 2)")
-    p.add_argument("--hold", type=float, default=3.0, help="partition: seconds in each partitioned phase (default 3)")
-    args = p.parse_args(argv)
+@dataclass(frozen=True)
+class DrillOptions:
+    drill: str
+    rounds: int = 10  # kill-leader
+    hold_s: float = 3.0  # partition: seconds in each partitioned phase
+    down_s: float = 2.0  # restart-server: seconds the server stays down under load
+    server: str | None = None  # restart-server: which server (default: a follower)
+    loaders: int = 2
+    publish_interval_s: float | None = None  # None: the drill's default
+    servers: int = 3  # fresh cluster size
+    cluster_dir: Path | None = None  # drive this running cluster instead of a fresh one
+    fresh_dir: Path | None = None  # folder for the fresh cluster (default: a new temporary folder)
+    json_path: Path | None = None  # default: <cluster folder>/<drill>-<UTC time>.json
+    render: bool = True
+    ready_timeout_s: float = 90.0
 
+    def validate(self) -> None:
+        if self.drill not in DRILLS:
+            raise DrillError(f"unknown drill {self.drill!r}; choose one of {', '.join(DRILLS)}")
+        if not 1 <= self.rounds <= 1000:
+            raise DrillError(f"--rounds must be 1..1000, got {self.rounds}")
+        if not 0 <= self.loaders <= 64:
+            raise DrillError(f"--loaders must be 0..64, got {self.loaders}")
+        if self.hold_s <= 0 or self.down_s <= 0:
+            raise DrillError("--hold and --down must be > 0 seconds")
+        if self.publish_interval_s is not None and self.publish_interval_s < 0:
+            raise DrillError(f"--publish-interval must be >= 0, got {self.publish_interval_s}")
+        if not 3 <= self.servers <= 15:
+            raise DrillError(f"--servers must be 3..15 (a drill needs a majority that survives), got {self.servers}")
+        if self.cluster_dir is not None and self.fresh_dir is not None:
+            raise DrillError("give either --cluster-dir (a running cluster) or --dir (a fresh one), not both")
+
+    @property
+    def interval(self) -> float:
+        if self.publish_interval_s is not None:
+            return self.publish_interval_s
+        return 1.0 if self.drill == "corrupt-chunk" else 0.2  # corrupt-chunk: few versions, so the scrubber keeps up
+
+
+def _open_cluster(opts: DrillOptions) -> tuple["LocalCluster", bool]:
+    """(cluster, owned): a running one from --cluster-dir, or a fresh one this call starts (and must stop)."""
     from deploy.local import LauncherError, LocalCluster, LocalClusterConfig
 
-    from .adapters import LoaderPool, ModelSpec, make_publisher
-
-    root = args.dir or Path(tempfile.mkdtemp(prefix=f"drill-{args.drill}-"))
-    extra = ("--no-fsync", "--repair-interval", "0.5") if args.drill == "corrupt-chunk" else ("--no-fsync",)
-    cluster = LocalCluster(LocalClusterConfig(root=root, servers=args.servers, netns=args.drill == "partition",
+    if opts.cluster_dir is not None:
+        cluster = LocalCluster.load_state(opts.cluster_dir)
+        if not cluster.running():
+            raise LauncherError(f"no server of the cluster under {opts.cluster_dir} is running; "
+                                f"start it with 'python -m deploy.local up --dir {opts.cluster_dir}'")
+        cluster.wait_ready(opts.ready_timeout_s)
+        return cluster, False
+    root = opts.fresh_dir or Path(tempfile.mkdtemp(prefix=f"drill-{opts.drill}-"))
+    extra = ("--no-fsync", *FRESH_SERVER_ARGS.get(opts.drill, ()))
+    cluster = LocalCluster(LocalClusterConfig(root=root, servers=opts.servers, netns=opts.drill == "partition",
                                               extra_args=extra))
-    try:
-        cluster.up(wait=90)
-    except LauncherError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    spec = ModelSpec()
-    loaders = LoaderPool(cluster.addresses, spec)
-    try:
-        publish = make_publisher(cluster.addresses, spec)
-        body = _body(args, cluster, spec)
+    cluster.up(wait=opts.ready_timeout_s)
+    return cluster, True
 
-        def run(report: DrillReport) -> None:
-            w = Workload(report, publish=publish, load=loaders, config=WorkloadConfig(loaders=args.loaders))
-            w.start()
-            try:
-                body(report, w)
-            finally:
-                w.stop()
 
-        report = run_drill(args.drill, run, out_dir=args.out or root)
-        print(f"report: {(args.out or root) / (args.drill + '.json')}")
-        return report.exit_code()
+def _cache_off(cluster: "LocalCluster") -> bool:
+    """True when every server runs with --cache-mb 0, so chunk reads reach the disk."""
+    def off(args: list[str]) -> bool:
+        return any(a == "--cache-mb" and i + 1 < len(args) and float(args[i + 1]) == 0 for i, a in enumerate(args))
+
+    return all(off(s.args) for s in cluster.slots)
+
+
+def default_json_path(cluster: "LocalCluster", drill: str) -> Path:
+    return cluster.root / f"{drill}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+
+
+def execute(opts: DrillOptions) -> tuple[DrillReport, Path]:
+    """Run one drill; returns its report and where the JSON went. Raises DrillError / LauncherError
+    when the drill cannot run at all (no cluster, no namespaces)."""
+    from .adapters import LoaderPool, ModelSpec, Publisher, PublisherConfig
+
+    opts.validate()
+    cluster, owned = _open_cluster(opts)
+    try:
+        admin = cluster.config.admin_token
+        read = cluster.config.read_token or admin
+        addresses = cluster.addresses
+        spec = ModelSpec()
+        publisher = Publisher(addresses, spec, PublisherConfig(token=admin))
+        loaders = LoaderPool(addresses, spec, token=read)
+        json_path = opts.json_path or default_json_path(cluster, opts.drill)
+        try:
+            body = _body(opts, cluster, spec, publisher, read)
+
+            def run(report: DrillReport) -> None:
+                report.info.update(cluster=str(cluster.root), fresh_cluster=owned, addresses=addresses,
+                                   workload={"loaders": opts.loaders, "publish_interval_s": opts.interval,
+                                             "model": spec.model, "tag": spec.tag})
+                w = Workload(report, publish=publisher, load=loaders if opts.loaders else None,
+                             config=WorkloadConfig(loaders=opts.loaders, publish_interval_s=opts.interval))
+                w.start()
+                try:
+                    body(report, w)
+                finally:
+                    w.stop()
+
+            report = run_drill(opts.drill, run, render=opts.render)
+            report.write_json(json_path)
+            return report, json_path
+        finally:
+            loaders.close()
     finally:
-        loaders.close()
-        cluster.down()
+        if owned:
+            cluster.down()
 
 
-def _body(args: argparse.Namespace, cluster: object, spec: object) -> Callable[[DrillReport, Workload], None]:
-    """The drill body for args.drill, closed over the cluster (and, for corrupt-chunk, a cold publisher)."""
-    from .adapters import LoaderPool, ModelSpec, make_publisher
+def _body(opts: DrillOptions, cluster: "LocalCluster", spec: object, publisher: object,
+          token: str | None) -> Callable[[DrillReport, Workload], None]:
+    """The drill body for opts.drill, closed over the cluster and the real client operations."""
+    from .adapters import LoaderPool, ModelSpec, Publisher, load_version
 
-    if args.drill == "partition":
-        from .partition import PartitionDrillConfig, run_partition
-
-        return lambda r, w: run_partition(cluster, r, w, PartitionDrillConfig(hold_s=args.hold))  # type: ignore[arg-type]
-    if args.drill == "kill-leader":
-        from .kill_leader import KillLeaderConfig, run_kill_leader
-
-        return lambda r, w: run_kill_leader(cluster, r, w, KillLeaderConfig(rounds=args.rounds))  # type: ignore[arg-type]
-    from .corrupt_chunk import run_corrupt_chunk
-
-    addresses = cluster.addresses  # type: ignore[attr-defined]
-    cold = make_publisher(addresses, ModelSpec(model="drill-cold", tensors=2))
+    addresses = cluster.addresses
+    assert isinstance(spec, ModelSpec) and isinstance(publisher, Publisher)
 
     def load_once():  # type: ignore[no-untyped-def]
-        fresh = LoaderPool(addresses, spec)  # type: ignore[arg-type]
+        fresh = LoaderPool(addresses, spec, token=token)  # a new worker: no client cache hides anything
         try:
             return fresh(0, 0)
         finally:
             fresh.close()
 
-    return lambda r, w: run_corrupt_chunk(cluster, r, w, load_once=load_once,  # type: ignore[arg-type]
-                                          publish_cold=lambda: cold(1))  # type: ignore[arg-type,return-value]
+    if opts.drill == "partition":
+        from .partition import PartitionDrillConfig, run_partition
+
+        return lambda r, w: run_partition(cluster, r, w, PartitionDrillConfig(hold_s=opts.hold_s),
+                                          steer=publisher.prefer)
+    if opts.drill == "kill-leader":
+        from .kill_leader import KillLeaderConfig, run_kill_leader
+
+        return lambda r, w: run_kill_leader(cluster, r, w, KillLeaderConfig(rounds=opts.rounds))
+    if opts.drill == "corrupt-chunk":
+        from .corrupt_chunk import CorruptChunkConfig, run_corrupt_chunk
+
+        # One tensor whose weights no other model or version shares, and that no loader reads.
+        cold = Publisher(addresses, ModelSpec(model="drill-cold", tensors=1), publisher.config)
+        cold_seed = 10_000_000 + int(time.time() * 1000) % 10_000_000
+        cfg = CorruptChunkConfig(expect_disk_reads=_cache_off(cluster))
+        return lambda r, w: run_corrupt_chunk(cluster, r, w, cfg, load_once=load_once,
+                                              publish_cold=lambda: cold(cold_seed))
+    from .restart import RestartConfig, run_restart_cluster, run_restart_server
+
+    if opts.drill == "restart-server":
+        return lambda r, w: run_restart_server(cluster, r, w, RestartConfig(down_s=opts.down_s), server=opts.server)
+    return lambda r, w: run_restart_cluster(
+        cluster, r, w, RestartConfig(),
+        load_version=lambda p: load_version(addresses, spec, p.version, p.seed, token=token),
+        load_once=load_once, publish_once=lambda: publisher(900_001))
+
+
+def build_parser(prog: str = "python -m deploy.drills") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description="Run a fault drill under load (a publisher and loaders) "
+                                "and check the invariants: no committed version lost, no wrong bytes, no rolled-back tag.")
+    p.add_argument("drill", choices=DRILLS, help="which fault to inject")
+    where = p.add_argument_group("cluster (default: a fresh local cluster in a temporary folder, stopped afterwards)")
+    where.add_argument("--cluster-dir", type=Path, default=None, metavar="DIR",
+                       help="drive the running cluster started with 'python -m deploy.local up --dir DIR' "
+                            "(partition needs one started with --netns); it is left running")
+    where.add_argument("--dir", type=Path, default=None, help="folder for the fresh cluster (kept afterwards, with logs)")
+    where.add_argument("--servers", type=int, default=3, help="fresh cluster size (default 3)")
+    p.add_argument("--json", type=Path, default=None, metavar="FILE",
+                   help="write the JSON report here (default: <cluster folder>/<drill>-<UTC time>.json)")
+    p.add_argument("--rounds", type=int, default=10, help="kill-leader: kill/restart rounds (default 10)")
+    p.add_argument("--hold", type=float, default=3.0, help="partition: seconds in each partitioned phase (default 3)")
+    p.add_argument("--down", type=float, default=2.0, help="restart-server: seconds the server stays down (default 2)")
+    p.add_argument("--server", default=None, metavar="ID",
+                   help="restart-server: the server to restart, e.g. ps2 (default: a follower)")
+    p.add_argument("--loaders", type=int, default=2, help="loader threads loading the model by tag (default 2)")
+    p.add_argument("--publish-interval", type=float, default=None,
+                   help="seconds between publishes (default 0.2; corrupt-chunk 1.0)")
+    p.add_argument("--quiet", action="store_true", help="no tables, only the verdict line and the JSON path")
+    return p
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m deploy.drills") -> int:
+    from deploy.local import LauncherError
+
+    args = build_parser(prog).parse_args(argv)
+    opts = DrillOptions(drill=args.drill, rounds=args.rounds, hold_s=args.hold, down_s=args.down, server=args.server,
+                        loaders=args.loaders, publish_interval_s=args.publish_interval, servers=args.servers,
+                        cluster_dir=args.cluster_dir, fresh_dir=args.dir, json_path=args.json, render=not args.quiet)
+    try:
+        report, path = execute(opts)
+    except (DrillError, LauncherError) as exc:
+        print(f"error: drill {args.drill} could not run: {exc}", file=sys.stderr)
+        return EXIT_CANNOT_RUN
+    if args.quiet:
+        broken = ", ".join(c.name for c in report.broken)
+        print(f"drill {args.drill}: " + (f"invariant broken: {broken}" if broken else "every invariant held"))
+    print(f"report: {path}")
+    return report.exit_code()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
