@@ -151,8 +151,9 @@ class ParamServerClient:
                 yield ChunkData(c.id, c.codec, c.raw_size, c.crc32c, c.data)
             yield from reply.errors
 
-    def has_chunks(self, ids: Sequence[str]) -> list[bool]:
-        return list(self.stub.HasChunks(pb.HasChunksRequest(ids=list(ids)), timeout=self.config.timeout_s).present)
+    def has_chunks(self, ids: Sequence[str], *, timeout: float | None = None) -> list[bool]:
+        request = pb.HasChunksRequest(ids=list(ids))
+        return list(self.stub.HasChunks(request, timeout=timeout if timeout is not None else self.config.timeout_s).present)
 
     def report_corrupt(self, chunk_ids: Sequence[str], server_id: str, reporter: str, reason: str = "") -> int:
         reply = self.stub.ReportCorrupt(

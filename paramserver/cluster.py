@@ -8,7 +8,7 @@ All of them take the member list as a callable (the metadata plane's
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Callable, Sequence
 
 import grpc
@@ -88,8 +88,9 @@ class QuorumVersionCheck:
     """CommitVersion's ``version_check``: every chunk of the manifest (and the
     manifest itself) must be on at least W of its R replicas."""
 
-    def __init__(self, peers: PeerSet, local: ChunkStore, *, max_parallel: int = 8) -> None:
+    def __init__(self, peers: PeerSet, local: ChunkStore, *, max_parallel: int = 8, peer_timeout_s: float = 3.0) -> None:
         self.peers = peers
+        self.peer_timeout_s = peer_timeout_s
         self.local = local
         self.max_parallel = max_parallel
 
@@ -106,15 +107,26 @@ class QuorumVersionCheck:
         for cid, servers in placement.items():
             for server in servers:
                 by_server.setdefault(server, []).append(cid)
-        present: dict[str, set[str]] = {}
         members = self.peers.members()
-        with ThreadPoolExecutor(max_workers=self.max_parallel) as pool:
-            futures = {server: pool.submit(self._present_on, members.get(server), server, wanted) for server, wanted in by_server.items()}
-            for server, future in futures.items():
-                present[server] = future.result()
         w = self.peers.quorum(r)
-        short = [(cid, sum(cid in present[s] for s in servers)) for cid, servers in placement.items()]
-        short = [(cid, n) for cid, n in short if n < w]
+        present: dict[str, set[str]] = {server: set() for server in by_server}
+
+        def short_of_quorum() -> list[tuple[str, int]]:
+            counts = ((cid, sum(cid in present[s] for s in servers)) for cid, servers in placement.items())
+            return [(cid, n) for cid, n in counts if n < w]
+
+        # Answers are awaited only until every chunk has W copies: a replica that is down or cut
+        # off must not hold a commit for its full deadline when the others already prove the quorum.
+        pool = ThreadPoolExecutor(max_workers=self.max_parallel)
+        try:
+            pending = {pool.submit(self._present_on, members.get(server), server, wanted): server for server, wanted in by_server.items()}
+            while pending and short_of_quorum():
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in done:
+                    present[pending.pop(future)] = future.result()
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        short = short_of_quorum()
         if short:
             cid, n = short[0]
             raise PreconditionFailed(
@@ -129,7 +141,7 @@ class QuorumVersionCheck:
         if member is None:
             return set()
         try:
-            flags = self.peers.client(member).has_chunks(ids)
+            flags = self.peers.client(member).has_chunks(ids, timeout=self.peer_timeout_s)
         except grpc.RpcError:
             return set()  # an unreachable replica holds nothing we can count on
         return {cid for cid, ok in zip(ids, flags) if ok}

@@ -33,9 +33,10 @@ def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Option
         ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-        # Clients ping every 5 s (below); accept that instead of answering GOAWAY "too many pings".
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 4_000),
+        # The server-side minimum between received pings (GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_
+        # WITHOUT_DATA_MS). Clients ping every 5 s (below); a larger value here answers them with
+        # GOAWAY "too_many_pings".
+        ("grpc.http2.min_ping_interval_without_data_ms", 4_000),
     ]
 
 

@@ -194,7 +194,9 @@ class _Push:
                 found: set[str] = set()
                 for i in range(0, len(ids_here), batch):
                     part = ids_here[i : i + batch]
-                    found.update(cid for cid, ok in zip(part, client.has_chunks(part)) if ok)
+                    # A replica cut off by a partition must cost seconds, not the whole call deadline.
+                    deadline = min(self.view.options.timeout_s, 3.0 + len(part) / 2000)
+                    found.update(cid for cid, ok in zip(part, client.has_chunks(part, timeout=deadline)) if ok)
                 return found
             except grpc.RpcError as exc:
                 if rpc_code(exc) in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
@@ -318,7 +320,14 @@ def commit(
                     model=model, parent=parent, head=head,
                 ) from None  # fmt: skip
             if code not in RETRYABLE or time.monotonic() >= end:
-                raise PushError(f"CommitVersion of {model} failed ({code.name}): {details}; nothing was committed", code) from None
+                # A commit that timed out may still have landed (Raft applied it, the reply was lost).
+                landed = _find_committed(view, model, manifest_id, parent, publisher) if code in RETRYABLE else None
+                if landed is not None:
+                    return landed
+                outcome = "nothing was committed" if code not in RETRYABLE else (
+                    "no committed version was found for it, but the outcome is unknown until the cluster answers again: "
+                    "check with 'paramctl ls " + model + "' before pushing again")
+                raise PushError(f"CommitVersion of {model} failed ({code.name}): {details}; {outcome}", code) from None
         attempt += 1
         time.sleep(min(0.2 * 2**attempt, 2.0))
         try:

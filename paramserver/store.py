@@ -115,6 +115,10 @@ class ChunkStore:
         self._count = 0
         self._bytes = 0
         self._quarantined = 0
+        # Ids whose copy here was found corrupt and set aside, until a good copy is stored again:
+        # a read of one answers "corrupt" (DATA_LOSS), not "not found", so a client can tell that
+        # the bytes were lost here rather than never pushed.
+        self._lost: dict[str, str] = {}
         self._scan()
 
     # ------------------------------------------------------------- paths
@@ -149,6 +153,10 @@ class ChunkStore:
                 except FileNotFoundError:
                     pass
         self._count, self._bytes = count, size
+        for name in os.listdir(self.quarantine_dir):
+            chunk_id = name.split(".", 1)[0]
+            if is_content_id(chunk_id) and not os.path.exists(self._path_str(chunk_id)):
+                self._lost[chunk_id] = "found corrupt before the last restart"
 
     # ------------------------------------------------------------- reads
 
@@ -173,6 +181,11 @@ class ChunkStore:
         try:
             fd = os.open(self._path_str(chunk_id), os.O_RDONLY)
         except FileNotFoundError:
+            lost = self._lost.get(chunk_id)
+            if lost is not None:
+                raise ChunkCorruptError(
+                    chunk_id, f"chunk {chunk_id}: this server's copy was corrupt ({lost}) and is awaiting repair; read it from another replica"
+                ) from None
             raise ChunkNotFoundError(chunk_id, f"chunk {chunk_id} is not stored on this server; read it from another replica") from None
         try:
             file_size = os.fstat(fd).st_size
@@ -281,6 +294,7 @@ class ChunkStore:
         with self._lock:  # concurrent writers of one id: the counters must count it once
             existed = os.path.exists(final)
             os.replace(tmp, final)
+            self._lost.pop(chunk_id, None)
             if not existed:
                 self._count += 1
                 self._bytes += HEADER_SIZE + len(data)
@@ -345,6 +359,8 @@ class ChunkStore:
                 self._count -= 1
                 self._bytes -= size
                 self._quarantined += 1
+        with self._lock:
+            self._lost[chunk_id] = reason
         if self.on_corrupt is not None:
             self.on_corrupt(chunk_id, reason)
         raise ChunkCorruptError(
