@@ -37,8 +37,8 @@ def _checks(data: dict) -> dict[str, dict]:
     return {c["name"]: c for c in data["checks"]}
 
 
-def _assert_held(data: dict, except_: frozenset[str] = frozenset()) -> None:
-    broken = {c["name"]: c["detail"] for c in data["checks"] if not c["ok"] and c["name"] not in except_}
+def _assert_held(data: dict) -> None:
+    broken = {c["name"]: c["detail"] for c in data["checks"] if not c["ok"]}
     assert not broken, f"invariants broken: {json.dumps(broken, indent=1)}"
 
 
@@ -105,25 +105,16 @@ def test_restart_whole_cluster_keeps_versions_tags_clocks(tmp_path: Path) -> Non
 
 _NETNS_OK, _NETNS_WHY = netns_available()
 
-# Known to break until the write path is fixed outside deploy/ (see the drill's report): after the cut the
-# publisher's first commit on the majority side takes > 10 s (paramserver.push: seeds asked one after
-# another, head_version without leader refresh, PutChunks without deadline; the server's commit-time
-# quorum check waits its 10 s peer timeout on the cut-off server). Remove it from here once fixed.
-PARTITION_KNOWN_BROKEN = frozenset({"majority_keeps_committing"})
-
 
 @pytest.mark.root
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not _NETNS_OK, reason=f"partition drill needs root and network namespaces: {_NETNS_WHY}")
 def test_partition_leader_cut_off_with_a_minority(tmp_path: Path) -> None:
     report, data = _run(tmp_path, "partition", hold_s=2.0)
-    _assert_held(data, except_=PARTITION_KNOWN_BROKEN)
+    _assert_held(data)
     checks = _checks(data)
-    for name in ("majority_elects_leader", "minority_commits_nothing", "commits_after_heal", "servers_converged",
-                 "no_lost_commits", "monotonic_reads", "loads_bit_exact", "no_failed_loads"):
+    for name in ("majority_elects_leader", "majority_keeps_committing", "minority_commits_nothing", "commits_after_heal",
+                 "servers_converged", "no_lost_commits", "monotonic_reads", "loads_bit_exact", "no_failed_loads"):
         assert checks[name]["ok"], checks[name]
     assert data["summary"]["time_to_new_leader"]["max"] <= 5.0
-    if not checks["majority_keeps_committing"]["ok"]:
-        pytest.xfail(f"majority_keeps_committing: {checks['majority_keeps_committing']['detail']} "
-                     "(known: push client / commit quorum-check deadlines, outside deploy/)")
     assert report.exit_code() == 0
