@@ -1,17 +1,22 @@
 #!/usr/bin/env python
 """Pull a 1 GiB model from a local 3-server cluster and compare, in the same run, with
 (a) the same 256 KiB chunks read from Redis (redis-py + hiredis, pipeline 32) and
-(b) safetensors.torch.load_file of the same model from local disk. Also prints push GB/s.
+(b) safetensors.torch.load_file of the same model from local disk. The pull runs over the
+servers' bulk TCP ports (paramserver.bulk) and over gRPC GetChunks, each with CRC32C and with
+CRC32C + BLAKE3 verification. Also prints push GB/s.
 
     python bench/bench_pull.py [--size-mib 1024] [--rounds 3] [--streams 3] [--server-cache-mib 1024] [--fsync]
 
 Starts its own cluster (deploy.local) and its own redis-server on 127.0.0.1 with
 a free port, in a temporary folder, and stops both. The machine is noisy:
-compare figures within one run only. Each figure is the best of --rounds.
+compare figures within one run only. Each round runs every method once, in turn; each
+figure is the best (and the median) of --rounds.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import dataclasses
 import shutil
 import socket
 import statistics
@@ -39,15 +44,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def best_of(rounds: int, fn: Callable[[], int]) -> tuple[float, float, int]:
-    """(best seconds, median seconds, bytes) over ``rounds`` runs of ``fn`` (which returns bytes moved)."""
-    times = []
-    nbytes = 0
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        nbytes = fn()
-        times.append(time.perf_counter() - t0)
-    return min(times), statistics.median(times), nbytes
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of this process and of ``pids`` (all their threads), from /proc.
+
+    The machine is shared: wall-clock figures swing 2-3x with the neighbours' load, while the
+    CPU that each method spends per byte does not. Linux only; 0 for pids that are gone.
+    """
+    total = sum(os.times()[:2])
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
 
 
 class RedisServer:
@@ -126,23 +137,23 @@ def main() -> int:
             flush=True,
         )
 
-        options = PullOptions(streams_per_server=args.streams, message_bytes=args.message_kib * 1024)
-        pull_tensors(cluster.seed, "bench:prod", options=options)  # warm server caches and page cache
+        base = PullOptions(streams_per_server=args.streams, message_bytes=args.message_kib * 1024)
+        methods: list[tuple[str, Callable[[], int]]] = []
+        for name, options in [
+            ("pull, bulk TCP (CRC32C verify + assemble)", dataclasses.replace(base, verify="crc", bulk=True)),
+            ("pull, bulk TCP --verify content (+BLAKE3)", dataclasses.replace(base, verify="content", bulk=True)),
+            ("pull, gRPC GetChunks (CRC32C verify + assemble)", dataclasses.replace(base, verify="crc", bulk=False)),
+            ("pull, gRPC GetChunks --verify content", dataclasses.replace(base, verify="content", bulk=False)),
+        ]:
 
-        def do_pull() -> int:
-            tensors, r = pull_tensors(cluster.seed, "bench:prod", options=options)
-            del tensors
-            return r.bytes_total
+            def do_pull(options: PullOptions = options) -> int:
+                tensors, r = pull_tensors(cluster.seed, "bench:prod", options=options)
+                del tensors
+                if options.bulk and r.bulk_bytes != r.bytes_fetched:
+                    print(f"  note: only {r.bulk_bytes} of {r.bytes_fetched} bytes came over bulk ({r.bulk_fallbacks} fallbacks)")
+                return r.bytes_total
 
-        rows.append(("paramserver pull (BLAKE3 verify + assemble)", *best_of(args.rounds, do_pull)))
-        crc_options = PullOptions(streams_per_server=args.streams, message_bytes=args.message_kib * 1024, verify="crc")
-
-        def do_pull_crc() -> int:
-            tensors, r = pull_tensors(cluster.seed, "bench:prod", options=crc_options)
-            del tensors
-            return r.bytes_total
-
-        rows.append(("paramserver pull --verify crc (CRC32C + assemble)", *best_of(args.rounds, do_pull_crc)))
+            methods.append((name, do_pull))
 
         # (a) Redis: the same stored chunks, keyed by content id.
         packed = pack(state, model="bench", config=ChunkingConfig())
@@ -155,6 +166,7 @@ def main() -> int:
             if i % args.pipeline == args.pipeline - 1:
                 pipe.execute()
         pipe.execute()
+        del packed
         import redis.utils
 
         print(f"redis: {len(ids)} chunks loaded on port {redis_server.port} (hiredis {'yes' if redis.utils.HIREDIS_AVAILABLE else 'NO'})", flush=True)
@@ -169,11 +181,7 @@ def main() -> int:
                     n += len(value)
             return n
 
-        do_redis()  # warm-up
-        rows.append((f"redis GET, pipeline {args.pipeline} (bytes only, no verify)", *best_of(args.rounds, do_redis)))
-        r.close()
-        redis_server.stop()
-        redis_server = None
+        methods.append((f"redis GET, pipeline {args.pipeline} (bytes only, no verify)", do_redis))
 
         # (b) Local disk (page cache warm: the file was just written and read).
         def do_load() -> int:
@@ -182,18 +190,51 @@ def main() -> int:
             tensors = load_file(str(model_file))
             return sum(t.clone().numel() * t.element_size() for t in tensors.values())
 
-        do_load()
-        rows.append(("safetensors load_file + read (local disk, warm)", *best_of(args.rounds, do_load)))
+        methods.append(("safetensors load_file + read (local disk, warm)", do_load))
+
+        # The machine is noisy: every round runs every method once, in turn, so that a busy
+        # spell hits them all alike; each figure is the best (and the median) over the rounds.
+        for _name, fn in methods:
+            fn()  # warm-up: server caches, page cache, Redis, connections
+        times: dict[str, list[float]] = {name: [] for name, _fn in methods}
+        cpu: dict[str, list[float]] = {name: [] for name, _fn in methods}
+        sizes: dict[str, int] = {}
+        # CPU of the client (this process) plus the servers it reads from: the 3 paramservers, or redis-server.
+        server_pids = [slot.pid for slot in cluster.slots if slot.pid]
+        pids_of = {name: ([redis_server.proc.pid] if name.startswith("redis") else [] if name.startswith("safetensors") else server_pids)
+                   for name, _fn in methods}
+        for round_no in range(args.rounds):
+            for name, fn in methods:
+                c0 = cpu_seconds(pids_of[name])
+                t0 = time.perf_counter()
+                sizes[name] = fn()
+                times[name].append(time.perf_counter() - t0)
+                cpu[name].append(cpu_seconds(pids_of[name]) - c0)
+                print(f"round {round_no + 1}: {name}: {sizes[name] / times[name][-1] / 1e9:.2f} GB/s, "
+                      f"{cpu[name][-1] / sizes[name] * 1e9:.2f} CPU ns/B", flush=True)
+        rows = [(name, min(times[name]), statistics.median(times[name]), sizes[name]) for name, _fn in methods]
+        cpu_ns = {name: min(cpu[name]) / sizes[name] * 1e9 for name, _fn in methods}
+        r.close()
+        redis_server.stop()
+        redis_server = None
 
         print()
-        print(f"{'method':48s} {'best GB/s':>10s} {'median GB/s':>12s}")
+        cores = os.cpu_count() or 1
+        print(f"{'method':48s} {'best GB/s':>10s} {'median GB/s':>12s} {'CPU ns/B':>9s} {f'GB/s on {cores} idle cores':>22s}")
         for name, best, median, nbytes in rows:
-            print(f"{name:48s} {nbytes / best / 1e9:10.2f} {nbytes / median / 1e9:12.2f}")
-        gbps = {name: nbytes / best / 1e9 for name, best, _m, nbytes in rows}
-        pull_gbps, crc_gbps, redis_gbps, disk_gbps = (gbps[name] for name, *_ in rows)
+            # client + server CPU per byte: a figure the neighbours' load does not move much
+            print(f"{name:48s} {nbytes / best / 1e9:10.2f} {nbytes / median / 1e9:12.2f} {cpu_ns[name]:9.2f} {cores / cpu_ns[name]:22.2f}")
+        gbps = [nbytes / best / 1e9 for _name, best, _m, nbytes in rows]
+        bulk_gbps, bulk_content_gbps, grpc_gbps, grpc_content_gbps, redis_gbps, disk_gbps = gbps
         print()
-        print(f"pull / redis      = {pull_gbps / redis_gbps:.2f}x   (target >= 1.0x, goal 1.5x); with --verify crc {crc_gbps / redis_gbps:.2f}x")
-        print(f"pull / local disk = {pull_gbps / disk_gbps:.2f}x; with --verify crc {crc_gbps / disk_gbps:.2f}x")
+        print(f"bulk pull / redis = {bulk_gbps / redis_gbps:.2f}x  (target >= 1.0x, goal 1.5x); --verify content {bulk_content_gbps / redis_gbps:.2f}x")
+        print(f"gRPC pull / redis = {grpc_gbps / redis_gbps:.2f}x; --verify content {grpc_content_gbps / redis_gbps:.2f}x")
+        print(f"bulk / gRPC       = {bulk_gbps / grpc_gbps:.2f}x")
+        names = [name for name, *_ in rows]
+        bulk_cpu, redis_cpu, grpc_cpu = cpu_ns[names[0]], cpu_ns[names[4]], cpu_ns[names[2]]
+        print(f"CPU per byte (client + servers): bulk {bulk_cpu:.2f} ns/B, gRPC {grpc_cpu:.2f}, redis {redis_cpu:.2f}; "
+              f"redis / bulk = {redis_cpu / bulk_cpu:.2f}x (above 1: the bulk pull needs less CPU per byte than Redis)")
+        print(f"bulk pull / local disk = {bulk_gbps / disk_gbps:.2f}x; gRPC pull / local disk = {grpc_gbps / disk_gbps:.2f}x")
         print(f"push              = {report.gbps:.2f} GB/s end to end, {report.upload_gbps:.2f} GB/s over the wire")
         return 0
     finally:

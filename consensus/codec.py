@@ -41,6 +41,8 @@ def member_record(data: Mapping[str, Any]) -> MemberRecord:
         raft_address=data["raft_address"],
         state=data.get("state", "up"),
         zone=data.get("zone", ""),
+        # records written before the bulk port existed have no such key
+        bulk_address=data.get("bulk_address", ""),
     )
 
 
@@ -52,6 +54,7 @@ def member_command(member: MemberRecord) -> dict[str, Any]:
         "raft_address": member.raft_address,
         "state": member.state,
         "zone": member.zone,
+        "bulk_address": member.bulk_address,
     }
 
 
@@ -89,4 +92,5 @@ def member_to_json(record: MemberRecord) -> dict[str, Any]:
         "raft_address": record.raft_address,
         "state": record.state,
         "zone": record.zone,
+        "bulk_address": record.bulk_address,
     }

@@ -18,6 +18,7 @@ class MemberRecord:
     raft_address: str  # host:port of the pysyncobj node
     state: str = "up"  # "up" | "leaving"
     zone: str = ""
+    bulk_address: str = ""  # host:port of the bulk chunk-read port, "" when the server has none
 
 
 @dataclass(frozen=True)

@@ -239,6 +239,10 @@ class MetadataState:
         zone = c.get("zone", "")
         if not isinstance(zone, str) or len(zone) > 128:
             raise Invalid(f"zone must be a string of at most 128 chars, got {zone!r}")
+        # optional: "" means the member serves chunk bytes over gRPC only
+        bulk_address = c.get("bulk_address", "") or ""
+        if bulk_address:
+            bulk_address = check_address("bulk address", bulk_address)
         for other in self._members.values():
             if other["server_id"] != server_id and other["raft_address"] == raft_address:
                 raise Conflict(
@@ -252,7 +256,7 @@ class MetadataState:
                 "remove the member and add it again"
             )
         return {"server_id": server_id, "grpc_address": grpc_address, "raft_address": raft_address,
-                "state": state, "zone": zone}
+                "state": state, "zone": zone, "bulk_address": bulk_address}
 
     def _remove_member(self, c: Command) -> None:
         server_id = check_name("server id", c.get("server_id"))

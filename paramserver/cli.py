@@ -64,6 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--orphan-grace", type=float, dest="orphan_grace_s",
                    help=f"an unreferenced chunk is deleted only when older than this many seconds (default {d['orphan_grace_s'].default})")
     s.add_argument("--workers", type=int, help=f"gRPC server threads (default {d['workers'].default})")
+    s.add_argument("--bulk-listen", help="plain-TCP bulk chunk-read address HOST:PORT (default: the --listen host, a free port); "
+                                         "advertised to clients, off when TLS is on")
+    s.add_argument("--no-bulk", action="store_true", help="serve chunk bytes over gRPC GetChunks only (no bulk port)")
     s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default: off)")
     s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level")
     return p
@@ -73,7 +76,7 @@ def _overrides(a: argparse.Namespace) -> dict[str, Any]:
     o: dict[str, Any] = {k: getattr(a, k) for k in (
         "server_id", "data_dir", "listen", "advertise", "raft", "zone", "replication_factor", "write_quorum", "vnodes",
         "admin_token", "read_token", "raft_secret", "tls_cert", "tls_key", "tls_ca", "repair_interval_s",
-        "anti_entropy_interval_s", "gc_interval_s", "orphan_grace_s", "workers")}
+        "anti_entropy_interval_s", "gc_interval_s", "orphan_grace_s", "workers", "bulk_listen")}
     o["peers"] = tuple(a.peers) if a.peers else None
     if a.cache_mb is not None:
         o["cache_bytes"] = a.cache_mb * MiB
@@ -85,6 +88,8 @@ def _overrides(a: argparse.Namespace) -> dict[str, Any]:
         o["scrub_bytes_per_s"] = a.scrub_mb_per_s * MiB
     if a.no_fsync:
         o["fsync"] = False
+    if a.no_bulk:
+        o["bulk"] = False
     return o
 
 

@@ -58,11 +58,23 @@ class ServerConfig:
     gc_interval_s: float = 600.0  # orphan-chunk collection period; 0 disables it
     orphan_grace_s: float = 3600.0  # an unreferenced chunk is deleted only when older than this (longer than any push)
     workers: int = 16  # gRPC server thread pool
+    # Plain-TCP bulk read port (paramserver/bulk.py): chunk bytes without gRPC's per-byte cost.
+    # None -> the host of ``listen`` with a free port. Off when TLS is configured (it has no encryption).
+    bulk_listen: str | None = None
+    bulk: bool = True
     extra: Mapping[str, Any] = field(default_factory=dict)  # unknown keys from a file, for other components
 
     @property
     def advertise_address(self) -> str:
         return self.advertise or self.listen
+
+    @property
+    def bulk_enabled(self) -> bool:
+        return self.bulk and self.tls_cert is None
+
+    @property
+    def bulk_listen_address(self) -> str:
+        return self.bulk_listen or f"{self.listen.rpartition(':')[0]}:0"
 
     def effective_write_quorum(self, cluster_size: int) -> int:
         r = max(1, min(self.replication_factor, cluster_size))
@@ -116,6 +128,8 @@ class ServerConfig:
             raise ConfigError(f"anti_entropy_interval_s must be > 0, got {self.anti_entropy_interval_s}")
         if self.gc_interval_s < 0 or self.orphan_grace_s < 0:
             raise ConfigError("gc_interval_s and orphan_grace_s must be >= 0 (gc_interval_s 0 disables orphan collection)")
+        if self.bulk_listen is not None:
+            _check_hostport("bulk_listen", self.bulk_listen)
         if not 1 <= self.workers <= 1024:
             raise ConfigError(f"workers must be between 1 and 1024, got {self.workers}")
         return self

@@ -90,7 +90,8 @@ def _tag_pb(t: TagRecord) -> pb.Tag:
 
 
 def _member_pb(m: MemberRecord) -> pb.Member:
-    return pb.Member(server_id=m.server_id, grpc_address=m.grpc_address, raft_address=m.raft_address, state=m.state, zone=m.zone)
+    return pb.Member(server_id=m.server_id, grpc_address=m.grpc_address, raft_address=m.raft_address, state=m.state, zone=m.zone,
+                     bulk_address=m.bulk_address)
 
 
 def _read_pb(r: ReadResult[object]) -> pb.ReadInfo:
@@ -207,7 +208,8 @@ class MetadataService:
         m = request.member
         _need(context, server_id=m.server_id, grpc_address=m.grpc_address, raft_address=m.raft_address)
         try:
-            self.metadata.add_member(MemberRecord(m.server_id, m.grpc_address, m.raft_address, m.state or "up", m.zone))
+            self.metadata.add_member(MemberRecord(m.server_id, m.grpc_address, m.raft_address, m.state or "up", m.zone,
+                                                     m.bulk_address))
             members = self.metadata.members()
         except MAPPED as exc:
             abort_with(context, exc)

@@ -13,7 +13,9 @@ from consensus.errors import MetadataError
 from consensus.node import MetadataNode
 from consensus.records import MemberRecord
 
+from .auth import AuthConfig
 from .background import Periodic
+from .bulk import BulkServer
 from .cluster import PeerSet, QuorumVersionCheck, ReplicaFetcher, cluster_blob_fetcher
 from .config import ServerConfig
 from .gc import OrphanCollector, References
@@ -34,6 +36,7 @@ class ParamServer:
     node: MetadataNode | None = None
     store: ChunkStore | None = None
     running: RunningServer | None = None
+    bulk: BulkServer | None = None
     _tasks: list[Periodic] = field(default_factory=list)
     _stopped: threading.Event = field(default_factory=threading.Event)
     _registered: threading.Event = field(default_factory=threading.Event)
@@ -62,6 +65,9 @@ class ParamServer:
         self.running = start_server(cfg, store, metadata=node, repair_queue=queue, fetch_blob=fetch_blob,
                                     version_check=QuorumVersionCheck(peers, store))
         log.info("%s serving gRPC on %s, Raft on %s", cfg.server_id, self.running.address, cfg.raft)
+        if cfg.bulk_enabled:
+            self.bulk = BulkServer(store, AuthConfig(cfg.admin_token, cfg.read_token), cfg.bulk_listen_address).start()
+            log.info("%s serving bulk chunk reads on %s", cfg.server_id, self.bulk.address)
 
         references = References(node, fetch_blob)
         threading.Thread(target=self._register_loop, name="register", daemon=True).start()
@@ -85,7 +91,7 @@ class ParamServer:
         """Publish this server's member record once a leader exists; retry until it sticks."""
         assert self.node is not None
         cfg = self.config
-        me = MemberRecord(cfg.server_id, cfg.advertise_address, cfg.raft, "up", cfg.zone)
+        me = MemberRecord(cfg.server_id, cfg.advertise_address, cfg.raft, "up", cfg.zone, self.bulk_advertise_address)
         delay = 0.1
         while not self._stopped.is_set():
             try:
@@ -101,6 +107,13 @@ class ParamServer:
             self._stopped.wait(delay)
             delay = min(2.0, delay * 2)
 
+    @property
+    def bulk_advertise_address(self) -> str:
+        """Host of the advertised gRPC address + the bound bulk port; "" without a bulk port."""
+        if self.bulk is None:
+            return ""
+        return f"{self.config.advertise_address.rpartition(':')[0]}:{self.bulk.port}"
+
     def wait_registered(self, timeout: float) -> bool:
         return self._registered.wait(timeout)
 
@@ -108,6 +121,8 @@ class ParamServer:
         self._stopped.set()
         for task in self._tasks:
             task.stop(timeout=5.0)
+        if self.bulk is not None:
+            self.bulk.stop()
         if self.running is not None:
             self.running.stop(grace=1.0)
         if self.node is not None:

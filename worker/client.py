@@ -19,6 +19,7 @@ import grpc
 
 from chunking.errors import ManifestError
 from chunking.manifest import ChunkRef, Manifest
+from paramserver.bulkclient import BulkPool
 from paramserver.client import ClientConfig, ParamServerClient
 from paramserver.proto import pb
 from paramserver.ring import Ring, RingConfig
@@ -30,7 +31,9 @@ from worker.errors import (
     StaleRead,
     WorkerError,
 )
-from worker.fetch import RETRYABLE, ChunkFetch, FetchStats, OnChunk
+from worker.fetch import RETRYABLE, VERIFY_MODES, ChunkFetch, FetchStats, OnChunk
+
+BULK_DOWN_S = 30.0  # after a bulk failure, that address is read over GetChunks this long
 from worker.monotonic import MonotonicReads, Resolution
 from worker.replicas import ReplicaSelector
 
@@ -40,6 +43,7 @@ class Member:
     address: str
     zone: str = ""
     up: bool = True
+    bulk_address: str = ""  # the server's plain-TCP bulk read port (paramserver.bulk); "" when none
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,14 @@ def _parse_seeds(seeds: str | Sequence[str]) -> list[str]:
 class ClusterClient:
     """Thread-safe; one per worker process. Close it (or use ``with``) to free channels and threads."""
 
-    def __init__(self, seeds: str | Sequence[str], token: str | None = None, config: ClusterClientConfig | None = None) -> None:
+    def __init__(self, seeds: str | Sequence[str], token: str | None = None, config: ClusterClientConfig | None = None,
+                 *, bulk: bool = True, verify: str = "crc") -> None:
+        """``bulk``: read chunk bytes over the servers' bulk ports when they advertise one (GetChunks
+        otherwise and on any bulk failure). ``verify``: "crc" checks every chunk's size and CRC32C
+        from the manifest (authentic: the manifest is checked by its content id); "content" also
+        checks each chunk's BLAKE3/SHA-256 content id (~0.4 ns/B more)."""
+        if verify not in VERIFY_MODES:
+            raise WorkerError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
         config = config or ClusterClientConfig()
         if token is not None:
             from dataclasses import replace
@@ -92,6 +103,9 @@ class ClusterClient:
         self._term = 0
         self._refreshed_at = -1e9
         self._pool = ThreadPoolExecutor(max_workers=config.max_streams, thread_name_prefix="paramworker-fetch")
+        self.verify = verify
+        # Connections to bulk ports, pooled; an address that failed is left alone for a while.
+        self.bulk: BulkPool | None = BulkPool(self.config.token, down_for_s=BULK_DOWN_S, io_timeout_s=self.config.call_timeout_s) if bulk else None
         self._side = ThreadPoolExecutor(max_workers=2, thread_name_prefix="paramworker-report")
         self._closed = False
 
@@ -103,6 +117,8 @@ class ClusterClient:
         self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._side.shutdown(wait=True, cancel_futures=True)
+        if self.bulk is not None:
+            self.bulk.close()
         with self._lock:
             clients, self._clients = list(self._clients.values()), {}
         for c in clients:
@@ -142,7 +158,7 @@ class ClusterClient:
         )
 
     def _apply_info(self, info: pb.ClusterInfoReply) -> None:
-        members = {m.server_id: Member(m.server_id, m.grpc_address, m.zone, m.state == "up") for m in info.members}
+        members = {m.server_id: Member(m.server_id, m.grpc_address, m.zone, m.state == "up", m.bulk_address) for m in info.members}
         if not members:
             raise ClusterUnavailable(f"server {info.server_id} reports no members; the cluster is not initialised yet")
         up = {sid: m.zone for sid, m in members.items() if m.up}
@@ -186,6 +202,11 @@ class ClusterClient:
         if m is None:
             raise ClusterUnavailable(f"server {server_id} is not a member any more; refresh the cluster view")
         return m.address
+
+    def _bulk_address(self, server_id: str) -> str:
+        with self._lock:
+            m = self._members.get(server_id)
+        return m.bulk_address if m is not None else ""
 
     def _name(self, address: str) -> str:
         return self._by_address.get(address, address)
@@ -365,7 +386,8 @@ class ClusterClient:
         """Fetch and verify ``refs`` (distinct ids, taken from a trusted manifest), in order.
 
         ``on_chunk(ref, raw, server_id)`` runs on a fetch thread with the verified raw bytes, as soon
-        as each chunk arrives. Raises ChunkDataLoss / ChunkUnavailable naming the first chunk that
+        as each chunk arrives; ``raw`` may be a view of a receive buffer that is reused once the
+        call returns, so copy what must outlive it. Raises ChunkDataLoss / ChunkUnavailable naming the first chunk that
         no replica could serve; an exception from ``on_chunk`` aborts the fetch and is re-raised.
         """
         return ChunkFetch(self, refs, on_chunk, algorithm, tensors_of).run()

@@ -4,6 +4,13 @@ The chunks are planned onto replicas (``ReplicaSelector``), batched into GetChun
 ids per server, and run on the client's bounded pool of streams. A call that fails (UNAVAILABLE,
 a timeout, DATA_LOSS, a CORRUPT/MISSING ack, bytes that fail the manifest's checks) hands the
 chunks it still owed back to the planner, which sends them to replicas not tried yet.
+
+When the server advertises a bulk port (paramserver.bulk) the call reads the chunk bytes there
+instead (plain TCP, ``recv_into`` a reused buffer); whatever the bulk path did not deliver (a
+connection error, a refused token, a bad frame) goes over GetChunks in the same call, and the
+address is parked for a while. MISSING and CORRUPT answers count as on the gRPC path. Either
+way every chunk is checked against the manifest (size + CRC32C, and the content id with
+``verify="content"``) before on_chunk sees it.
 """
 from __future__ import annotations
 
@@ -17,8 +24,10 @@ import grpc
 
 from chunking.codec import decode_chunk
 from chunking.errors import ChunkCorrupt
-from chunking.hashing import Buffer
+from chunking.hashing import Buffer, content_id
 from chunking.manifest import ChunkRef
+from paramserver import bulk as bulk_proto
+from paramserver.bulkclient import BulkError
 from paramserver.proto import pb
 from worker.errors import ChunkDataLoss, ChunkUnavailable, ClusterUnavailable, WorkerError
 from worker.replicas import Want, batches
@@ -33,6 +42,9 @@ RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
 
 OnChunk = Callable[[ChunkRef, Buffer, str], None]
 
+# "crc": size + CRC32C from the (content-id-verified) manifest; "content": also the chunk's content id.
+VERIFY_MODES = ("crc", "content")
+
 
 @dataclass
 class FetchStats:
@@ -42,6 +54,8 @@ class FetchStats:
     failovers: int = 0
     corrupt_reports: int = 0
     by_server: dict[str, int] = field(default_factory=dict)
+    bulk_bytes: int = 0  # stored bytes that came over bulk ports (the rest over GetChunks)
+    bulk_fallbacks: int = 0  # calls whose bulk read failed and went on over GetChunks
 
     def merge(self, other: FetchStats) -> None:
         self.chunks += other.chunks
@@ -49,6 +63,8 @@ class FetchStats:
         self.calls += other.calls
         self.failovers += other.failovers
         self.corrupt_reports += other.corrupt_reports
+        self.bulk_bytes += other.bulk_bytes
+        self.bulk_fallbacks += other.bulk_fallbacks
         for k, v in other.by_server.items():
             self.by_server[k] = self.by_server.get(k, 0) + v
 
@@ -156,6 +172,69 @@ class ChunkFetch:
                 self.in_flight -= 1
                 self.cond.notify_all()
 
+    def _deliver(self, server: str, cid: str, data: Buffer, retry: list[str]) -> int:
+        """Verify one received chunk and hand it on; the stored bytes delivered (0 when not)."""
+        c = self.c
+        ref = self.refs[cid]
+        try:
+            raw = decode_chunk(ref, data, algorithm=self.algorithm)
+            if c.verify == "content" and content_id(raw, self.algorithm) != cid:
+                raise ChunkCorrupt(cid, "content id of the raw bytes does not match", (), ref.index)
+        except ChunkCorrupt as exc:
+            # Bytes that fail the manifest's checks never reach a tensor.
+            self._note(cid, server, f"corrupt bytes ({exc.reason})", corrupt=True)
+            c._report_async([cid], server, f"worker verification failed: {exc.reason}")
+            with self.cond:
+                self.stats.corrupt_reports += 1
+            retry.append(cid)
+            return 0
+        with self.cond:
+            if cid not in self.pending or self.error is not None:
+                return 0
+            self.pending.discard(cid)
+        self.on_chunk(ref, raw, server)
+        n = len(data)
+        with self.cond:
+            self.stats.chunks += 1
+            self.stats.stored_bytes += n
+            self.stats.by_server[server] = self.stats.by_server.get(server, 0) + n
+        return n
+
+    def _refused(self, server: str, cid: str, corrupt: bool, message: str, retry: list[str]) -> None:
+        """The server answered MISSING or CORRUPT for ``cid``."""
+        self._note(cid, server, ("DATA_LOSS: " if corrupt else "missing: ") + message[:200], corrupt=corrupt)
+        if corrupt:
+            self.c._report_async([cid], server, "server answered CORRUPT: " + message[:200])
+            with self.cond:
+                self.stats.corrupt_reports += 1
+        retry.append(cid)
+
+    def _bulk(self, server: str, waiting: dict[str, None], retry: list[str]) -> int:
+        """Read what ``waiting`` owes over the server's bulk port; what is left goes to GetChunks."""
+        c = self.c
+        if c.bulk is None:
+            return 0
+        client = c.bulk.client(c._bulk_address(server))
+        if client is None:
+            return 0
+        got = 0
+        try:
+            for item in client.fetch(list(waiting)):
+                if item.id not in waiting:
+                    continue
+                del waiting[item.id]
+                if item.status == bulk_proto.OK:
+                    got += self._deliver(server, item.id, item.data, retry)
+                else:
+                    self._refused(server, item.id, item.status == bulk_proto.CORRUPT, item.message, retry)
+        except BulkError:
+            c.bulk.mark_broken(client.address)  # GetChunks serves the rest and, for a while, this server
+            with self.cond:
+                self.stats.bulk_fallbacks += 1
+        with self.cond:
+            self.stats.bulk_bytes += got
+        return got
+
     def _stream(self, server: str, ids: list[str]) -> None:
         c = self.c
         waiting = dict.fromkeys(ids)  # ordered set of ids this call still owes
@@ -166,47 +245,21 @@ class ChunkFetch:
         retry: list[str] = []
         self.stats.calls += 1
         try:
-            address = c._address(server)
-            request = pb.GetChunksRequest(ids=ids, max_message_bytes=c.config.get_message_bytes, allow_partial=True)
-            for reply in c.server(address).stub.GetChunks(request, timeout=timeout):
-                for chunk in reply.chunks:
-                    cid = chunk.id
-                    if cid not in waiting:
-                        continue
-                    del waiting[cid]
-                    ref = self.refs[cid]
-                    data = chunk.data
-                    try:
-                        raw = decode_chunk(ref, data, algorithm=self.algorithm)
-                    except ChunkCorrupt as exc:
-                        # Bytes that fail the manifest's checks never reach a tensor.
-                        self._note(cid, server, f"corrupt bytes ({exc.reason})", corrupt=True)
-                        c._report_async([cid], server, f"worker verification failed: {exc.reason}")
-                        with self.cond:
-                            self.stats.corrupt_reports += 1
-                        retry.append(cid)
-                        continue
-                    with self.cond:
-                        if cid not in self.pending or self.error is not None:
+            got += self._bulk(server, waiting, retry)
+            if waiting:
+                address = c._address(server)
+                request = pb.GetChunksRequest(ids=list(waiting), max_message_bytes=c.config.get_message_bytes, allow_partial=True)
+                for reply in c.server(address).stub.GetChunks(request, timeout=timeout):
+                    for chunk in reply.chunks:
+                        if chunk.id not in waiting:
                             continue
-                        self.pending.discard(cid)
-                    self.on_chunk(ref, raw, server)
-                    got += len(data)
-                    with self.cond:
-                        self.stats.chunks += 1
-                        self.stats.stored_bytes += len(data)
-                        self.stats.by_server[server] = self.stats.by_server.get(server, 0) + len(data)
-                for ack in reply.errors:
-                    if ack.id not in waiting:
-                        continue
-                    del waiting[ack.id]
-                    corrupt = ack.status == pb.CORRUPT
-                    self._note(ack.id, server, ("DATA_LOSS: " if corrupt else "missing: ") + ack.message[:200], corrupt=corrupt)
-                    if corrupt:
-                        c._report_async([ack.id], server, "server answered CORRUPT: " + ack.message[:200])
-                        with self.cond:
-                            self.stats.corrupt_reports += 1
-                    retry.append(ack.id)
+                        del waiting[chunk.id]
+                        got += self._deliver(server, chunk.id, chunk.data, retry)
+                    for ack in reply.errors:
+                        if ack.id not in waiting:
+                            continue
+                        del waiting[ack.id]
+                        self._refused(server, ack.id, ack.status == pb.CORRUPT, ack.message, retry)
         except grpc.RpcError as exc:
             code = exc.code()
             if code not in RETRYABLE and code != grpc.StatusCode.NOT_FOUND:
@@ -242,4 +295,4 @@ class ChunkFetch:
             self._submit(sorted(retry, key=self.order.__getitem__))
 
 
-__all__ = ["ChunkFetch", "FetchStats", "OnChunk", "RETRYABLE"]
+__all__ = ["ChunkFetch", "FetchStats", "OnChunk", "RETRYABLE", "VERIFY_MODES"]

@@ -23,18 +23,20 @@ CORRUPT: ChunkStatus
 REJECTED: ChunkStatus
 
 class Member(_message.Message):
-    __slots__ = ("server_id", "grpc_address", "raft_address", "state", "zone")
+    __slots__ = ("server_id", "grpc_address", "raft_address", "state", "zone", "bulk_address")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RAFT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ZONE_FIELD_NUMBER: _ClassVar[int]
+    BULK_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     grpc_address: str
     raft_address: str
     state: str
     zone: str
-    def __init__(self, server_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., raft_address: _Optional[str] = ..., state: _Optional[str] = ..., zone: _Optional[str] = ...) -> None: ...
+    bulk_address: str
+    def __init__(self, server_id: _Optional[str] = ..., grpc_address: _Optional[str] = ..., raft_address: _Optional[str] = ..., state: _Optional[str] = ..., zone: _Optional[str] = ..., bulk_address: _Optional[str] = ...) -> None: ...
 
 class RingParams(_message.Message):
     __slots__ = ("vnodes", "replication_factor", "write_quorum", "hash")

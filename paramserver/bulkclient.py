@@ -1,0 +1,281 @@
+"""Client of the bulk chunk-read protocol (paramserver.bulk): recv_into straight into caller buffers.
+
+A ``BulkClient`` keeps a small pool of authenticated connections to one server's bulk
+port; ``fetch`` borrows one for a request and returns it when the reply has been read in
+full. Any failure raises a ``BulkError`` subclass and closes that connection; the caller
+falls back to gRPC GetChunks. Chunk bytes are *not* verified here: callers check them
+against the manifest before they reach a tensor.
+"""
+from __future__ import annotations
+
+import select
+import socket
+import threading
+import time
+from typing import Callable, Iterator, NamedTuple, Sequence
+
+from .bulk import (
+    HEADER,
+    MAGIC,
+    MAX_IDS,
+    OK,
+    ERROR,
+    SOCKET_BUFFER_BYTES,
+    STATUS_NAMES,
+    VERSION,
+    W_OK,
+    W_UNAUTHENTICATED,
+    WELCOME,
+    ProtocolError,
+    decode_header,
+    encode_hello,
+    encode_request,
+    recv_exact,
+)
+
+# Refuse a declared payload larger than this: chunking's largest chunk is 64 MiB.
+MAX_PAYLOAD_BYTES = 65 << 20
+MAX_MESSAGE_BYTES = 4096
+
+Into = Callable[[str, int], "memoryview | None"]
+
+
+class BulkError(Exception):
+    """The bulk path failed for this request; fall back to GetChunks."""
+
+    def __init__(self, address: str, message: str) -> None:
+        super().__init__(f"bulk {address}: {message}")
+        self.address = address
+
+
+class BulkUnavailable(BulkError):
+    """Cannot connect, the connection broke, or a timeout."""
+
+
+class BulkUnauthenticated(BulkError):
+    """The server refused the token; the message says which one it expects."""
+
+
+class BulkProtocolFailure(BulkError):
+    """The server sent bytes this client cannot accept, or refused the request."""
+
+
+class BulkItem(NamedTuple):
+    id: str
+    status: int  # bulk.OK / MISSING / CORRUPT
+    codec: str
+    raw_size: int
+    crc32c: int
+    data: memoryview  # OK: the stored bytes (caller's buffer or a reused one); else the reason, utf-8
+
+    @property
+    def status_name(self) -> str:
+        return STATUS_NAMES.get(self.status, str(self.status))
+
+    @property
+    def message(self) -> str:
+        return "" if self.status == OK else bytes(self.data).decode("utf-8", "replace")
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise BulkUnavailable(address, "address must be HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+class _Conn:
+    def __init__(self, address: str, token: str | None, connect_timeout_s: float, io_timeout_s: float) -> None:
+        self.address = address
+        host, port = split_address(address)
+        try:
+            sock = socket.create_connection((host, port), timeout=connect_timeout_s)
+        except OSError as exc:
+            raise BulkUnavailable(address, f"cannot connect: {exc}") from None
+        self.sock = sock
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+            sock.settimeout(io_timeout_s)
+            sock.sendall(encode_hello(token))
+            head = bytearray(WELCOME.size)
+            recv_exact(sock, memoryview(head))
+            magic, status, n = WELCOME.unpack(head)
+            if magic != MAGIC:
+                raise BulkProtocolFailure(address, "the peer is not a bulk server (bad magic in its welcome)")
+            message = bytearray(n)
+            recv_exact(sock, memoryview(message))
+            if status == W_UNAUTHENTICATED:
+                raise BulkUnauthenticated(address, message.decode("utf-8", "replace"))
+            if status != W_OK:
+                raise BulkProtocolFailure(address, message.decode("utf-8", "replace") or f"welcome status {status}")
+        except (OSError, EOFError) as exc:
+            sock.close()
+            raise BulkUnavailable(address, f"handshake failed: {exc}") from None
+        except BaseException:
+            sock.close()
+            raise
+        self.scratch = bytearray(0)  # reused receive buffer when the caller gives none
+        self.header = bytearray(HEADER.size)
+
+    def buffer(self, n: int) -> memoryview:
+        if len(self.scratch) < n:
+            self.scratch = bytearray(max(n, 2 * len(self.scratch)))
+        return memoryview(self.scratch)[:n]
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class BulkClient:
+    """Pooled connections to one bulk address; thread-safe (one request per connection at a time)."""
+
+    def __init__(self, address: str, token: str | None = None, *, connect_timeout_s: float = 3.0,
+                 io_timeout_s: float = 30.0, max_idle: int = 8) -> None:
+        split_address(address)
+        self.address = address
+        self.token = token
+        self.connect_timeout_s = connect_timeout_s
+        self.io_timeout_s = io_timeout_s
+        self.max_idle = max_idle
+        self._idle: list[_Conn] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _take(self) -> _Conn:
+        while True:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                break
+            # An idle connection has nothing to read; readable means the server closed it
+            # (idle timeout, restart): drop it rather than fail the request on it.
+            if not select.select([conn.sock], [], [], 0)[0]:
+                return conn
+            conn.close()
+        return _Conn(self.address, self.token, self.connect_timeout_s, self.io_timeout_s)
+
+    def _give(self, conn: _Conn) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < self.max_idle:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def fetch(self, ids: Sequence[str], into: Into | None = None) -> Iterator[BulkItem]:
+        """Yield one BulkItem per id, in order.
+
+        ``into(id, stored_size)`` may return a writable memoryview of exactly ``stored_size``
+        bytes to receive an OK chunk into; with None (or no ``into``) the bytes land in a
+        buffer reused by the next item, so consume each item before asking for the next.
+        Raises BulkError; a generator closed early closes its connection.
+        """
+        for start in range(0, len(ids), MAX_IDS):
+            yield from self._fetch_batch(ids[start : start + MAX_IDS], into)
+
+    def _fetch_batch(self, ids: Sequence[str], into: Into | None) -> Iterator[BulkItem]:
+        if not ids:
+            return
+        try:
+            request = encode_request(ids)
+        except ValueError as exc:
+            raise BulkProtocolFailure(self.address, f"cannot encode the request: {exc}") from None
+        conn = self._take()
+        finished = False
+        try:
+            try:
+                conn.sock.sendall(request)
+            except OSError as exc:
+                # A pooled connection the server closed while idle: one fresh try.
+                conn.close()
+                conn = _Conn(self.address, self.token, self.connect_timeout_s, self.io_timeout_s)
+                try:
+                    conn.sock.sendall(request)
+                except OSError as exc2:
+                    raise BulkUnavailable(self.address, f"send failed: {exc2} (after {exc})") from None
+            header = memoryview(conn.header)
+            for chunk_id in ids:
+                recv_exact(conn.sock, header)
+                try:
+                    status, codec, raw_size, stored_size, crc = decode_header(header)
+                except ProtocolError as exc:
+                    raise BulkProtocolFailure(self.address, str(exc)) from None
+                if status != OK:
+                    if stored_size > MAX_MESSAGE_BYTES:
+                        raise BulkProtocolFailure(self.address, f"a {STATUS_NAMES[status]} message of {stored_size} bytes is too long")
+                    message = bytearray(stored_size)
+                    recv_exact(conn.sock, memoryview(message))
+                    if status == ERROR:
+                        raise BulkProtocolFailure(self.address, "server refused the request: " + message.decode("utf-8", "replace"))
+                    yield BulkItem(chunk_id, status, codec, raw_size, crc, memoryview(message))
+                    continue
+                if stored_size > MAX_PAYLOAD_BYTES:
+                    raise BulkProtocolFailure(self.address, f"chunk {chunk_id} declares {stored_size} stored bytes, over {MAX_PAYLOAD_BYTES}")
+                view = into(chunk_id, stored_size) if into is not None else None
+                if view is None:
+                    view = conn.buffer(stored_size)
+                elif len(view) != stored_size:
+                    raise ValueError(f"into() gave {len(view)} bytes for chunk {chunk_id}, which has {stored_size}")
+                recv_exact(conn.sock, view)
+                yield BulkItem(chunk_id, OK, codec, raw_size, crc, view)
+            finished = True
+        except (OSError, EOFError) as exc:
+            raise BulkUnavailable(self.address, f"connection failed: {exc}") from None
+        finally:
+            if finished:
+                self._give(conn)
+            else:
+                conn.close()  # mid-reply: the stream position is unknown
+
+
+class BulkPool:
+    """One BulkClient per address, and a memory of addresses that failed recently."""
+
+    def __init__(self, token: str | None = None, *, down_for_s: float = 30.0, io_timeout_s: float = 30.0) -> None:
+        self.token = token
+        self.down_for_s = down_for_s
+        self.io_timeout_s = io_timeout_s
+        self._clients: dict[str, BulkClient] = {}
+        self._down: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def client(self, address: str) -> BulkClient | None:
+        """The client for ``address``, or None when it is empty or failed less than down_for_s ago."""
+        if not address:
+            return None
+        with self._lock:
+            until = self._down.get(address)
+            if until is not None:
+                if time.monotonic() < until:
+                    return None
+                del self._down[address]
+            client = self._clients.get(address)
+            if client is None:
+                client = self._clients[address] = BulkClient(address, self.token, io_timeout_s=self.io_timeout_s)
+            return client
+
+    def mark_broken(self, address: str) -> None:
+        with self._lock:
+            self._down[address] = time.monotonic() + self.down_for_s
+            client = self._clients.pop(address, None)
+        if client is not None:
+            client.close()
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            client.close()
+
+
+__all__ = ["BulkClient", "BulkPool", "BulkItem", "BulkError", "BulkUnavailable", "BulkUnauthenticated", "BulkProtocolFailure", "Into"]

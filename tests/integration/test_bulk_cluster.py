@@ -1,0 +1,189 @@
+"""The bulk read port on real server processes (deploy.local.LocalCluster), with gRPC as the fallback.
+
+Servers run with ``--cache-mb 0`` so every read comes from disk and a chunk damaged on disk is
+seen at once.
+"""
+from __future__ import annotations
+
+import dataclasses
+import socket
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+from chunking.hashing import crc32c
+from chunking.manifest import Manifest
+from deploy.local import LocalCluster, LocalClusterConfig
+from paramserver.bulk import CORRUPT, MISSING, OK
+from paramserver.bulkclient import BulkClient, BulkUnauthenticated
+from paramserver.client import ParamServerClient
+from paramserver.clusterview import ClusterOptions, ClusterView
+from paramserver.proto import pb
+from paramserver.pull import PullOptions, _Fetcher, allocate_targets, fetch_manifest_by_id, pull_tensors, resolve, parse_ref
+from paramserver.push import push
+from paramserver.store import HEADER_SIZE
+
+pytestmark = pytest.mark.integration
+
+ADMIN, READ = "admin-token-bulk", "read-token-bulk"
+
+
+def state_dict(seed: int, n: int = 6) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    # ~1.5 MiB per tensor: several 256 KiB chunks each, 36 chunks in all
+    return {f"layer{i}.weight": torch.randn(384, 1024, generator=gen) for i in range(n)}
+
+
+def as_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_bit_exact(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(want)
+    for name, t in want.items():
+        assert as_bytes(got[name]) == as_bytes(t), name
+
+
+def start(root: Path, *extra: str, servers: int = 3) -> LocalCluster:
+    c = LocalCluster(LocalClusterConfig(root=root, servers=servers, admin_token=ADMIN, read_token=READ,
+                                        extra_args=("--no-fsync", "--cache-mb", "0", "--scrub-mb-per-s", "0", *extra)))
+    try:
+        c.up(wait=90)
+    except BaseException:
+        c.down()
+        raise
+    return c
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    c = start(tmp_path_factory.mktemp("bulk"))
+    try:
+        yield c
+    finally:
+        c.down()
+
+
+def members(cluster: LocalCluster) -> dict[str, pb.Member]:
+    deadline = time.monotonic() + 30
+    while True:
+        info = ParamServerClient(cluster.addresses[0], token=READ).cluster_info()
+        found = {m.server_id: m for m in info.members}
+        if all(m.bulk_address for m in found.values()) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
+
+
+def manifest_of(cluster: LocalCluster, ref: str) -> Manifest:
+    with ClusterView.connect(ClusterOptions(tuple(cluster.addresses), token=READ)) as view:
+        return fetch_manifest_by_id(view, resolve(view, parse_ref(ref)).manifest_id)
+
+
+def test_members_advertise_a_bulk_address_on_the_grpc_host(cluster: LocalCluster) -> None:
+    found = members(cluster)
+    assert set(found) == {"ps1", "ps2", "ps3"}
+    for m in found.values():
+        host, _, port = m.bulk_address.rpartition(":")
+        assert host == m.grpc_address.rpartition(":")[0] and int(port) > 0 and m.bulk_address != m.grpc_address
+
+
+def test_bulk_round_trip_of_many_chunks_matches_the_manifest(cluster: LocalCluster) -> None:
+    want = state_dict(1)
+    push(cluster.seed, want, model="bulk-rt", tag="prod", token=ADMIN)
+    manifest = manifest_of(cluster, "bulk-rt:prod")
+    refs = {r.id: r for r in manifest.unique_chunks()}
+    assert len(refs) >= 30
+    for m in members(cluster).values():  # R = 3 on 3 servers: each holds every chunk
+        client = BulkClient(m.bulk_address, READ)
+        seen = []
+        for item in client.fetch(list(refs)):
+            ref = refs[item.id]
+            assert item.status == OK, item.message
+            assert len(item.data) == ref.stored_size and crc32c(item.data) == ref.crc32c == item.crc32c
+            seen.append(item.id)
+        assert seen == list(refs)
+        client.close()
+    # and the pull goes over the bulk ports, bit-exact
+    got, report = pull_tensors(cluster.seed, "bulk-rt:prod", token=READ)
+    assert_bit_exact(got, want)
+    assert report.bulk_bytes == report.bytes_fetched > 0 and report.bulk_fallbacks == 0
+
+
+def test_missing_chunk_is_answered_missing(cluster: LocalCluster) -> None:
+    address = members(cluster)["ps2"].bulk_address
+    items = list(BulkClient(address, READ).fetch(["ab" * 32]))
+    assert items[0].status == MISSING and "not stored" in items[0].message
+
+
+def test_wrong_token_is_refused_naming_the_expected_token(cluster: LocalCluster) -> None:
+    address = members(cluster)["ps1"].bulk_address
+    with pytest.raises(BulkUnauthenticated, match="read token or the admin token"):
+        list(BulkClient(address, "wrong-token-here").fetch(["ab" * 32]))
+    assert list(BulkClient(address, ADMIN).fetch(["ab" * 32]))[0].status == MISSING
+
+
+def test_corrupt_chunk_is_answered_corrupt_quarantined_and_pull_fails_over(cluster: LocalCluster) -> None:
+    want = state_dict(2, n=2)
+    push(cluster.seed, want, model="bulk-bad", tag="prod", token=ADMIN)
+    manifest = manifest_of(cluster, "bulk-bad:prod")
+    victim = manifest.chunks[1].id
+    slot = cluster.slot("ps1")
+    path = Path(slot.data_dir) / "chunks" / victim[0:2] / victim[2:4] / victim
+    raw = bytearray(path.read_bytes())
+    raw[HEADER_SIZE + 100] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    address = members(cluster)["ps1"].bulk_address
+    items = list(BulkClient(address, READ).fetch([victim]))
+    assert items[0].status == CORRUPT and "CRC32C" in items[0].message
+    assert not path.exists()  # quarantined
+    assert any((Path(slot.data_dir) / "quarantine").iterdir())
+    got, _ = pull_tensors(cluster.seed, "bulk-bad:prod", token=READ)  # other replicas serve it
+    assert_bit_exact(got, want)
+
+
+def test_unreachable_bulk_port_falls_back_to_grpc(cluster: LocalCluster) -> None:
+    want = state_dict(3, n=3)
+    push(cluster.seed, want, model="bulk-gone", tag="prod", token=ADMIN)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    dead = f"127.0.0.1:{sock.getsockname()[1]}"
+    sock.close()  # nothing listens there
+    with ClusterView.connect(ClusterOptions(tuple(cluster.addresses), token=READ)) as view:
+        manifest = fetch_manifest_by_id(view, resolve(view, parse_ref("bulk-gone:prod")).manifest_id)
+        for sid, m in list(view.members.items()):
+            broken = pb.Member()
+            broken.CopyFrom(m)
+            broken.bulk_address = dead
+            view.members[sid] = broken
+        targets = allocate_targets(manifest)
+        fetcher = _Fetcher(view, manifest, targets, PullOptions())
+        fetcher.run(lambda *a: None)
+        assert fetcher.bulk is not None
+        fetcher.bulk.close()
+    assert fetcher.bulk_bytes == 0 and fetcher.bulk_fallbacks >= 1
+    assert_bit_exact({t.name: targets[t.name] for t in manifest.tensors}, want)
+
+
+def test_pull_with_bulk_off_uses_grpc(cluster: LocalCluster) -> None:
+    want = state_dict(4, n=2)
+    push(cluster.seed, want, model="bulk-off", tag="prod", token=ADMIN)
+    got, report = pull_tensors(cluster.seed, "bulk-off:prod", token=READ, options=PullOptions(bulk=False))
+    assert_bit_exact(got, want)
+    assert report.bulk_bytes == 0 and report.bytes_fetched > 0
+
+
+def test_server_started_with_no_bulk_advertises_none_and_pull_uses_grpc(tmp_path: Path) -> None:
+    c = start(tmp_path / "nobulk", "--no-bulk", servers=1)
+    try:
+        info = ParamServerClient(c.addresses[0], token=READ).cluster_info()
+        assert [m.bulk_address for m in info.members] == [""]
+        want = state_dict(5, n=2)
+        push(c.seed, want, model="m", tag="prod", token=ADMIN)
+        got, report = pull_tensors(c.seed, "m:prod", token=READ)
+        assert_bit_exact(got, want)
+        assert report.bulk_bytes == 0 and report.bulk_fallbacks == 0
+    finally:
+        c.down()

@@ -1,0 +1,251 @@
+"""The bulk read protocol (paramserver.bulk / bulkclient) against a real ChunkStore on loopback."""
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from chunking.hashing import content_id, crc32c
+from paramserver.auth import AuthConfig
+from paramserver.bulk import (
+    CORRUPT,
+    ERROR,
+    HEADER,
+    MAGIC,
+    MAX_IDS,
+    MISSING,
+    OK,
+    REQUEST,
+    VERSION,
+    W_BAD_HELLO,
+    W_OK,
+    W_UNAUTHENTICATED,
+    WELCOME,
+    BulkServer,
+    BulkServerConfig,
+    check_token,
+    decode_header,
+    encode_header,
+    encode_hello,
+)
+from paramserver.bulkclient import BulkClient, BulkPool, BulkProtocolFailure, BulkUnauthenticated, BulkUnavailable
+from paramserver.store import HEADER_SIZE, ChunkStore
+
+ADMIN, READ = "admin-token-1", "read-token-1"
+
+
+def chunk(size: int) -> tuple[str, bytes]:
+    data = os.urandom(size)
+    return content_id(data), data
+
+
+@pytest.fixture
+def corrupt_log() -> list[tuple[str, str]]:
+    return []
+
+
+@pytest.fixture
+def store(tmp_path: Path, corrupt_log: list[tuple[str, str]]) -> ChunkStore:
+    return ChunkStore(tmp_path / "s", cache_bytes=0, fsync=False, on_corrupt=lambda cid, why: corrupt_log.append((cid, why)))
+
+
+def serve(store: ChunkStore, auth: AuthConfig = AuthConfig(), **kw: object) -> Iterator[BulkServer]:
+    server = BulkServer(store, auth, "127.0.0.1:0", BulkServerConfig(**kw)).start()  # type: ignore[arg-type]
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def server(store: ChunkStore) -> Iterator[BulkServer]:
+    yield from serve(store)
+
+
+def put(store: ChunkStore, size: int) -> tuple[str, bytes]:
+    cid, data = chunk(size)
+    store.put(cid, data, "raw", len(data), crc32c(data))
+    return cid, data
+
+
+def raw_conn(server: BulkServer, token: str = "") -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    sock.sendall(encode_hello(token))
+    return sock
+
+
+def read_all(sock: socket.socket) -> bytes:
+    out = b""
+    while True:
+        part = sock.recv(65536)
+        if not part:
+            return out
+        out += part
+
+
+def test_header_round_trip() -> None:
+    head = encode_header(OK, "zstd", 262144, 1234, 0xDEADBEEF)
+    assert len(head) == HEADER.size == 40
+    assert decode_header(head) == (OK, "zstd", 262144, 1234, 0xDEADBEEF)
+
+
+def test_round_trip_many_chunks_in_order_with_missing(store: ChunkStore, server: BulkServer) -> None:
+    chunks = [put(store, 1 + (i * 7919) % (300 << 10)) for i in range(40)]
+    missing = content_id(b"never stored")
+    ids = [c[0] for c in chunks[:20]] + [missing] + [c[0] for c in chunks[20:]]
+    client = BulkClient(server.address)
+    got = [(item.id, item.status, bytes(item.data) if item.status == OK else item.message, item.crc32c) for item in client.fetch(ids)]
+    assert [g[0] for g in got] == ids
+    expected = dict(chunks)
+    for cid, status, payload, crc in got:
+        if cid == missing:
+            assert status == MISSING and "not stored" in payload
+        else:
+            assert status == OK and payload == expected[cid] and crc == crc32c(expected[cid])
+    # the connection went back to the pool and serves the next request
+    assert len(client._idle) == 1
+    again = list(client.fetch([chunks[0][0]]))
+    assert bytes(again[0].data) == chunks[0][1]
+    client.close()
+
+
+def test_into_receives_straight_into_caller_buffers(store: ChunkStore, server: BulkServer) -> None:
+    chunks = [put(store, 100_000 + i) for i in range(5)]
+    buffers = {cid: bytearray(len(data)) for cid, data in chunks}
+    client = BulkClient(server.address)
+    for item in client.fetch([c for c, _ in chunks], into=lambda cid, n: memoryview(buffers[cid])):
+        assert item.data.obj is buffers[item.id]
+    assert all(bytes(buffers[cid]) == data for cid, data in chunks)
+    client.close()
+
+
+def test_corrupt_chunk_is_answered_corrupt_and_quarantined(store: ChunkStore, server: BulkServer,
+                                                         corrupt_log: list[tuple[str, str]]) -> None:
+    cid, data = put(store, 50_000)
+    path = store.path(cid)
+    raw = bytearray(path.read_bytes())
+    raw[HEADER_SIZE + 10] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    items = list(BulkClient(server.address).fetch([cid]))
+    assert items[0].status == CORRUPT and "CRC32C" in items[0].message
+    assert corrupt_log and corrupt_log[0][0] == cid  # repair queued
+    assert not store.has(cid)  # quarantined
+    again = list(BulkClient(server.address).fetch([cid]))[0]
+    assert again.status in (MISSING, CORRUPT) and len(corrupt_log) == 1  # never sent, repair queued once
+
+
+def test_wrong_token_refused_with_a_message_naming_the_token(store: ChunkStore) -> None:
+    for server in serve(store, AuthConfig(admin_token=ADMIN, read_token=READ)):
+        with pytest.raises(BulkUnauthenticated, match="read token or the admin token.*wrong"):
+            list(BulkClient(server.address, "nope-nope-nope").fetch([content_id(b"x")]))
+        with pytest.raises(BulkUnauthenticated, match="no token was sent"):
+            list(BulkClient(server.address).fetch([content_id(b"x")]))
+        for token in (READ, ADMIN):
+            assert list(BulkClient(server.address, token).fetch([content_id(b"x")]))[0].status == MISSING
+
+
+def test_token_rules_match_grpc_auth() -> None:
+    assert check_token("", AuthConfig()) is None
+    assert check_token("", AuthConfig(admin_token=ADMIN)) is None  # reads open without a read token
+    assert check_token(READ, AuthConfig(admin_token=ADMIN, read_token=READ)) is None
+    assert check_token(ADMIN, AuthConfig(admin_token=ADMIN, read_token=READ)) is None
+    message = check_token("wrong-token", AuthConfig(admin_token=ADMIN, read_token=READ))
+    assert message is not None and "wrong-token" not in message
+
+
+def test_bad_magic_gets_a_bad_hello_and_close(server: BulkServer) -> None:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    sock.sendall(struct.pack("<4sHH", b"GET ", VERSION, 0))
+    reply = read_all(sock)
+    magic, status, n = WELCOME.unpack(reply[: WELCOME.size])
+    assert magic == MAGIC and status == W_BAD_HELLO and b"bad magic" in reply[WELCOME.size :]
+
+
+def test_unknown_version_refused(server: BulkServer) -> None:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    sock.sendall(struct.pack("<4sHH", MAGIC, VERSION + 1, 0))
+    reply = read_all(sock)
+    assert WELCOME.unpack(reply[: WELCOME.size])[1] == W_BAD_HELLO and b"version" in reply
+
+
+def test_oversized_count_gets_an_error_frame_and_close(server: BulkServer) -> None:
+    sock = raw_conn(server)
+    sock.sendall(REQUEST.pack(MAX_IDS + 1))
+    reply = read_all(sock)
+    assert WELCOME.unpack(reply[: WELCOME.size])[1] == W_OK
+    rest = reply[WELCOME.size :]
+    status, _codec, _raw, n, _crc = decode_header(rest[: HEADER.size])
+    assert status == ERROR and b"at most 4096" in rest[HEADER.size : HEADER.size + n]
+
+
+def test_truncated_request_closes_without_an_answer(store: ChunkStore, server: BulkServer) -> None:
+    cid, _ = put(store, 1000)
+    sock = raw_conn(server)
+    sock.sendall(REQUEST.pack(2) + bytes.fromhex(cid) + b"\x00" * 5)  # second id cut short
+    sock.shutdown(socket.SHUT_WR)
+    reply = read_all(sock)
+    assert len(reply) == WELCOME.size  # the welcome, then nothing
+
+
+def test_truncated_reply_raises_unavailable(store: ChunkStore) -> None:
+    # A fake server that declares 1000 bytes and sends 10, then closes.
+    lsock = socket.create_server(("127.0.0.1", 0))
+    port = lsock.getsockname()[1]
+
+    import threading
+
+    def fake() -> None:
+        conn, _ = lsock.accept()
+        conn.recv(64)
+        conn.sendall(WELCOME.pack(MAGIC, W_OK, 0))
+        conn.recv(64)
+        conn.sendall(encode_header(OK, "raw", 1000, 1000, 0) + b"x" * 10)
+        conn.close()
+
+    t = threading.Thread(target=fake, daemon=True)
+    t.start()
+    with pytest.raises(BulkUnavailable, match="closed after 10 of 1000"):
+        list(BulkClient(f"127.0.0.1:{port}").fetch([content_id(b"a")]))
+    t.join(5)
+    lsock.close()
+
+
+def test_unreachable_address_raises_unavailable_and_pool_remembers() -> None:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    address = f"127.0.0.1:{sock.getsockname()[1]}"
+    sock.close()  # nothing listens there now
+    with pytest.raises(BulkUnavailable, match="cannot connect"):
+        list(BulkClient(address, connect_timeout_s=1).fetch([content_id(b"a")]))
+    pool = BulkPool(down_for_s=60)
+    assert pool.client(address) is not None
+    pool.mark_broken(address)
+    assert pool.client(address) is None
+    assert pool.client("") is None
+
+
+def test_connection_limit_refuses_extra_connections(store: ChunkStore) -> None:
+    for server in serve(store, max_connections=1):
+        first = BulkClient(server.address)
+        list(first.fetch([content_id(b"a")]))  # holds the only slot while pooled
+        with pytest.raises(BulkProtocolFailure, match="too many bulk connections"):
+            list(BulkClient(server.address).fetch([content_id(b"a")]))
+        first.close()
+
+
+def test_idle_connection_is_closed_and_client_reconnects(store: ChunkStore) -> None:
+    cid, data = put(store, 1000)
+    for server in serve(store, idle_timeout_s=0.2):
+        client = BulkClient(server.address)
+        assert bytes(list(client.fetch([cid]))[0].data) == data
+        assert len(client._idle) == 1
+        import time
+
+        time.sleep(0.5)  # the server closed the pooled connection
+        items = list(client.fetch([cid]))
+        assert bytes(items[0].data) == data
+        client.close()
