@@ -65,7 +65,7 @@ def mismatches(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]
 def pull_summary(r: PullReport) -> str:
     return (
         f"pulled {r.model}:{r.tag} v{r.version} -> {r.path}\n"
-        f"  {human_bytes(r.bytes_total)} in {r.chunks_total} chunks, every one verified (CRC32C + BLAKE3)  "
+        f"  {human_bytes(r.bytes_total)} in {r.chunks_total} chunks, every one verified against the manifest (size + CRC32C)  "
         f"{r.seconds:.2f} s  {r.gbps:.2f} GB/s (fetch + verify {r.fetch_gbps:.2f} GB/s)"
     )
 

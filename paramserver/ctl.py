@@ -136,9 +136,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", "-o", type=Path, required=True, help="output .safetensors file (written atomically)")
     sp.add_argument("--streams", type=int, default=PullOptions().streams_per_server, help=f"parallel GetChunks streams per server (default {PullOptions().streams_per_server})")
     sp.add_argument(
-        "--verify", choices=("content", "crc"), default="content",
-        help="content (default): check every chunk's BLAKE3 content id; crc: raw chunks by CRC32C only (faster, trusts the servers)",
+        "--verify", choices=("content", "crc"), default="crc",
+        help="crc (default): every chunk's size and CRC32C from the manifest, itself verified by its content id; "
+        "content: also every chunk's BLAKE3 content id (safe even against a replica that forges CRCs; ~0.4 ns/byte more)",
     )  # fmt: skip
+    sp.add_argument("--no-bulk", action="store_true", help="read chunk bytes over gRPC GetChunks only, not the servers' bulk ports")
     sp.add_argument("--no-progress", action="store_true", help="do not draw the progress bar (default: drawn on a terminal)")
 
     sp = sub.add_parser("tag", help="point TAG of MODEL at VERSION (history kept for rollback)", epilog=EPILOG, formatter_class=fmt)
@@ -229,7 +231,7 @@ def cmd_pull(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> in
     show = not args.no_progress and sys.stderr.isatty()
     try:
         with RichProgress(enabled=show) as bar:
-            r = pull(opts.seeds, args.ref, args.out, progress=bar, options=PullOptions(streams_per_server=args.streams, verify=args.verify), cluster=opts)
+            r = pull(opts.seeds, args.ref, args.out, progress=bar, options=PullOptions(streams_per_server=args.streams, verify=args.verify, bulk=not args.no_bulk), cluster=opts)
     except ParamServerError as exc:
         if isinstance(exc, TransferError):
             raise

@@ -32,6 +32,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--streams", type=int, default=4, help="GetChunks streams in flight (default 4)")
     p.add_argument("--chunks-per-call", type=int, default=64, help="chunk ids per GetChunks call (default 64)")
     p.add_argument("--no-heatmap", action="store_true", help="fetch in manifest order, ignoring the servers' heatmap")
+    p.add_argument("--verify", choices=("crc", "content"), default="crc",
+                   help="crc: every chunk's size and CRC32C from the (content-verified) manifest; content: also its BLAKE3 id (default crc)")
+    p.add_argument("--no-bulk", action="store_true", help="read chunk bytes over gRPC GetChunks only, not the servers' bulk ports")
     p.add_argument("--monotonic-file", default=None, metavar="FILE",
                    help="persist the newest tag resolutions seen, so a restart cannot be rolled back (default: memory only)")
 
@@ -69,7 +72,7 @@ def _setup(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     token = args.token if args.token is not None else os.environ.get(ENV_TOKEN)
     client_config = ClusterClientConfig(token=token, max_streams=args.streams, chunks_per_call=args.chunks_per_call,
                                         monotonic_path=args.monotonic_file)
-    client = ClusterClient(args.cluster, config=client_config)
+    client = ClusterClient(args.cluster, config=client_config, bulk=not args.no_bulk, verify=args.verify)
     cache_config = CacheConfig(
         memory_bytes=args.cache_mb * MIB, k=args.cache_k, disk_dir=args.disk_cache,
         disk_bytes=args.disk_cache_mb * MIB if args.disk_cache else 0,
