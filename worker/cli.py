@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--factory", required=True, help="package.module:function returning the nn.Module (built on the meta device)")
     serve.add_argument("--listen", default="127.0.0.1:8080", help="HTTP HOST:PORT, port 0 picks a free one (default 127.0.0.1:8080)")
     serve.add_argument("--poll-s", type=float, default=2.0, help="seconds between tag checks, 0 = never (default 2.0)")
+    serve.add_argument("--heat-report-s", type=float, default=60.0,
+                       help="seconds between reports of which chunks forward passes read, in order (default 60)")
     _common(serve)
     return p
 
@@ -120,7 +122,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     factory = load_factory(args.factory)
     client, cache, prefetch = _setup(args)
-    server = ModelServer(client, args.model, factory, args.device, cache, prefetch)
+    server = ModelServer(client, args.model, factory, args.device, cache, prefetch, heat_report_s=args.heat_report_s)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -23,6 +23,7 @@ from worker.client import ClusterClient
 from worker.config import PrefetchConfig
 from worker.errors import WorkerError
 from worker.loader import LoadedModel, fill_module
+from worker.forward_heat import ForwardHeat
 from worker.swap import HotSwapper
 from worker.tiered_cache import TieredCache
 
@@ -46,8 +47,10 @@ def load_factory(spec: str) -> Callable[[], torch.nn.Module]:
 class ModelServer:
     def __init__(self, client: ClusterClient, ref: str, factory: Callable[[], torch.nn.Module],
                  device: str | torch.device | None = "cpu", cache: TieredCache | None = None,
-                 config: PrefetchConfig = PrefetchConfig()) -> None:
+                 config: PrefetchConfig = PrefetchConfig(), heat_report_s: float = 60.0) -> None:
         self.factory = factory
+        self.heat_report_s = heat_report_s
+        self._heat: ForwardHeat | None = None
         self._lock = threading.Lock()
         self._module: torch.nn.Module | None = None
         self._loaded: LoadedModel | None = None
@@ -60,8 +63,25 @@ class ModelServer:
             module = self.factory()
         fill_module(module, new.tensors, self.swapper.device)
         module.eval()
+        heat = ForwardHeat(module, new.manifest, version=new.info.number, sink=self.swapper.client, report_every_s=self.heat_report_s)
         with self._lock:  # readers take the reference under this lock: they see old or new, never a mix
             self._module, self._loaded = module, new
+            old_heat, self._heat = self._heat, heat
+        if old_heat is not None:
+            old_heat.detach()
+            self._report_heat(old_heat, force=True)
+
+    def _report_heat(self, heat: ForwardHeat | None, force: bool = False) -> None:
+        if heat is None:
+            return
+        try:
+            heat.report_if_due(force=force)
+        except Exception:  # noqa: BLE001 - heat is advisory; serving must not suffer from a failed report
+            pass
+
+    def _heat_loop(self) -> None:
+        while not self._stop.wait(min(5.0, self.heat_report_s)):
+            self._report_heat(self._heat)
 
     def snapshot(self) -> tuple[torch.nn.Module, LoadedModel]:
         with self._lock:
@@ -87,6 +107,7 @@ class ModelServer:
 
     def start(self, listen: str, poll_s: float) -> str:
         self.swapper.start()
+        threading.Thread(target=self._heat_loop, name="paramworker-heat", daemon=True).start()
         if self.swapper.ref.tag is not None and poll_s > 0:
             self.swapper.follow(poll_s, self._stop)
         host, _, port = listen.rpartition(":")
@@ -98,6 +119,7 @@ class ModelServer:
 
     def stop(self) -> None:
         self._stop.set()
+        self._report_heat(self._heat, force=True)
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()

@@ -365,6 +365,17 @@ def test_serve_answers_and_follows_tag(cluster: Cluster) -> None:
         with urllib.request.urlopen(f"http://{address}/healthz", timeout=5) as r:
             health = json.loads(r.read())
         assert health["swaps"] == 1 and health["version"] == v1 + 1
+        # The swap sent v1's forward-pass heat: on top of the load's report, every chunk of the
+        # net was read again by the forward passes served on v1.
+        heat: dict[int, int] = {}
+        with ClusterClient(cluster.seed) as c:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                heat = {index: count for index, count, _rank in c.get_heat("net", v1) or []}
+                if heat and all(count >= 2 for count in heat.values()):
+                    break
+                time.sleep(0.2)
+        assert heat and all(count >= 2 for count in heat.values()), heat
     finally:
         proc.terminate()
         try:

@@ -1,0 +1,88 @@
+"""Heat from forward passes: which chunks a model reads, and in what order, while it runs.
+
+A load records the order chunks land; this records the order the *model* touches its
+weights. Forward pre-hooks on every submodule that owns parameters or buffers record the
+chunk indices of those tensors, so the aggregated heatmap tells the next worker which
+chunks its first layers need first. Reports go to the servers at most every
+``report_every_s`` seconds, from whoever calls ``report_if_due`` (the serve loop), never
+from inside a forward pass.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from chunking.manifest import Manifest
+
+from .heatmap import HeatmapRecorder
+
+
+class HeatSink(Protocol):
+    def report_heat(self, model: str, version: int, entries: Any) -> int: ...
+
+
+class ForwardHeat:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        manifest: Manifest,
+        *,
+        version: int,
+        sink: HeatSink | None = None,
+        report_every_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if report_every_s <= 0:
+            raise ValueError(f"report_every_s must be > 0, got {report_every_s}")
+        self.recorder = HeatmapRecorder(manifest.model, version)
+        self.sink = sink
+        self.report_every_s = report_every_s
+        self._clock = clock
+        self._last_report = clock()
+        self._lock = threading.Lock()
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        known = manifest.tensor_index
+        for prefix, sub in module.named_modules():
+            names = [n for n, _ in sub.named_parameters(recurse=False)] + [n for n, _ in sub.named_buffers(recurse=False)]
+            full = [f"{prefix}.{n}" if prefix else n for n in names]
+            indices = tuple(dict.fromkeys(i for name in full if name in known for i in manifest.chunks_of_tensor(name)))
+            if indices:
+                self._handles.append(sub.register_forward_pre_hook(self._hook(indices)))
+
+    def _hook(self, indices: tuple[int, ...]) -> Callable[..., None]:
+        record_many = self.recorder.record_many
+
+        def hook(_module: torch.nn.Module, _args: Any) -> None:
+            record_many(indices)
+
+        return hook
+
+    @property
+    def hooked_modules(self) -> int:
+        return len(self._handles)
+
+    def report_if_due(self, force: bool = False) -> bool:
+        """Send what was recorded since the last report; True when a report went out."""
+        with self._lock:
+            now = self._clock()
+            if self.sink is None or (not force and now - self._last_report < self.report_every_s):
+                return False
+            report = self.recorder.snapshot()
+            self.recorder.reset()
+            self._last_report = now
+        entries = report.entries()
+        if not entries:
+            return False
+        return self.sink.report_heat(report.model, report.version, entries) > 0
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+__all__ = ["ForwardHeat", "HeatSink"]
