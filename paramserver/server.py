@@ -37,6 +37,7 @@ class ParamServer:
     store: ChunkStore | None = None
     running: RunningServer | None = None
     bulk: BulkServer | None = None
+    peers: PeerSet | None = None
     _tasks: list[Periodic] = field(default_factory=list)
     _stopped: threading.Event = field(default_factory=threading.Event)
     _registered: threading.Event = field(default_factory=threading.Event)
@@ -59,7 +60,7 @@ class ParamServer:
 
         peers = PeerSet(cfg.server_id, members, ring_config=RingConfig(vnodes=cfg.vnodes),
                         replication_factor=cfg.replication_factor, write_quorum=cfg.write_quorum, token=cfg.admin_token)
-        self._peers = peers
+        self.peers = peers
         fetcher = ReplicaFetcher(peers, store)
         fetch_blob = cluster_blob_fetcher(store, fetcher)
         self.running = start_server(cfg, store, metadata=node, repair_queue=queue, fetch_blob=fetch_blob,
@@ -127,8 +128,8 @@ class ParamServer:
             self.running.stop(grace=1.0)
         if self.node is not None:
             self.node.close()
-        if getattr(self, "_peers", None) is not None:
-            self._peers.close()
+        if self.peers is not None:
+            self.peers.close()
 
     def serve_forever(self) -> None:
         while not self._stopped.wait(1.0):
