@@ -21,7 +21,7 @@ from . import codecs
 from .client import ClientConfig, ParamServerClient
 from .errors import ChunkNotFoundError, InvalidChunkError, ParamServerError
 from .metaservice import VersionFacts
-from .ring import Ring, RingConfig
+from .ring import Ring, RingConfig, replication_and_quorum
 from .rpc_errors import PreconditionFailed
 from .store import ChunkStore, StoredChunk
 
@@ -66,8 +66,7 @@ class PeerSet:
             return self._ring
 
     def quorum(self, replicas: int) -> int:
-        r = max(1, min(self.replication_factor, replicas))
-        return min(self.write_quorum or r // 2 + 1, r)
+        return replication_and_quorum(self.replication_factor, self.write_quorum, replicas)[1]
 
     def client(self, member: MemberRecord) -> ParamServerClient:
         with self._lock:

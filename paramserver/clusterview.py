@@ -20,7 +20,7 @@ from .client import ClientConfig, ParamServerClient
 from .config import DEFAULT_MAX_MESSAGE_BYTES
 from .errors import ConfigError
 from .proto import pb
-from .ring import Ring, RingConfig
+from .ring import Ring, RingConfig, replication_and_quorum
 from .transfer_errors import ClusterUnreachable, TransferError, rpc_code, rpc_details
 
 T = TypeVar("T")
@@ -143,8 +143,9 @@ class ClusterView:
         if not up:
             raise TransferError(f"the cluster reports no member in state 'up' (server {info.server_id}); wait for it to form", grpc.StatusCode.UNAVAILABLE)
         self.ring = Ring(up, RingConfig(vnodes=info.ring.vnodes or RingConfig().vnodes))
-        self.replication = max(1, min(info.ring.replication_factor or 3, len(self.ring)))
-        self.write_quorum = max(1, min(info.ring.write_quorum or self.replication // 2 + 1, self.replication))
+        self.replication, self.write_quorum = replication_and_quorum(
+            info.ring.replication_factor or 3, info.ring.write_quorum or None, len(self.ring)
+        )
 
     def refresh(self, deadline_s: float = 10.0) -> None:
         """Fetch ClusterInfo again (leader changes), from any member or seed."""

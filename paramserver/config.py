@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .errors import ConfigError
+from .ring import replication_and_quorum
 
 MiB = 1 << 20
 
@@ -77,9 +78,7 @@ class ServerConfig:
         return self.bulk_listen or f"{self.listen.rpartition(':')[0]}:0"
 
     def effective_write_quorum(self, cluster_size: int) -> int:
-        r = max(1, min(self.replication_factor, cluster_size))
-        w = self.write_quorum if self.write_quorum is not None else r // 2 + 1
-        return min(w, r)
+        return replication_and_quorum(self.replication_factor, self.write_quorum, cluster_size)[1]
 
     def validate(self) -> ServerConfig:
         if not self.server_id or not self.server_id.replace("-", "").replace("_", "").replace(".", "").isalnum():

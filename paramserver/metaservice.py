@@ -23,6 +23,7 @@ from consensus.records import MemberRecord, ReadResult, TagRecord, VersionRecord
 from . import codecs
 from .errors import InvalidChunkError, ParamServerError
 from .proto import pb
+from .ring import replication_and_quorum
 from .rpc_errors import MAPPED, PreconditionFailed, abort_with, invalid
 from .store import ChunkStore
 
@@ -121,8 +122,7 @@ class MetadataService:
         self.version_check = version_check
 
     def _ring_pb(self, cluster_size: int) -> pb.RingParams:
-        r = max(1, min(self.ring.replication_factor, cluster_size or 1))
-        w = min(self.ring.write_quorum or r // 2 + 1, r)
+        r, w = replication_and_quorum(self.ring.replication_factor, self.ring.write_quorum, cluster_size)
         return pb.RingParams(vnodes=self.ring.vnodes, replication_factor=r, write_quorum=w, hash=self.ring.hash)
 
     def ClusterInfo(self, request: pb.ClusterInfoRequest, context: grpc.ServicerContext) -> pb.ClusterInfoReply:

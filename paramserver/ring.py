@@ -115,4 +115,13 @@ class Ring:
         return {cid: self.replicas(cid, r) for cid in chunk_ids}
 
 
-__all__ = ["Ring", "RingConfig", "DEFAULT_VNODES", "key_point"]
+def replication_and_quorum(replication_factor: int, write_quorum: int | None, cluster_size: int) -> tuple[int, int]:
+    """(R, W) for a cluster of ``cluster_size`` up members: R capped by the cluster, W a majority
+    of R unless configured, and never above R. Servers and clients must agree on this rule, so
+    it lives here once."""
+    r = max(1, min(replication_factor, cluster_size))
+    w = write_quorum if write_quorum else r // 2 + 1
+    return r, min(w, r)
+
+
+__all__ = ["Ring", "RingConfig", "DEFAULT_VNODES", "key_point", "replication_and_quorum"]

@@ -22,7 +22,7 @@ from chunking.manifest import ChunkRef, Manifest
 from paramserver.bulkclient import BulkPool
 from paramserver.client import ClientConfig, ParamServerClient
 from paramserver.proto import pb
-from paramserver.ring import Ring, RingConfig
+from paramserver.ring import Ring, RingConfig, replication_and_quorum
 from worker.config import ClusterClientConfig
 from worker.errors import (
     ClusterUnavailable,
@@ -167,7 +167,7 @@ class ClusterClient:
             self._members = members
             self._by_address = {m.address: sid for sid, m in members.items()}
             self._ring = ring
-            self._r = max(1, min(int(info.ring.replication_factor or 3), len(up)))
+            self._r = replication_and_quorum(int(info.ring.replication_factor or 3), None, len(up))[0]
             self._leader = info.leader_id
             self._term = int(info.term)
             self._refreshed_at = time.monotonic()
