@@ -325,12 +325,13 @@ class LocalCluster:
         import grpc
 
         from paramserver.client import ParamServerClient
+        from paramserver.proto import pb
 
         candidates = [self.slot(server_id)] if server_id else [s for s in self.slots if s.pid]
         for slot in candidates:
             client = ParamServerClient(slot.grpc, token=self.config.read_token or self.config.admin_token)
             try:
-                reply = client.stub.ClusterInfo(_cluster_info_request(), timeout=timeout)
+                reply = client.stub.ClusterInfo(pb.ClusterInfoRequest(), timeout=timeout)
             except grpc.RpcError:
                 continue
             finally:
@@ -425,12 +426,6 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.down()
-
-
-def _cluster_info_request() -> Any:
-    from paramserver.proto import pb
-
-    return pb.ClusterInfoRequest()
 
 
 def _config_to_json(c: LocalClusterConfig) -> dict[str, Any]:
