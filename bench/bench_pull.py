@@ -5,12 +5,15 @@
 servers' bulk TCP ports (paramserver.bulk) and over gRPC GetChunks, each with CRC32C and with
 CRC32C + BLAKE3 verification. Also prints push GB/s.
 
-    python bench/bench_pull.py [--size-mib 1024] [--rounds 3] [--streams 3] [--server-cache-mib 1024] [--fsync]
+    python bench/bench_pull.py [--size-mib 1024] [--rounds 5] [--streams 3] [--server-cache-mib 1024] [--fsync] [--scrub-mb-per-s 0]
 
 Starts its own cluster (deploy.local) and its own redis-server on 127.0.0.1 with
 a free port, in a temporary folder, and stops both. The machine is noisy:
-compare figures within one run only. Each round runs every method once, in turn; each
-figure is the best (and the median) of --rounds.
+compare figures within one run only. Each round runs every method once, in turn, starting
+one method later than the round before (whatever runs first after a pause or after the
+push is slower); each figure is the best (and the median) of --rounds. Pulls after the first
+reuse the memory the previous pull released (paramserver.hostmem), as a process that loads
+version after version does; one row shows a pull into fresh memory every time.
 """
 from __future__ import annotations
 
@@ -99,7 +102,7 @@ class RedisServer:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size-mib", type=int, default=1024, help="model size in MiB (default 1024)")
-    p.add_argument("--rounds", type=int, default=3, help="timed runs per method; the best is reported (default 3)")
+    p.add_argument("--rounds", type=int, default=5, help="timed runs per method; the best is reported (default 5)")
     p.add_argument("--streams", type=int, default=PullOptions().streams_per_server, help="GetChunks streams per server")
     p.add_argument("--message-kib", type=int, default=PullOptions().message_bytes // 1024, help="GetChunks message size in KiB")
     p.add_argument("--pipeline", type=int, default=32, help="Redis pipeline depth (default 32)")
@@ -109,12 +112,18 @@ def main() -> int:
         help="each server's hot-chunk cache (default 1024, so the model stays in memory as it does in Redis; "
         "with less than a server's share of the model a sequential pull cycles the LRU and every read goes to disk)",
     )  # fmt: skip
+    p.add_argument(
+        "--scrub-mb-per-s", type=int, default=0,
+        help="servers' background scrub rate (default 0: off; it verifies the store at a fixed rate whatever the "
+        "clients do, and on 2 cores its CPU would be charged to the pull rows)",
+    )  # fmt: skip
     p.add_argument("--dir", type=Path, default=None, help="working folder (default: a temporary folder)")
     args = p.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="bench-pull-", dir=args.dir))
     redis_server: RedisServer | None = None
-    server_args = ("--cache-mb", str(args.server_cache_mib), *(() if args.fsync else ("--no-fsync",)))
+    server_args = ("--cache-mb", str(args.server_cache_mib), "--scrub-mb-per-s", str(args.scrub_mb_per_s),
+                   *(() if args.fsync else ("--no-fsync",)))
     cluster = LocalCluster(LocalClusterConfig(root=root / "cluster", servers=3, extra_args=server_args))
     rows: list[tuple[str, float, float, int]] = []
     try:
@@ -142,6 +151,7 @@ def main() -> int:
         for name, options in [
             ("pull, bulk TCP (CRC32C verify + assemble)", dataclasses.replace(base, verify="crc", bulk=True)),
             ("pull, bulk TCP --verify content (+BLAKE3)", dataclasses.replace(base, verify="content", bulk=True)),
+            ("pull, bulk TCP, fresh memory every pull", dataclasses.replace(base, verify="crc", bulk=True, recycle_memory=False)),
             ("pull, gRPC GetChunks (CRC32C verify + assemble)", dataclasses.replace(base, verify="crc", bulk=False)),
             ("pull, gRPC GetChunks --verify content", dataclasses.replace(base, verify="content", bulk=False)),
         ]:
@@ -204,7 +214,8 @@ def main() -> int:
         pids_of = {name: ([redis_server.proc.pid] if name.startswith("redis") else [] if name.startswith("safetensors") else server_pids)
                    for name, _fn in methods}
         for round_no in range(args.rounds):
-            for name, fn in methods:
+            shift = round_no % len(methods)
+            for name, fn in methods[shift:] + methods[:shift]:
                 c0 = cpu_seconds(pids_of[name])
                 t0 = time.perf_counter()
                 sizes[name] = fn()
@@ -225,13 +236,14 @@ def main() -> int:
             # client + server CPU per byte: a figure the neighbours' load does not move much
             print(f"{name:48s} {nbytes / best / 1e9:10.2f} {nbytes / median / 1e9:12.2f} {cpu_ns[name]:9.2f} {cores / cpu_ns[name]:22.2f}")
         gbps = [nbytes / best / 1e9 for _name, best, _m, nbytes in rows]
-        bulk_gbps, bulk_content_gbps, grpc_gbps, grpc_content_gbps, redis_gbps, disk_gbps = gbps
+        bulk_gbps, bulk_content_gbps, fresh_gbps, grpc_gbps, grpc_content_gbps, redis_gbps, disk_gbps = gbps
         print()
         print(f"bulk pull / redis = {bulk_gbps / redis_gbps:.2f}x  (target >= 1.0x, goal 1.5x); --verify content {bulk_content_gbps / redis_gbps:.2f}x")
+        print(f"bulk pull into fresh memory / redis = {fresh_gbps / redis_gbps:.2f}x (the first pull of a process)")
         print(f"gRPC pull / redis = {grpc_gbps / redis_gbps:.2f}x; --verify content {grpc_content_gbps / redis_gbps:.2f}x")
         print(f"bulk / gRPC       = {bulk_gbps / grpc_gbps:.2f}x")
         names = [name for name, *_ in rows]
-        bulk_cpu, redis_cpu, grpc_cpu = cpu_ns[names[0]], cpu_ns[names[4]], cpu_ns[names[2]]
+        bulk_cpu, redis_cpu, grpc_cpu = cpu_ns[names[0]], cpu_ns[names[5]], cpu_ns[names[3]]
         print(f"CPU per byte (client + servers): bulk {bulk_cpu:.2f} ns/B, gRPC {grpc_cpu:.2f}, redis {redis_cpu:.2f}; "
               f"redis / bulk = {redis_cpu / bulk_cpu:.2f}x (above 1: the bulk pull needs less CPU per byte than Redis)")
         print(f"bulk pull / local disk = {bulk_gbps / disk_gbps:.2f}x; gRPC pull / local disk = {grpc_gbps / disk_gbps:.2f}x")

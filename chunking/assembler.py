@@ -11,6 +11,7 @@ from chunking.codec import as_u8, decode_chunk
 from chunking.dtypes import torch_dtype
 from chunking.errors import ChunkCorrupt, ChunkMissing, InvalidInput
 from chunking.hashing import Buffer
+from chunking.layout import Segment
 from chunking.manifest import ChunkRef, Manifest
 
 
@@ -26,6 +27,12 @@ class Assembler:
     after they are verified, so a corrupt chunk never overwrites live weights.
     Targets on CPU are written through numpy views; others (CUDA) through
     ``Tensor.copy_``. Extra names in ``targets`` are ignored.
+
+    With ``private_targets=True`` the caller promises that nobody reads the targets until
+    the assembler is done (a pull into fresh tensors). Then ``direct_view`` hands out the
+    target region of a chunk that fills one CPU region whole, to receive it there without a
+    bounce buffer; the caller verifies those bytes in place and calls ``commit_direct``.
+    Bytes that fail verification stay there unseen until a good copy overwrites them.
     """
 
     def __init__(
@@ -34,8 +41,10 @@ class Assembler:
         targets: Mapping[str, torch.Tensor],
         *,
         on_tensor_ready: Callable[[str], None] | None = None,
+        private_targets: bool = False,
     ) -> None:
         self.manifest = manifest
+        self.private_targets = private_targets
         self._plan = manifest.plan
         self._on_ready = on_tensor_ready
         self._cpu: list[np.ndarray | None] = []
@@ -61,9 +70,7 @@ class Assembler:
         self._lock = threading.Lock()
         self._written = bytearray(self._plan.count)
         self._remaining = [len(c) for c in self._plan.tensor_chunks]
-        self._by_id: dict[str, list[int]] = {}
-        for ref in manifest.chunks:
-            self._by_id.setdefault(ref.id, []).append(ref.index)
+        self._by_id: dict[str, tuple[int, ...]] = _indices_by_id(manifest)
         self._missing = self._plan.count
         self._ready: list[str] = []
         for i, left in enumerate(self._remaining):
@@ -123,6 +130,9 @@ class Assembler:
                 assert dev is not None
                 piece = torch.from_numpy(src[s.chunk_offset : s.chunk_offset + s.length].copy())
                 dev[s.tensor_offset : s.tensor_offset + s.length].copy_(piece)
+        self._mark_written(index, segs)
+
+    def _mark_written(self, index: int, segs: tuple[Segment, ...]) -> None:
         ready: list[str] = []
         with self._lock:
             if self._written[index]:
@@ -135,6 +145,51 @@ class Assembler:
                     ready.append(self.manifest.tensors[s.tensor].name)
         for name in ready:
             self._mark_ready(name)
+
+    @property
+    def indices_by_id(self) -> Mapping[str, tuple[int, ...]]:
+        """Chunk id -> every index of the manifest that holds it."""
+        return self._by_id
+
+    def _direct_segment(self, index: int) -> Segment | None:
+        if not self.private_targets or self._written[index]:
+            return None
+        segs = self._plan.segments[index]
+        if len(segs) != 1:
+            return None
+        s = segs[0]
+        if self._cpu[s.tensor] is None or s.chunk_offset != 0 or s.length != self._plan.raw_sizes[index]:
+            return None
+        return s
+
+    def direct_view(self, index: int) -> memoryview | None:
+        """The writable target bytes of chunk ``index`` when they are one whole CPU region, else None.
+
+        Only with ``private_targets``, and only for a chunk not written yet: the caller fills
+        the view, verifies it in place, then calls ``commit_direct(index)``.
+        """
+        s = self._direct_segment(index)
+        if s is None:
+            return None
+        dst = self._cpu[s.tensor]
+        assert dst is not None
+        return memoryview(dst[s.tensor_offset : s.tensor_offset + s.length])
+
+    def commit_direct(self, index: int) -> None:
+        """Chunk ``index`` was received into ``direct_view(index)`` and verified: mark it written,
+        and fill the other places the manifest uses the same chunk."""
+        s = self._direct_segment(index)
+        if s is None:
+            raise ValueError(f"chunk #{index} has no direct view (written already, or not one whole CPU region)")
+        ids = self._by_id[self.manifest.chunks[index].id]
+        if len(ids) > 1:
+            dst = self._cpu[s.tensor]
+            assert dst is not None
+            region = dst[s.tensor_offset : s.tensor_offset + s.length]
+            for i in ids:
+                if i != index and not self._written[i]:
+                    self.write_chunk(i, region)
+        self._mark_written(index, (s,))
 
     def _mark_ready(self, name: str) -> None:
         with self._lock:
@@ -150,3 +205,12 @@ class Assembler:
         if not indices:
             raise InvalidInput(f"chunk {ref.id} is not part of manifest {self.manifest.model} v{self.manifest.version}")
         return self.manifest.chunks[indices[0]]
+
+
+def _indices_by_id(manifest: Manifest) -> dict[str, tuple[int, ...]]:
+    """Chunk id -> the indices it fills. Tuples of ints, not lists: the collector untracks them,
+    so thousands of them per load do not trigger full garbage collections (~80 ms each here)."""
+    by_id: dict[str, list[int]] = {}
+    for ref in manifest.chunks:
+        by_id.setdefault(ref.id, []).append(ref.index)
+    return {cid: tuple(ix) for cid, ix in by_id.items()}

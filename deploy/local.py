@@ -176,14 +176,16 @@ class LocalCluster:
     # ---- processes ----------------------------------------------------------------
     def up(self, wait: float = 60.0) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
+        previous: list[ServerSlot] | None = None
         if (self.root / STATE_FILE).exists():
             old = self.load_state(self.root)
             if any(_alive(s.pid) for s in old.slots):
                 raise LauncherError(f"a cluster is already running under {self.root}: run 'python -m deploy.local down --dir {self.root}' first")
+            previous = self._restartable(old)
         try:
             if self.config.netns:
                 self.topology = self._create_topology()
-            self.slots = self._plan()
+            self.slots = previous or self._plan()
             for slot in self.slots:
                 slot.args = self._args_for(slot)
                 self._spawn(slot)
@@ -193,6 +195,37 @@ class LocalCluster:
             # Never leave processes or namespaces behind a failed start; the logs stay for reading.
             self.down()
             raise
+
+    def _restartable(self, old: "LocalCluster") -> list[ServerSlot] | None:
+        """The slots of a stopped cluster whose data is under root, to start it again as it was.
+
+        Its Raft journal names every member by address, so the servers must come back on the
+        same ports (a fresh set of free ports would leave them unable to elect a leader).
+        None when there is no data to keep.
+        """
+        if not any(Path(s.data_dir).is_dir() and any(Path(s.data_dir).iterdir()) for s in old.slots):
+            return None
+        fresh = f"start a new cluster in another --dir, or delete {self.root} to discard its data"
+        if len(old.slots) != self.config.servers or old.config.netns != self.config.netns:
+            raise LauncherError(
+                f"{self.root} holds the data of a {len(old.slots)}-server cluster{' in namespaces' if old.config.netns else ''}: "
+                f"start it with the same --servers{' and --netns' if old.config.netns else ''} to keep its data, or {fresh}"
+            )
+        if self.config.netns:
+            raise LauncherError(f"{self.root} holds the data of a stopped namespace cluster, which cannot be restarted on new namespaces; {fresh}")
+        for slot in old.slots:
+            for address in (slot.grpc, slot.raft):
+                host, _, port = address.rpartition(":")
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do: TIME_WAIT is no obstacle
+                    try:
+                        probe.bind((host, int(port)))
+                    except OSError:
+                        raise LauncherError(
+                            f"{slot.server_id} must come back on {address} (its peers know it there) but that port is in use; "
+                            f"free it, or {fresh}"
+                        ) from None
+        return [replace(slot, pid=None, args=[]) for slot in old.slots]
 
     def _create_topology(self) -> "NetnsTopology":
         from .netns import NetnsConfig, NetnsError, NetnsTopology

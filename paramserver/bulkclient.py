@@ -37,7 +37,7 @@ from .bulk import (
 MAX_PAYLOAD_BYTES = 65 << 20
 MAX_MESSAGE_BYTES = 4096
 
-Into = Callable[[str, int], "memoryview | None"]
+Into = Callable[[str, str, int], "memoryview | None"]  # (chunk id, codec, stored size)
 
 
 class BulkError(Exception):
@@ -175,8 +175,8 @@ class BulkClient:
     def fetch(self, ids: Sequence[str], into: Into | None = None) -> Iterator[BulkItem]:
         """Yield one BulkItem per id, in order.
 
-        ``into(id, stored_size)`` may return a writable memoryview of exactly ``stored_size``
-        bytes to receive an OK chunk into; with None (or no ``into``) the bytes land in a
+        ``into(id, codec, stored_size)`` may return a writable memoryview of exactly
+        ``stored_size`` bytes to receive an OK chunk into (``item.data`` is then that view); with None (or no ``into``) the bytes land in a
         buffer reused by the next item, so consume each item before asking for the next.
         Raises BulkError; a generator closed early closes its connection.
         """
@@ -221,7 +221,7 @@ class BulkClient:
                     continue
                 if stored_size > MAX_PAYLOAD_BYTES:
                     raise BulkProtocolFailure(self.address, f"chunk {chunk_id} declares {stored_size} stored bytes, over {MAX_PAYLOAD_BYTES}")
-                view = into(chunk_id, stored_size) if into is not None else None
+                view = into(chunk_id, codec, stored_size) if into is not None else None
                 if view is None:
                     view = conn.buffer(stored_size)
                 elif len(view) != stored_size:

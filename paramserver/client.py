@@ -151,8 +151,10 @@ class ParamServerClient:
                 yield ChunkData(c.id, c.codec, c.raw_size, c.crc32c, c.data)
             yield from reply.errors
 
-    def has_chunks(self, ids: Sequence[str], *, timeout: float | None = None) -> list[bool]:
-        request = pb.HasChunksRequest(ids=list(ids))
+    def has_chunks(self, ids: Sequence[str], *, claim: bool = False, timeout: float | None = None) -> list[bool]:
+        """Which of ``ids`` the server holds. ``claim``: a push will rely on the ones found, so the
+        server keeps them from orphan collection for another grace period."""
+        request = pb.HasChunksRequest(ids=list(ids), claim=claim)
         return list(self.stub.HasChunks(request, timeout=timeout if timeout is not None else self.config.timeout_s).present)
 
     def report_corrupt(self, chunk_ids: Sequence[str], server_id: str, reporter: str, reason: str = "") -> int:

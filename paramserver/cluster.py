@@ -136,11 +136,11 @@ class QuorumVersionCheck:
 
     def _present_on(self, member: MemberRecord | None, server: str, ids: list[str]) -> set[str]:
         if server == self.peers.self_id:
-            return {cid for cid in ids if self.local.has(cid)}
+            return {cid for cid, ok in zip(ids, self.local.claim(ids)) if ok}
         if member is None:
             return set()
         try:
-            flags = self.peers.client(member).has_chunks(ids, timeout=self.peer_timeout_s)
+            flags = self.peers.client(member).has_chunks(ids, claim=True, timeout=self.peer_timeout_s)
         except grpc.RpcError:
             return set()  # an unreachable replica holds nothing we can count on
         return {cid for cid, ok in zip(ids, flags) if ok}

@@ -99,8 +99,13 @@ class ChunkService:
     def HasChunks(self, request: pb.HasChunksRequest, context: grpc.ServicerContext) -> pb.HasChunksReply:
         if len(request.ids) > MAX_IDS_PER_CALL:
             invalid(context, f"HasChunks asks about {len(request.ids)} chunks; split it into calls of at most {MAX_IDS_PER_CALL}")
-        has = self.store.has
-        present = [has(chunk_id) for chunk_id in request.ids]
+        if request.claim:
+            # A chunk reported present to a push will not be sent again: it must not be
+            # collected as an orphan before that push commits (see paramserver.gc).
+            present = self.store.claim(request.ids)
+        else:
+            has = self.store.has
+            present = [has(chunk_id) for chunk_id in request.ids]
         return pb.HasChunksReply(present=present, present_count=sum(present))
 
     # ----------------------------------------------------------- ReportCorrupt

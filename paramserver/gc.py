@@ -2,13 +2,15 @@
 
 A failed or interrupted push leaves chunks that no manifest names. They are
 deleted once older than a grace period, which must exceed the longest push
-(a push in flight has uploaded chunks it has not committed yet). When any
+(a push in flight has uploaded chunks it has not committed yet). "Older" counts from
+the last write or claim: a push that finds a chunk already stored (HasChunks, or a
+PutChunks of it) refreshes its mtime, so an old orphan that a new push reuses is not
+collected between the dedup check and the commit. When any
 manifest cannot be read, the step deletes nothing: never delete when unsure.
 """
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -83,11 +85,9 @@ class OrphanCollector:
             report.scanned += 1
             if chunk_id in refs:
                 continue
-            try:
-                mtime = os.stat(self.store.path(chunk_id)).st_mtime
-            except OSError:
-                continue
-            if mtime < cutoff and self.store.delete(chunk_id):
+            # The mtime is re-read under the store's claim lock: a push that has just found this
+            # chunk here (HasChunks, or a PutChunks of it) claimed it and it stays.
+            if self.store.delete_if_unclaimed(chunk_id, cutoff):
                 report.deleted += 1
         if report.deleted:
             log.info("orphan collection deleted %d unreferenced chunks", report.deleted)

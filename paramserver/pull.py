@@ -14,35 +14,31 @@ this one is the simple, correct path for paramctl, the demo and benchmarks.
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
-import mmap
 import os
-import sys
 import tempfile
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import grpc
 import torch
 
 from chunking.assembler import Assembler
-from chunking.dtypes import torch_dtype
 from chunking.codec import decode_chunk
 from chunking.errors import ChunkCorrupt, ChunkingError, ManifestError
-from chunking.hashing import crc32c
+from chunking.hashing import content_id, crc32c
 from chunking.manifest import ChunkRef, Manifest
-from chunking.unpack import empty_like_manifest
 
 from . import bulk as bulk_proto
-from .bulkclient import BulkError, BulkPool
+from .bulkclient import BulkError, BulkItem, BulkPool
 from .clusterview import RETRYABLE, ClusterOptions, ClusterView, parse_seeds
 from .errors import ConfigError
+from .hostmem import ArenaPool, HostMemoryConfig, allocate_targets
 from .progress import ProgressFn, no_progress
 from .proto import pb
 from .rawchunks import RawChunk, get_chunks_raw, open_channel
@@ -73,6 +69,9 @@ class PullOptions:
     # contend for the GIL and the page-fault lock, while one connection already fills the link.
     bulk_streams_per_server: int = 1
     bulk_down_s: float = 30.0  # after a bulk failure, use gRPC for that address this long
+    # Carve the tensors out of host memory released by an earlier pull when one fits
+    # (paramserver.hostmem): skips the kernel's zeroing of fresh pages, the largest client cost.
+    recycle_memory: bool = True
 
     def validate(self) -> PullOptions:
         if self.verify not in VERIFY_MODES:
@@ -172,8 +171,31 @@ def resolve(view: ClusterView, ref: ModelRef, linearizable: bool = True) -> pb.V
         raise PullError(f"cannot resolve {ref}: {rpc_details(exc)}", rpc_code(exc)) from None
 
 
+# Manifests are immutable and named by their content id: a process that pulls a version again
+# (a reload, a rollback, a rolling restart) reuses the parsed one; parsing and planning 4,000
+# chunks costs ~50 ms of Python on each pull of a 1 GiB model.
+_MANIFESTS: OrderedDict[str, Manifest] = OrderedDict()
+_MANIFESTS_KEPT = 8
+_MANIFESTS_LOCK = threading.Lock()
+
+
 def fetch_manifest_by_id(view: ClusterView, manifest_id: str) -> Manifest:
     """Manifest bytes from the leader or any member, accepted only if they hash to ``manifest_id``."""
+    with _MANIFESTS_LOCK:
+        cached = _MANIFESTS.get(manifest_id)
+        if cached is not None:
+            _MANIFESTS.move_to_end(manifest_id)
+            return cached
+    manifest = _fetch_manifest(view, manifest_id)
+    manifest.plan  # noqa: B018 - plan once, here, rather than on every pull
+    with _MANIFESTS_LOCK:
+        _MANIFESTS[manifest_id] = manifest
+        while len(_MANIFESTS) > _MANIFESTS_KEPT:
+            _MANIFESTS.popitem(last=False)
+    return manifest
+
+
+def _fetch_manifest(view: ClusterView, manifest_id: str) -> Manifest:
     addresses = [view.leader_client().address, *(m.grpc_address for m in view.members.values())]
     problems: list[str] = []
     for address in dict.fromkeys(addresses):
@@ -189,96 +211,23 @@ def fetch_manifest_by_id(view: ClusterView, manifest_id: str) -> Manifest:
     raise PullError(f"manifest {manifest_id} is not readable from any member ({'; '.join(problems)})", grpc.StatusCode.UNAVAILABLE)
 
 
-HUGE_TENSOR_BYTES = 2 << 20
-
-
-def _huge_page_tensor(shape: tuple[int, ...], dtype: torch.dtype, nbytes: int) -> torch.Tensor:
-    # Measured here: writing into fresh torch.empty memory costs ~0.6 ns/B (a page fault and a
-    # zeroed 4 KiB page per 4 KiB), ~0.3 ns/B with transparent huge pages, 0.13 ns/B once mapped:
-    # for a pull that is a sixth of the client's CPU. The mapping lives as long as the tensor.
-    area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    area.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(area, dtype=dtype).reshape(shape)
-
-
-# Linux 5.14+: fault in (and zero) a range of pages in one call. Measured here on 1 GiB of
-# huge-page memory: 0.26 ns/B, against 0.7-1.4 ns/B when the first write to each page faults.
-_MADV_POPULATE_WRITE = 23
-_PREFAULT_STEP = 64 << 20
-
-
-def _libc_madvise() -> Callable[[int, int, int], int] | None:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn  # a ctypes CDLL call releases the GIL
-
-
-class Prefaulter:
-    """Faults in the pages of fresh target tensors, in manifest order, ahead of the receivers.
-
-    Runs on its own thread without the GIL. Receivers that overtake it just fault as before;
-    where the kernel lacks MADV_POPULATE_WRITE it stops at the first refusal.
-    """
-
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        self.tensors = [t for t in tensors if t.numel() and t.data_ptr() % mmap.PAGESIZE == 0]
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pull-prefault", daemon=True)
-
-    def start(self) -> Prefaulter:
-        if self.tensors and sys.platform == "linux":
-            self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        madvise = _libc_madvise()
-        if madvise is None:
-            return
-        for t in self.tensors:
-            base, n = t.data_ptr(), t.numel() * t.element_size()
-            for off in range(0, n, _PREFAULT_STEP):
-                if self._stop.is_set() or madvise(base + off, min(_PREFAULT_STEP, n - off), _MADV_POPULATE_WRITE) != 0:
-                    return
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-
-
-def allocate_targets(manifest: Manifest) -> dict[str, torch.Tensor]:
-    """Empty CPU tensors for the manifest; large ones on (transparent) huge pages where the OS offers them."""
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return empty_like_manifest(manifest)
-    out: dict[str, torch.Tensor] = {}
-    for t in manifest.tensors:
-        dtype = torch_dtype(t.dtype)
-        if t.nbytes >= HUGE_TENSOR_BYTES:
-            out[t.name] = _huge_page_tensor(t.shape, dtype, t.nbytes)
-        else:
-            out[t.name] = torch.empty(t.shape, dtype=dtype)
-    return out
-
-
 class _Fetcher:
     def __init__(self, view: ClusterView, manifest: Manifest, targets: Mapping[str, torch.Tensor], options: PullOptions) -> None:
         self.view = view
         self.manifest = manifest
         self.options = options
-        self.assembler = Assembler(manifest, targets)
+        # The targets are fresh and reach the caller only when complete: raw chunks may be
+        # received straight into them (no bounce buffer) and verified in place.
+        self.assembler = Assembler(manifest, targets, private_targets=True)
         self.refs: dict[str, ChunkRef] = {r.id: r for r in manifest.unique_chunks()}
-        self.indices: dict[str, list[int]] = {}
-        for r in manifest.chunks:
-            self.indices.setdefault(r.id, []).append(r.index)
+        self.indices = self.assembler.indices_by_id
         self.lock = threading.Lock()
         self.raw_done = 0
         self.per_server: Counter[str] = Counter()
         self.down: set[str] = set()
-        self.tried: dict[str, set[str]] = {cid: set() for cid in self.refs}
+        # Servers each chunk was asked of, as "ps1\nps2": strings are not tracked by the garbage
+        # collector, thousands of sets would be (and would set off full collections).
+        self.tried: dict[str, str] = {}
         self.errors: dict[str, str] = {}
         self.retried = 0
         opts = view.options
@@ -286,10 +235,29 @@ class _Fetcher:
         self.bulk = BulkPool(opts.token, down_for_s=options.bulk_down_s) if use_bulk else None
         self.bulk_bytes = 0
         self.bulk_fallbacks = 0
+        self.direct: dict[str, memoryview] = {}  # chunk id -> target region it is being received into
 
-    def _write(self, server: str, item: RawChunk) -> None:
+    def _into(self, chunk_id: str, codec: str, stored_size: int) -> memoryview | None:
+        """Where to receive a bulk chunk: its place in the target tensor when it is a raw chunk
+        that fills one region whole (verified there before it counts), else None (a bounce buffer)."""
+        ref = self.refs.get(chunk_id)
+        if ref is None or codec != "raw" or ref.codec != "raw" or stored_size != ref.stored_size:
+            return None
+        view = self.assembler.direct_view(self.indices[chunk_id][0])
+        if view is not None:
+            self.direct[chunk_id] = view
+        return view
+
+    def _write(self, server: str, item: RawChunk | BulkItem) -> None:
         ref = self.refs[item.id]
-        if item.codec == ref.codec and item.crc32c == ref.crc32c:
+        direct = self.direct.pop(item.id, None)
+        if direct is not None and item.data is direct:
+            if item.crc32c != ref.crc32c or crc32c(direct) != ref.crc32c or (
+                self.options.verify == "content" and content_id(direct, self.manifest.hash_algorithm) != ref.id
+            ):
+                raise ChunkCorrupt(ref.id, "CRC32C or content id of the received bytes does not match the manifest", (), ref.index)
+            self.assembler.commit_direct(self.indices[item.id][0])
+        elif item.codec == ref.codec and item.crc32c == ref.crc32c:
             if self.options.verify == "crc" and ref.codec == "raw":
                 if len(item.data) != ref.stored_size or crc32c(item.data) != ref.crc32c:
                     raise ChunkCorrupt(ref.id, "size or CRC32C of the stored bytes does not match the manifest", (), ref.index)
@@ -308,7 +276,7 @@ class _Fetcher:
             self.raw_done += ref.raw_size
             self.per_server[server] += len(item.data)
 
-    def _accept(self, server: str, item: RawChunk, pending: set[str], failed: list[str], corrupt: list[str]) -> None:
+    def _accept(self, server: str, item: RawChunk | BulkItem, pending: set[str], failed: list[str], corrupt: list[str]) -> None:
         if item.id not in pending:
             return  # not asked for (or sent twice): never trusted
         pending.discard(item.id)
@@ -327,14 +295,14 @@ class _Fetcher:
             return
         got = 0
         try:
-            # No ``into``: each chunk lands in the connection's reused buffer and is verified and
-            # copied into its tensor before the next is read. The servers' streams (one thread each)
-            # overlap receiving and verifying: recv_into and crc32c release the GIL, and the kernel
-            # keeps receiving into the socket buffer (8 MiB asked) while this thread verifies.
-            for item in client.fetch(ids):
+            # A raw chunk that fills one tensor region is received straight into it (``_into``)
+            # and verified there; others land in the connection's reused buffer and are checked
+            # and copied. The servers' streams (one thread each) overlap: recv_into and crc32c
+            # release the GIL, and the kernel keeps receiving into the socket buffer meanwhile.
+            for item in client.fetch(ids, self._into):
                 if item.status == bulk_proto.OK:
                     got += len(item.data)
-                    self._accept(server, RawChunk(item.id, item.codec, item.raw_size, item.crc32c, item.data), pending, failed, corrupt)
+                    self._accept(server, item, pending, failed, corrupt)  # a BulkItem has the fields of a RawChunk
                 elif item.id in pending:
                     pending.discard(item.id)
                     self.errors[item.id] = f"{server}: {item.status_name} {item.message}"
@@ -413,7 +381,7 @@ class _Fetcher:
         stuck: list[str] = []
         everyone = sorted(self.view.members)
         for cid in ids:
-            tried = self.tried[cid]
+            tried = self.tried.get(cid, "").split("\n")
             ring = [s for s in self.view.replicas(cid) if s not in tried and s not in self.down]
             candidates = ring or [s for s in everyone if s not in tried and s not in self.down]
             if not candidates:
@@ -422,7 +390,7 @@ class _Fetcher:
             best = min(candidates, key=lambda s: load[s])
             load[best] += self.refs[cid].stored_size
             plan.setdefault(best, []).append(cid)
-            tried.add(best)
+            self.tried[cid] = f"{self.tried[cid]}\n{best}" if cid in self.tried else best
         return plan, stuck
 
     def run(self, progress: ProgressFn) -> None:
@@ -485,10 +453,11 @@ def pull_tensors(
         version = resolve(view, target, options.linearizable)
         manifest = fetch_manifest_by_id(view, version.manifest_id)
         progress("resolve", 1, 1)
-        tensors = allocate_targets(manifest)
+        targets = allocate_targets(manifest, pool=None if options.recycle_memory else ArenaPool(HostMemoryConfig(keep_bytes=0)))
+        tensors = targets.tensors
         t_fetch = time.perf_counter()
         fetcher = _Fetcher(view, manifest, tensors, options)
-        prefault = Prefaulter([tensors[t.name] for t in manifest.tensors if t.nbytes >= HUGE_TENSOR_BYTES]).start()
+        prefault = targets.prefaulter().start()
         try:
             fetcher.run(progress)
         except ChunkingError as exc:

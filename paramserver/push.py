@@ -196,7 +196,7 @@ class _Push:
                     part = ids_here[i : i + batch]
                     # A replica cut off by a partition must cost seconds, not the whole call deadline.
                     deadline = min(self.view.options.timeout_s, 3.0 + len(part) / 2000)
-                    found.update(cid for cid, ok in zip(part, client.has_chunks(part, timeout=deadline)) if ok)
+                    found.update(cid for cid, ok in zip(part, client.has_chunks(part, claim=True, timeout=deadline)) if ok)
                 return found
             except grpc.RpcError as exc:
                 if rpc_code(exc) in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):

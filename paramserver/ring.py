@@ -63,6 +63,8 @@ class Ring:
         self._points = [p for p, _ in points]
         self._owners = [s for _, s in points]
         self._zone_count = len({z for z in self.zones.values()})
+        # (vnode index, r) -> replicas: a pull places thousands of chunks on a few hundred vnodes.
+        self._placed: dict[tuple[int, int], tuple[str, ...]] = {}
 
     @property
     def servers(self) -> list[str]:
@@ -79,7 +81,13 @@ class Ring:
         if not self.zones:
             raise ValueError("the ring has no servers; add members before placing chunks")
         r = max(1, min(r, len(self.zones)))
-        start = bisect.bisect_right(self._points, key_point(chunk_id))
+        start = bisect.bisect_right(self._points, key_point(chunk_id)) % len(self._points)
+        placed = self._placed.get((start, r))
+        if placed is None:
+            placed = self._placed[(start, r)] = tuple(self._place(start, r))
+        return list(placed)
+
+    def _place(self, start: int, r: int) -> list[str]:
         walk = self._distinct_from(start)
         if not (self.config.zone_aware and self._zone_count > 1):
             return [next(walk) for _ in range(r)]

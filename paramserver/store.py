@@ -111,6 +111,7 @@ class ChunkStore:
         self.on_corrupt = on_corrupt
         self.cache: ByteLRU[str, StoredChunk] = ByteLRU(cache_bytes)
         self._lock = threading.Lock()
+        self._claims = threading.Lock()  # claim() against delete_if_unclaimed()
         self._known_dirs: set[str] = set()
         self._count = 0
         self._bytes = 0
@@ -164,6 +165,37 @@ class ChunkStore:
         if chunk_id in self.cache:
             return True
         return is_content_id(chunk_id) and os.path.exists(self._path_str(chunk_id))
+
+    def claim(self, chunk_ids: Iterable[str]) -> list[bool]:
+        """Which chunks are here; the ones that are get a fresh mtime.
+
+        A push that finds a chunk here does not send it again: from then on the chunk must
+        outlive the orphan grace period even if no committed version names it yet (an orphan
+        of an old failed push, about to be collected). ``delete_if_unclaimed`` holds the same
+        lock, so a claim and a collection of one chunk never interleave.
+        """
+        out: list[bool] = []
+        with self._claims:
+            for chunk_id in chunk_ids:
+                if not is_content_id(chunk_id):
+                    out.append(False)
+                    continue
+                try:
+                    os.utime(self._path_str(chunk_id))
+                    out.append(True)
+                except FileNotFoundError:
+                    out.append(False)
+        return out
+
+    def delete_if_unclaimed(self, chunk_id: str, older_than: float) -> bool:
+        """Delete ``chunk_id`` when its mtime (written or last claimed) is before ``older_than``."""
+        with self._claims:
+            try:
+                if os.stat(self._path_str(chunk_id)).st_mtime >= older_than:
+                    return False
+            except FileNotFoundError:
+                return False
+            return self.delete(chunk_id)
 
     def get(self, chunk_id: str, *, use_cache: bool = True) -> StoredChunk:
         """The stored chunk, CRC32C-checked. Raises ChunkNotFoundError or ChunkCorruptError."""
@@ -272,6 +304,7 @@ class ChunkStore:
     def _put(self, chunk_id: str, data: bytes, codec: str, raw_size: int, crc: int) -> tuple[bool, set[str]]:
         self.validate_incoming(chunk_id, data, codec, raw_size, crc)
         if self._intact_copy_exists(chunk_id):
+            self.claim([chunk_id])  # sent again by a push: it must outlive the orphan grace period
             return False, set()
         folder = self._ensure_dir(chunk_id)
         final = f"{folder}/{chunk_id}"

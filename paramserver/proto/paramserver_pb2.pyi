@@ -139,10 +139,12 @@ class GetChunksReply(_message.Message):
     def __init__(self, chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[ChunkAck, _Mapping]]] = ...) -> None: ...
 
 class HasChunksRequest(_message.Message):
-    __slots__ = ("ids",)
+    __slots__ = ("ids", "claim")
     IDS_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    claim: bool
+    def __init__(self, ids: _Optional[_Iterable[str]] = ..., claim: _Optional[bool] = ...) -> None: ...
 
 class HasChunksReply(_message.Message):
     __slots__ = ("present", "present_count")

@@ -22,9 +22,11 @@ from paramserver.bulkclient import BulkClient, BulkUnauthenticated
 from paramserver.client import ParamServerClient
 from paramserver.clusterview import ClusterOptions, ClusterView
 from paramserver.proto import pb
-from paramserver.pull import PullOptions, _Fetcher, allocate_targets, fetch_manifest_by_id, pull_tensors, resolve, parse_ref
+from paramserver.hostmem import allocate_targets
+from paramserver.pull import PullOptions, _Fetcher, fetch_manifest_by_id, pull_tensors, resolve, parse_ref
 from paramserver.push import push
 from paramserver.store import HEADER_SIZE
+from paramserver.store import encode_header as store_header
 
 pytestmark = pytest.mark.integration
 
@@ -144,6 +146,51 @@ def test_corrupt_chunk_is_answered_corrupt_quarantined_and_pull_fails_over(clust
     assert_bit_exact(got, want)
 
 
+def test_replica_serving_wrong_bytes_with_its_own_crc_is_caught_in_place_and_refetched(cluster: LocalCluster) -> None:
+    # A replica whose copy was altered *and* re-checksummed (a bug or a forger): the server's own
+    # CRC check passes and it sends the bytes. Raw chunks are received straight into the target
+    # tensors, so the client must reject them there, fetch a good copy from another replica over
+    # the same region, and tell the replica.
+    want = state_dict(5, n=4)
+    push(cluster.seed, want, model="bulk-forged", tag="prod", token=ADMIN)
+    manifest = manifest_of(cluster, "bulk-forged:prod")
+    victims = [r.id for r in manifest.chunks if r.codec == "raw"][:12]
+    assert len(victims) == 12
+    for sid in ("ps1", "ps2"):  # ps3 keeps good copies
+        for cid in victims:
+            path = Path(cluster.slot(sid).data_dir) / "chunks" / cid[0:2] / cid[2:4] / cid
+            data = bytearray(path.read_bytes()[HEADER_SIZE:])
+            data[1000] ^= 0x01
+            path.write_bytes(store_header("raw", len(data), len(data), crc32c(bytes(data))) + bytes(data))
+    got, report = pull_tensors(cluster.seed, "bulk-forged:prod", token=READ)
+    assert_bit_exact(got, want)
+    assert report.bulk_fallbacks == 0 and report.bulk_bytes > report.bytes_fetched  # all over bulk (rejected copies too)
+    assert report.retried >= 1  # some victims were first asked of ps1 or ps2
+
+
+def test_repeated_pulls_reuse_released_memory_and_stay_bit_exact(cluster: LocalCluster) -> None:
+    from paramserver.hostmem import default_pool
+
+    first = state_dict(6, n=3)
+    second = {k: v + 1 for k, v in first.items()}  # same shapes, other bytes
+    push(cluster.seed, first, model="bulk-reuse", tag="a", token=ADMIN)
+    push(cluster.seed, second, model="bulk-reuse", tag="b", token=ADMIN)
+    pool = default_pool()
+    got, _ = pull_tensors(cluster.seed, "bulk-reuse:a", token=READ)
+    assert_bit_exact(got, first)
+    del got
+    reused = pool.reused
+    got, _ = pull_tensors(cluster.seed, "bulk-reuse:b", token=READ)
+    assert pool.reused == reused + 1  # the arena of the first pull, released, served the second
+    assert_bit_exact(got, second)
+    kept = got["layer0.weight"]
+    del got
+    got, _ = pull_tensors(cluster.seed, "bulk-reuse:a", token=READ)
+    assert pool.reused == reused + 1  # one tensor of the second pull is alive: its arena is not reused
+    assert_bit_exact(got, first)
+    assert torch.equal(kept, second["layer0.weight"])  # and was not overwritten
+
+
 def test_unreachable_bulk_port_falls_back_to_grpc(cluster: LocalCluster) -> None:
     want = state_dict(3, n=3)
     push(cluster.seed, want, model="bulk-gone", tag="prod", token=ADMIN)
@@ -158,7 +205,7 @@ def test_unreachable_bulk_port_falls_back_to_grpc(cluster: LocalCluster) -> None
             broken.CopyFrom(m)
             broken.bulk_address = dead
             view.members[sid] = broken
-        targets = allocate_targets(manifest)
+        targets = allocate_targets(manifest).tensors
         fetcher = _Fetcher(view, manifest, targets, PullOptions())
         fetcher.run(lambda *a: None)
         assert fetcher.bulk is not None

@@ -154,6 +154,24 @@ def test_orphans_are_collected_and_committed_chunks_kept(cluster: LocalCluster) 
         assert placement.holders(chunk.ref.id) == set(placement.replicas(chunk.ref.id))
 
 
+def test_orphans_claimed_by_a_push_outlive_the_grace_period(cluster: LocalCluster) -> None:
+    # A push that finds chunks by dedup claims them (HasChunks claim=True): orphans it reuses must
+    # not be collected before it commits, however old they are. Grace is 2 s here, GC every 1 s.
+    placement = Placement(cluster)
+    orphan = pack(_model(5), model="reused-orphan")
+    ids = [chunk.ref.id for chunk in orphan.chunks()]
+    for chunk in orphan.chunks():
+        for client in placement.clients.values():
+            client.put_chunks([make_chunk(chunk.ref.id, chunk.data, chunk.ref.codec, chunk.ref.raw_size)])
+    deadline = time.monotonic() + 5.0  # 2.5 grace periods
+    while time.monotonic() < deadline:
+        for client in placement.clients.values():
+            assert client.has_chunks(ids, claim=True) == [True] * len(ids)
+        time.sleep(0.5)
+    # no longer claimed: collected like any orphan
+    wait_until(lambda: all(not placement.holders(cid) for cid in ids), 60, "unclaimed orphans collected")
+
+
 def test_metrics_endpoint(tmp_path: Path) -> None:
     grpc_port, raft_port = free_port(), free_port()
     proc = subprocess.Popen([sys.executable, "-m", "paramserver", "serve", "--id", "solo", "--data-dir", str(tmp_path / "solo"),
@@ -176,3 +194,31 @@ def test_metrics_endpoint(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def test_up_after_down_restarts_the_same_cluster_with_its_data(tmp_path: Path) -> None:
+    # The Raft journal names members by address: `up` on a folder with data must bring the
+    # servers back on their old ports, not on fresh ones (which would never elect a leader).
+    from deploy.local import LauncherError
+    from paramserver.pull import pull_tensors
+    from paramserver.push import push
+
+    want = {"w": torch.randn(300, 300), "b": torch.randn(7)}
+    config = LocalClusterConfig(root=tmp_path / "c", servers=3, extra_args=("--no-fsync",))
+    first = LocalCluster(config)
+    first.up(wait=90)
+    try:
+        push(first.seed, want, model="kept", tag="prod")
+        addresses = sorted(first.addresses)
+    finally:
+        first.down()
+    with pytest.raises(LauncherError, match="--servers"):
+        LocalCluster(LocalClusterConfig(root=tmp_path / "c", servers=2)).up(wait=5)
+    again = LocalCluster(config)
+    again.up(wait=90)
+    try:
+        assert sorted(again.addresses) == addresses
+        got, _ = pull_tensors(again.seed, "kept:prod")
+        assert all(torch.equal(got[k], v) for k, v in want.items())
+    finally:
+        again.down()

@@ -117,7 +117,7 @@ def test_into_receives_straight_into_caller_buffers(store: ChunkStore, server: B
     chunks = [put(store, 100_000 + i) for i in range(5)]
     buffers = {cid: bytearray(len(data)) for cid, data in chunks}
     client = BulkClient(server.address)
-    for item in client.fetch([c for c, _ in chunks], into=lambda cid, n: memoryview(buffers[cid])):
+    for item in client.fetch([c for c, _ in chunks], into=lambda cid, codec, n: memoryview(buffers[cid])):
         assert item.data.obj is buffers[item.id]
     assert all(bytes(buffers[cid]) == data for cid, data in chunks)
     client.close()

@@ -273,3 +273,31 @@ def test_periodic_runs_survives_errors_and_stops() -> None:
     n = len(calls)
     assert n >= 4 and len(errors) == 1 and "boom" in str(errors[0])
     assert len(calls) == n  # no run after stop
+
+
+def _age(store: ChunkStore, chunk_id: str, seconds: float) -> None:
+    old = os.stat(store.path(chunk_id)).st_mtime - seconds
+    os.utime(store.path(chunk_id), (old, old))
+
+
+def test_a_claimed_old_orphan_survives_collection_and_an_unclaimed_one_does_not(store: ChunkStore) -> None:
+    # An orphan of a failed push, hours old, that a new push finds by dedup (HasChunks claims it)
+    # must not be collected before that push commits; an untouched one is.
+    import time
+
+    from paramserver.gc import OrphanCollector
+
+    reused, forgotten = raw_chunk(seed=11), raw_chunk(seed=12)
+    for c in (reused, forgotten):
+        store.put(*c)
+        _age(store, c[0], 7200)
+    assert store.claim([reused[0], "ab" * 32, "not-an-id"]) == [True, False, False]
+    report = OrphanCollector(lambda: set(), store, grace_s=3600).step()
+    assert report.deleted == 1
+    assert store.has(reused[0]) and not store.has(forgotten[0])
+    # sending an already stored chunk again claims it too
+    _age(store, reused[0], 7200)
+    assert store.put(*reused) is False
+    assert not store.delete_if_unclaimed(reused[0], time.time() - 3600)
+    assert store.delete_if_unclaimed(reused[0], time.time() + 1)
+    assert not store.has(reused[0])

@@ -1,0 +1,183 @@
+"""Arenas for pulled tensors (paramserver.hostmem) and the assembler's direct-receive path."""
+from __future__ import annotations
+
+import gc
+import math
+import mmap
+import time
+
+import pytest
+import torch
+
+from chunking.assembler import Assembler
+from chunking.config import ChunkingConfig
+from chunking.errors import InvalidInput
+from chunking.pack import pack
+from paramserver.errors import ConfigError
+from paramserver.hostmem import ArenaPool, HostMemoryConfig, allocate_targets, arena_layout
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int64, torch.bool, torch.float64]
+
+
+def as_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def model() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return {
+        "big": torch.randn(700, 1000, generator=gen),  # 2.8 MB: page aligned, many chunks
+        "half": torch.randn(333, 77, generator=gen).half(),
+        "bf": torch.randn(5, 3, 2, generator=gen).bfloat16(),
+        "q": torch.randint(-128, 127, (4097,), dtype=torch.int8, generator=gen),
+        "scalar": torch.tensor(3.25),
+        "empty": torch.empty(0, 5),
+        "flag": torch.tensor([True, False, True]),
+    }
+
+
+def test_layout_aligns_large_tensors_to_pages_and_packs_small_ones() -> None:
+    offsets, size = arena_layout([10, 3 << 20, 1, 64])
+    assert offsets[0] == 0
+    assert offsets[1] % mmap.PAGESIZE == 0 and offsets[1] >= 10
+    assert offsets[2] == offsets[1] + (3 << 20)
+    assert offsets[3] % 64 == 0 and offsets[3] > offsets[2]
+    assert size % mmap.PAGESIZE == 0 and size >= offsets[3] + 64
+    assert arena_layout([])[1] == mmap.PAGESIZE
+
+
+def test_config_validation_names_the_field() -> None:
+    with pytest.raises(ConfigError, match="keep_bytes"):
+        HostMemoryConfig(keep_bytes=-1).validate()
+    with pytest.raises(ConfigError, match="keep_seconds"):
+        HostMemoryConfig(keep_seconds=0).validate()
+
+
+def test_targets_have_the_manifest_shapes_and_dtypes_and_can_be_filled_bit_exact() -> None:
+    want = model()
+    packed = pack(want, model="m", config=ChunkingConfig())
+    pool = ArenaPool()
+    targets = allocate_targets(packed.manifest, pool)
+    assert list(targets.tensors) == [t.name for t in packed.manifest.tensors]
+    for name, t in targets.tensors.items():
+        assert t.dtype == want[name].dtype and t.shape == want[name].shape and t.is_contiguous()
+    assert [t.data_ptr() for t in targets.fresh] == [targets.tensors["big"].data_ptr()]
+    asm = Assembler(packed.manifest, targets.tensors)
+    for chunk in packed.chunks():
+        asm.add_stored(chunk.ref, chunk.data)
+    asm.raise_if_incomplete()
+    for name, t in want.items():
+        assert as_bytes(targets.tensors[name]) == as_bytes(t), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_dtype_and_odd_shapes_fit_in_an_arena(dtype: torch.dtype) -> None:
+    shapes = [(), (0,), (3, 0, 2), (1,), (7, 13), (1 << 18,)]
+    state = {f"t{i}": (torch.arange(math.prod(s)) % 100).to(dtype).reshape(s) for i, s in enumerate(shapes)}
+    packed = pack(state, model="m", config=ChunkingConfig())
+    targets = allocate_targets(packed.manifest, ArenaPool())
+    asm = Assembler(packed.manifest, targets.tensors)
+    for chunk in packed.chunks():
+        asm.add_stored(chunk.ref, chunk.data)
+    asm.raise_if_incomplete()
+    for name, t in state.items():
+        got = targets.tensors[name]
+        assert got.dtype == dtype and got.shape == t.shape
+        assert as_bytes(got) == as_bytes(t)
+
+
+def test_released_arena_is_reused_only_when_every_tensor_and_view_is_gone() -> None:
+    pool = ArenaPool()
+    area, _, fresh = pool.allocate([1 << 20])
+    assert fresh and pool.mapped == 1
+    t = torch.frombuffer(area, dtype=torch.uint8, count=1 << 20)
+    view = t[10:20]
+    del area, t
+    _, _, fresh = pool.allocate([1 << 20])  # the view still holds the first arena
+    assert fresh and pool.mapped == 2
+    del view
+    gc.collect()
+    area, _, fresh = pool.allocate([1 << 20])
+    assert not fresh and pool.reused == 1
+    del area
+
+
+def test_a_much_smaller_request_does_not_take_a_large_arena() -> None:
+    pool = ArenaPool()
+    area, _, _ = pool.allocate([8 << 20])
+    del area
+    _, _, fresh = pool.allocate([1 << 20])
+    assert fresh and pool.reused == 0
+
+
+def test_released_arenas_are_unmapped_after_keep_seconds_and_beyond_keep_bytes() -> None:
+    pool = ArenaPool(HostMemoryConfig(keep_seconds=0.2, keep_bytes=4 << 20))
+    a, _, _ = pool.allocate([2 << 20])
+    b, _, _ = pool.allocate([2 << 20])
+    c, _, _ = pool.allocate([2 << 20])
+    assert pool.held_bytes() == (3 * (2 << 20), 0)
+    del a, b, c
+    used, kept = pool.held_bytes()
+    assert used == 0 and kept == 3 * (2 << 20)
+    small, _, _ = pool.allocate([1])  # a sweep: 6 MiB released, 4 MiB may stay
+    assert pool.held_bytes()[1] <= 4 << 20
+    del small
+    deadline = time.monotonic() + 5
+    while pool.held_bytes() != (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the timer sweeps without any further allocation
+    assert pool.held_bytes() == (0, 0)
+
+
+def test_keep_bytes_zero_keeps_nothing() -> None:
+    pool = ArenaPool(HostMemoryConfig(keep_bytes=0))
+    area, _, _ = pool.allocate([1 << 20])
+    del area
+    _, _, fresh = pool.allocate([1 << 20])
+    assert fresh and pool.held_bytes() == (0, 0)
+
+
+def test_direct_view_only_for_private_targets_and_whole_single_region_chunks() -> None:
+    state = {"big": torch.randn(300_000), "a": torch.randn(10), "b": torch.randn(20)}
+    packed = pack(state, model="m", config=ChunkingConfig())
+    targets = allocate_targets(packed.manifest, ArenaPool()).tensors
+    live = Assembler(packed.manifest, targets)
+    assert all(live.direct_view(i) is None for i in range(len(packed.manifest.chunks)))
+    asm = Assembler(packed.manifest, targets, private_targets=True)
+    plan = packed.manifest.plan
+    chunks = {c.ref.index: c for c in packed.chunks()}
+    for i in range(plan.count):
+        view = asm.direct_view(i)
+        if len(plan.segments[i]) == 1 and plan.segments[i][0].length == plan.raw_sizes[i]:
+            assert view is not None and len(view) == plan.raw_sizes[i]
+            view[:] = chunks[i].data
+            asm.commit_direct(i)
+            assert asm.direct_view(i) is None  # written: no second direct receive
+            with pytest.raises(ValueError, match="no direct view"):
+                asm.commit_direct(i)
+        else:
+            assert view is None  # packed small tensors: through write_chunk
+            asm.add_stored(chunks[i].ref, chunks[i].data)
+    asm.raise_if_incomplete()
+    for name, t in state.items():
+        assert torch.equal(targets[name], t)
+
+
+def test_commit_direct_fills_every_index_of_a_repeated_chunk() -> None:
+    same = torch.randn(65536)  # exactly one 256 KiB chunk, used twice
+    state = {"x": same, "y": same.clone()}
+    packed = pack(state, model="m", config=ChunkingConfig())
+    assert len({r.id for r in packed.manifest.chunks}) == 1 and len(packed.manifest.chunks) == 2
+    targets = allocate_targets(packed.manifest, ArenaPool()).tensors
+    asm = Assembler(packed.manifest, targets, private_targets=True)
+    view = asm.direct_view(0)
+    assert view is not None
+    view[:] = next(iter(packed.chunks(unique=True))).data
+    asm.commit_direct(0)
+    asm.raise_if_incomplete()
+    assert torch.equal(targets["x"], same) and torch.equal(targets["y"], same)
+
+
+def test_wrong_target_still_refused_with_a_clear_error() -> None:
+    packed = pack({"w": torch.randn(4, 4)}, model="m", config=ChunkingConfig())
+    with pytest.raises(InvalidInput, match="needs"):
+        Assembler(packed.manifest, {"w": torch.empty(4, 5)}, private_targets=True)
