@@ -15,7 +15,10 @@ import time
 from typing import Callable, Iterator, NamedTuple, Sequence
 
 from .bulk import (
+    BATCH,
     HEADER,
+    MAX_BATCH_ITEMS,
+    MAX_MESSAGE_BYTES,
     MAGIC,
     MAX_IDS,
     OK,
@@ -31,11 +34,11 @@ from .bulk import (
     encode_hello,
     encode_request,
     recv_exact,
+    recv_into_all,
 )
 
 # Refuse a declared payload larger than this: chunking's largest chunk is 64 MiB.
 MAX_PAYLOAD_BYTES = 65 << 20
-MAX_MESSAGE_BYTES = 4096
 
 Into = Callable[[str, str, int], "memoryview | None"]  # (chunk id, codec, stored size)
 
@@ -176,8 +179,10 @@ class BulkClient:
         """Yield one BulkItem per id, in order.
 
         ``into(id, codec, stored_size)`` may return a writable memoryview of exactly
-        ``stored_size`` bytes to receive an OK chunk into (``item.data`` is then that view); with None (or no ``into``) the bytes land in a
-        buffer reused by the next item, so consume each item before asking for the next.
+        ``stored_size`` bytes to receive an OK chunk into (``item.data`` is then that view);
+        it is called for a whole batch of ids before their bytes arrive. With None (or no
+        ``into``) the bytes land in a buffer that a later item may reuse, so consume each
+        item before asking for the next.
         Raises BulkError; a generator closed early closes its connection.
         """
         for start in range(0, len(ids), MAX_IDS):
@@ -203,31 +208,11 @@ class BulkClient:
                     conn.sock.sendall(request)
                 except OSError as exc2:
                     raise BulkUnavailable(self.address, f"send failed: {exc2} (after {exc})") from None
-            header = memoryview(conn.header)
-            for chunk_id in ids:
-                recv_exact(conn.sock, header)
-                try:
-                    status, codec, raw_size, stored_size, crc = decode_header(header)
-                except ProtocolError as exc:
-                    raise BulkProtocolFailure(self.address, str(exc)) from None
-                if status != OK:
-                    if stored_size > MAX_MESSAGE_BYTES:
-                        raise BulkProtocolFailure(self.address, f"a {STATUS_NAMES[status]} message of {stored_size} bytes is too long")
-                    message = bytearray(stored_size)
-                    recv_exact(conn.sock, memoryview(message))
-                    if status == ERROR:
-                        raise BulkProtocolFailure(self.address, "server refused the request: " + message.decode("utf-8", "replace"))
-                    yield BulkItem(chunk_id, status, codec, raw_size, crc, memoryview(message))
-                    continue
-                if stored_size > MAX_PAYLOAD_BYTES:
-                    raise BulkProtocolFailure(self.address, f"chunk {chunk_id} declares {stored_size} stored bytes, over {MAX_PAYLOAD_BYTES}")
-                view = into(chunk_id, codec, stored_size) if into is not None else None
-                if view is None:
-                    view = conn.buffer(stored_size)
-                elif len(view) != stored_size:
-                    raise ValueError(f"into() gave {len(view)} bytes for chunk {chunk_id}, which has {stored_size}")
-                recv_exact(conn.sock, view)
-                yield BulkItem(chunk_id, OK, codec, raw_size, crc, view)
+            done = 0
+            while done < len(ids):
+                for item in self._read_batch(conn, ids, done, into):
+                    done += 1
+                    yield item
             finished = True
         except (OSError, EOFError) as exc:
             raise BulkUnavailable(self.address, f"connection failed: {exc}") from None
@@ -236,6 +221,59 @@ class BulkClient:
                 self._give(conn)
             else:
                 conn.close()  # mid-reply: the stream position is unknown
+
+
+    def _read_batch(self, conn: _Conn, ids: Sequence[str], first: int, into: Into | None) -> list[BulkItem]:
+        """Read one BATCH answering ``ids[first:first + count]``: its headers, then every payload
+        in one scatter read straight into its destination."""
+        head = memoryview(conn.header)[: BATCH.size]
+        recv_exact(conn.sock, head)
+        count, payload_bytes = BATCH.unpack(head)
+        if not 0 < count <= min(MAX_BATCH_ITEMS, len(ids) - first):
+            raise BulkProtocolFailure(self.address, f"a batch of {count} answers, but {len(ids) - first} ids are unanswered (at most {MAX_BATCH_ITEMS} per batch)")
+        raw_headers = bytearray(count * HEADER.size)
+        recv_exact(conn.sock, memoryview(raw_headers))
+        parsed = []
+        total = 0
+        for k in range(count):
+            try:
+                status, codec, raw_size, stored_size, crc = decode_header(memoryview(raw_headers)[k * HEADER.size : (k + 1) * HEADER.size])
+            except ProtocolError as exc:
+                raise BulkProtocolFailure(self.address, str(exc)) from None
+            limit = MAX_PAYLOAD_BYTES if status == OK else MAX_MESSAGE_BYTES
+            if stored_size > limit:
+                what = f"chunk {ids[first + k]}" if status == OK else f"a {STATUS_NAMES[status]} message"
+                raise BulkProtocolFailure(self.address, f"{what} declares {stored_size} bytes, over {limit}")
+            total += stored_size
+            parsed.append((status, codec, raw_size, stored_size, crc))
+        if total != payload_bytes:
+            raise BulkProtocolFailure(self.address, f"batch declares {payload_bytes} payload bytes, its headers {total}")
+        # Where each payload goes: the caller's buffer (into) or a slice of the reused scratch.
+        scratch_need = 0
+        views: list[memoryview | None] = []
+        for k, (status, codec, _raw, stored_size, _crc) in enumerate(parsed):
+            view = into(ids[first + k], codec, stored_size) if into is not None and status == OK else None
+            if view is not None and len(view) != stored_size:
+                raise ValueError(f"into() gave {len(view)} bytes for chunk {ids[first + k]}, which has {stored_size}")
+            if view is None:
+                scratch_need += stored_size
+            views.append(view)
+        scratch = conn.buffer(scratch_need)
+        at = 0
+        for k, view in enumerate(views):
+            if view is None:
+                n = parsed[k][3]
+                views[k] = scratch[at : at + n]
+                at += n
+        filled = [v for v in views if v is not None]
+        recv_into_all(conn.sock, filled)
+        items: list[BulkItem] = []
+        for k, (status, codec, raw_size, _stored, crc) in enumerate(parsed):
+            data = filled[k]
+            if status == ERROR:
+                raise BulkProtocolFailure(self.address, "server refused the request: " + bytes(data).decode("utf-8", "replace"))
+            items.append(BulkItem(ids[first + k], status, codec, raw_size, crc, data))
+        return items
 
 
 class BulkPool:

@@ -115,6 +115,7 @@ class ChunkStore:
         self._known_dirs: set[str] = set()
         self._count = 0
         self._bytes = 0
+        self._generation = 0  # bumped whenever the set of stored chunks changes
         self._quarantined = 0
         # Ids whose copy here was found corrupt and set aside, until a good copy is stored again:
         # a read of one answers "corrupt" (DATA_LOSS), not "not found", so a client can tell that
@@ -165,6 +166,11 @@ class ChunkStore:
         if chunk_id in self.cache:
             return True
         return is_content_id(chunk_id) and os.path.exists(self._path_str(chunk_id))
+
+    @property
+    def generation(self) -> int:
+        """Changes whenever a chunk is stored, deleted or quarantined (not on reads or claims)."""
+        return self._generation
 
     def claim(self, chunk_ids: Iterable[str]) -> list[bool]:
         """Which chunks are here; the ones that are get a fresh mtime.
@@ -328,6 +334,7 @@ class ChunkStore:
             existed = os.path.exists(final)
             os.replace(tmp, final)
             self._lost.pop(chunk_id, None)
+            self._generation += 1
             if not existed:
                 self._count += 1
                 self._bytes += HEADER_SIZE + len(data)
@@ -370,6 +377,7 @@ class ChunkStore:
         with self._lock:
             self._count -= 1
             self._bytes -= size
+            self._generation += 1
         return True
 
     # ------------------------------------------------------------- corruption
@@ -392,6 +400,7 @@ class ChunkStore:
                 self._count -= 1
                 self._bytes -= size
                 self._quarantined += 1
+                self._generation += 1
         with self._lock:
             self._lost[chunk_id] = reason
         if self.on_corrupt is not None:

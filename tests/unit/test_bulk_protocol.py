@@ -5,13 +5,14 @@ import os
 import socket
 import struct
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
 from chunking.hashing import content_id, crc32c
 from paramserver.auth import AuthConfig
 from paramserver.bulk import (
+    BATCH,
     CORRUPT,
     ERROR,
     HEADER,
@@ -178,8 +179,10 @@ def test_oversized_count_gets_an_error_frame_and_close(server: BulkServer) -> No
     reply = read_all(sock)
     assert WELCOME.unpack(reply[: WELCOME.size])[1] == W_OK
     rest = reply[WELCOME.size :]
-    status, _codec, _raw, n, _crc = decode_header(rest[: HEADER.size])
-    assert status == ERROR and b"at most 4096" in rest[HEADER.size : HEADER.size + n]
+    count, payload = BATCH.unpack(rest[: BATCH.size])
+    status, _codec, _raw, n, _crc = decode_header(rest[BATCH.size : BATCH.size + HEADER.size])
+    assert count == 1 and payload == n
+    assert status == ERROR and b"at most 4096" in rest[BATCH.size + HEADER.size :]
 
 
 def test_truncated_request_closes_without_an_answer(store: ChunkStore, server: BulkServer) -> None:
@@ -191,27 +194,74 @@ def test_truncated_request_closes_without_an_answer(store: ChunkStore, server: B
     assert len(reply) == WELCOME.size  # the welcome, then nothing
 
 
-def test_truncated_reply_raises_unavailable(store: ChunkStore) -> None:
-    # A fake server that declares 1000 bytes and sends 10, then closes.
+def fake_server(reply: bytes) -> tuple[str, Callable[[], None]]:
+    """A server that welcomes, reads one request, sends ``reply`` and closes; (address, join)."""
+    import threading
+
     lsock = socket.create_server(("127.0.0.1", 0))
     port = lsock.getsockname()[1]
-
-    import threading
 
     def fake() -> None:
         conn, _ = lsock.accept()
         conn.recv(64)
         conn.sendall(WELCOME.pack(MAGIC, W_OK, 0))
-        conn.recv(64)
-        conn.sendall(encode_header(OK, "raw", 1000, 1000, 0) + b"x" * 10)
+        conn.recv(4096)
+        conn.sendall(reply)
         conn.close()
 
     t = threading.Thread(target=fake, daemon=True)
     t.start()
+
+    def join() -> None:
+        t.join(5)
+        lsock.close()
+
+    return f"127.0.0.1:{port}", join
+
+
+def test_truncated_reply_raises_unavailable(store: ChunkStore) -> None:
+    # A batch that declares 1000 bytes and carries 10, then the connection closes.
+    address, join = fake_server(BATCH.pack(1, 1000) + encode_header(OK, "raw", 1000, 1000, 0) + b"x" * 10)
     with pytest.raises(BulkUnavailable, match="closed after 10 of 1000"):
-        list(BulkClient(f"127.0.0.1:{port}").fetch([content_id(b"a")]))
-    t.join(5)
-    lsock.close()
+        list(BulkClient(address).fetch([content_id(b"a")]))
+    join()
+
+
+@pytest.mark.parametrize("reply, problem", [
+    (BATCH.pack(1, 999) + encode_header(OK, "raw", 1000, 1000, 0), "declares 999 payload bytes, its headers 1000"),
+    (BATCH.pack(2, 0) + encode_header(MISSING) * 2, "a batch of 2 answers, but 1 ids are unanswered"),
+    (BATCH.pack(0, 0), "a batch of 0 answers"),
+    (BATCH.pack(1, 66 << 20) + encode_header(OK, "raw", 66 << 20, 66 << 20, 0), "declares 69206016 bytes, over"),
+    (BATCH.pack(1, 5000) + encode_header(MISSING, stored_size=5000), "MISSING message declares 5000 bytes"),
+    (BATCH.pack(1, 0) + b"\x09" + b"\x00" * 39, "bad chunk header"),
+])
+def test_malformed_batches_are_refused_naming_the_problem(reply: bytes, problem: str) -> None:
+    address, join = fake_server(reply)
+    with pytest.raises(BulkProtocolFailure, match=problem):
+        list(BulkClient(address).fetch([content_id(b"a")]))
+    join()
+
+
+def test_many_chunks_arrive_in_several_batches_into_caller_buffers_and_scratch(store: ChunkStore, server: BulkServer) -> None:
+    # ~9 MiB over 80 chunks: more than one batch by bytes and by count; every other chunk
+    # into a caller buffer, the rest into the connection's scratch, one missing in between.
+    chunks = [put(store, 100_000 + 37 * i) for i in range(80)]
+    missing = content_id(b"not here")
+    ids = [c for c, _ in chunks[:40]] + [missing] + [c for c, _ in chunks[40:]]
+    want = dict(chunks)
+    buffers = {cid: bytearray(len(data)) for i, (cid, data) in enumerate(chunks) if i % 2 == 0}
+    client = BulkClient(server.address)
+    seen = []
+    for item in client.fetch(ids, into=lambda cid, codec, n: memoryview(buffers[cid]) if cid in buffers else None):
+        seen.append(item.id)
+        if item.id == missing:
+            assert item.status == MISSING
+            continue
+        assert item.status == OK and bytes(item.data) == want[item.id]
+        if item.id in buffers:
+            assert item.data.obj is buffers[item.id]
+    assert seen == ids
+    client.close()
 
 
 def test_unreachable_address_raises_unavailable_and_pool_remembers() -> None:

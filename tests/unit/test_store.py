@@ -301,3 +301,34 @@ def test_a_claimed_old_orphan_survives_collection_and_an_unclaimed_one_does_not(
     assert not store.delete_if_unclaimed(reused[0], time.time() - 3600)
     assert store.delete_if_unclaimed(reused[0], time.time() + 1)
     assert not store.has(reused[0])
+
+
+def test_generation_changes_when_the_set_of_chunks_does(store: ChunkStore) -> None:
+    c = raw_chunk(seed=21)
+    g0 = store.generation
+    store.put(*c)
+    g1 = store.generation
+    assert g1 != g0
+    store.put(*c)  # already there
+    store.get(c[0])
+    store.claim([c[0]])
+    assert store.generation == g1
+    store.delete(c[0])
+    assert store.generation != g1
+
+
+def test_anti_entropy_gate_skips_only_after_a_clean_pass_of_the_same_state() -> None:
+    from paramserver.replication import PassGate
+
+    gate = PassGate(full_pass_every=3)
+    assert gate.due("s1")  # never ran
+    gate.record("s1", clean=False)  # a peer was unreachable or missing chunks
+    assert gate.due("s1")
+    gate.record("s1", clean=True)
+    assert not gate.due("s1") and not gate.due("s1")
+    assert gate.due("s1")  # the third step: a full pass anyway
+    gate.record("s1", clean=True)
+    assert not gate.due("s1")
+    assert gate.due("s2")  # members, R, the store or the committed set changed
+    with pytest.raises(ValueError):
+        PassGate(0)
