@@ -203,17 +203,34 @@ class LocalCluster:
         same ports (a fresh set of free ports would leave them unable to elect a leader).
         None when there is no data to keep.
         """
-        if not any(Path(s.data_dir).is_dir() and any(Path(s.data_dir).iterdir()) for s in old.slots):
+        def has_data(server_id: str) -> bool:
+            folder = self.root / server_id  # where this launcher keeps it, even if root was moved
+            return folder.is_dir() and any(folder.iterdir())
+
+        if not any(has_data(s.server_id) for s in old.slots):
             return None
         fresh = f"start a new cluster in another --dir, or delete {self.root} to discard its data"
-        if len(old.slots) != self.config.servers or old.config.netns != self.config.netns:
+        if old.config.netns or self.config.netns:
             raise LauncherError(
-                f"{self.root} holds the data of a {len(old.slots)}-server cluster{' in namespaces' if old.config.netns else ''}: "
-                f"start it with the same --servers{' and --netns' if old.config.netns else ''} to keep its data, or {fresh}"
+                f"{self.root} holds the data of a stopped {'namespace ' if old.config.netns else ''}cluster; "
+                f"{'namespace clusters cannot be restarted on new namespaces' if old.config.netns else 'it cannot be restarted in namespaces'}: {fresh}"
             )
-        if self.config.netns:
-            raise LauncherError(f"{self.root} holds the data of a stopped namespace cluster, which cannot be restarted on new namespaces; {fresh}")
-        for slot in old.slots:
+        if len(old.slots) != self.config.servers:
+            raise LauncherError(
+                f"{self.root} holds the data of a {len(old.slots)}-server cluster: start it with --servers {len(old.slots)} "
+                f"to keep its data, or {fresh}"
+            )
+        slots = [
+            replace(slot, data_dir=str(self.root / slot.server_id), log_file=str(self.root / f"{slot.server_id}.log"), pid=None, args=[])
+            for slot in old.slots
+        ]
+        wanted = self._plan() if self.config.base_port else None
+        for i, slot in enumerate(slots):
+            if wanted is not None and (wanted[i].grpc, wanted[i].raft) != (slot.grpc, slot.raft):
+                raise LauncherError(
+                    f"{self.root} holds a cluster whose {slot.server_id} listens on {slot.grpc} (Raft {slot.raft}), not on "
+                    f"{wanted[i].grpc}: leave out --base-port to restart it where it was, or {fresh}"
+                )
             for address in (slot.grpc, slot.raft):
                 host, _, port = address.rpartition(":")
                 with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
@@ -225,7 +242,7 @@ class LocalCluster:
                             f"{slot.server_id} must come back on {address} (its peers know it there) but that port is in use; "
                             f"free it, or {fresh}"
                         ) from None
-        return [replace(slot, pid=None, args=[]) for slot in old.slots]
+        return slots
 
     def _create_topology(self) -> "NetnsTopology":
         from .netns import NetnsConfig, NetnsError, NetnsTopology

@@ -65,6 +65,10 @@ HEADER = struct.Struct(f"<BB{MAX_CODEC_LEN}sQQI")  # 40 bytes
 BATCH = struct.Struct("<II")
 MAX_BATCH_ITEMS = 64  # well under IOV_MAX (1024) for the client's scatter read
 MAX_MESSAGE_BYTES = 4096  # a MISSING / CORRUPT / ERROR payload
+MAX_CHUNK_BYTES = 65 << 20  # chunking's largest chunk is 64 MiB
+# A server closes a batch once it holds SEND_BATCH_BYTES (or MAX_BATCH_ITEMS), so no batch is
+# larger than that plus one chunk; a client refuses a batch declaring more than this.
+MAX_BATCH_BYTES = (16 << 20) + MAX_CHUNK_BYTES
 
 # WELCOME status
 W_OK, W_UNAUTHENTICATED, W_BAD_HELLO = 0, 1, 2
@@ -369,6 +373,6 @@ def _message(text: str) -> bytes:
 
 __all__ = [
     "BulkServer", "BulkServerConfig", "ProtocolError", "MAGIC", "VERSION", "MAX_IDS", "HEADER", "HELLO", "WELCOME",
-    "REQUEST", "BATCH", "MAX_BATCH_ITEMS", "MAX_MESSAGE_BYTES", "encode_batch", "OK", "MISSING", "CORRUPT", "ERROR", "STATUS_NAMES", "W_OK", "W_UNAUTHENTICATED", "W_BAD_HELLO",
+    "REQUEST", "BATCH", "MAX_BATCH_ITEMS", "MAX_BATCH_BYTES", "MAX_CHUNK_BYTES", "MAX_MESSAGE_BYTES", "encode_batch", "OK", "MISSING", "CORRUPT", "ERROR", "STATUS_NAMES", "W_OK", "W_UNAUTHENTICATED", "W_BAD_HELLO",
     "encode_hello", "encode_welcome", "encode_request", "encode_header", "decode_header", "recv_exact", "recv_into_all", "check_token",
 ]

@@ -17,7 +17,9 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 from .bulk import (
     BATCH,
     HEADER,
+    MAX_BATCH_BYTES,
     MAX_BATCH_ITEMS,
+    MAX_CHUNK_BYTES,
     MAX_MESSAGE_BYTES,
     MAGIC,
     MAX_IDS,
@@ -38,7 +40,7 @@ from .bulk import (
 )
 
 # Refuse a declared payload larger than this: chunking's largest chunk is 64 MiB.
-MAX_PAYLOAD_BYTES = 65 << 20
+MAX_PAYLOAD_BYTES = MAX_CHUNK_BYTES
 
 Into = Callable[[str, str, int], "memoryview | None"]  # (chunk id, codec, stored size)
 
@@ -231,6 +233,8 @@ class BulkClient:
         count, payload_bytes = BATCH.unpack(head)
         if not 0 < count <= min(MAX_BATCH_ITEMS, len(ids) - first):
             raise BulkProtocolFailure(self.address, f"a batch of {count} answers, but {len(ids) - first} ids are unanswered (at most {MAX_BATCH_ITEMS} per batch)")
+        if payload_bytes > MAX_BATCH_BYTES:
+            raise BulkProtocolFailure(self.address, f"a batch declares {payload_bytes} payload bytes, over {MAX_BATCH_BYTES}")
         raw_headers = bytearray(count * HEADER.size)
         recv_exact(conn.sock, memoryview(raw_headers))
         parsed = []
@@ -254,7 +258,8 @@ class BulkClient:
         for k, (status, codec, _raw, stored_size, _crc) in enumerate(parsed):
             view = into(ids[first + k], codec, stored_size) if into is not None and status == OK else None
             if view is not None and len(view) != stored_size:
-                raise ValueError(f"into() gave {len(view)} bytes for chunk {ids[first + k]}, which has {stored_size}")
+                # The caller expected another size: the server's copy differs from what it asked for.
+                raise BulkProtocolFailure(self.address, f"into() gave {len(view)} bytes for chunk {ids[first + k]}, which has {stored_size}")
             if view is None:
                 scratch_need += stored_size
             views.append(view)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import sys
 import threading
 import time
@@ -85,17 +86,20 @@ def arena_layout(sizes: Sequence[int]) -> tuple[list[int], int]:
 
 
 class _Arena:
-    __slots__ = ("area", "size", "free_since")
+    __slots__ = ("area", "size", "free_since", "_baseline")
 
-    def __init__(self, area: mmap.mmap, size: int) -> None:
-        self.area = area
+    def __init__(self, size: int) -> None:
+        self.area = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.size = size
         self.free_since: float | None = None
+        # The count while only this slot holds the mapping, read the same way is_free() reads
+        # it (interpreters differ in how many references the call itself adds).
+        self._baseline = sys.getrefcount(self.area)
 
     def is_free(self) -> bool:
-        # References: this slot, and getrefcount's own argument. Every tensor carved out of the
-        # arena holds one more (its buffer export) until its storage is freed.
-        return sys.getrefcount(self.area) <= 2
+        # Every tensor carved out of the arena holds a buffer export, hence one more reference,
+        # until its storage is freed.
+        return sys.getrefcount(self.area) <= self._baseline
 
 
 class ArenaPool:
@@ -126,18 +130,18 @@ class ArenaPool:
                 best.free_since = None
                 self.reused += 1
                 return best.area, offsets, False
-        area = mmap.mmap(-1, need, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        arena = _Arena(need)
         if self.config.huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
             try:
-                area.madvise(mmap.MADV_HUGEPAGE)
+                arena.area.madvise(mmap.MADV_HUGEPAGE)
             except OSError:
                 pass  # THP off or not supported: plain pages still work
         with self._lock:
             self.mapped += 1
             if self.config.keep_bytes and need <= self.config.keep_bytes:
-                self._arenas.append(_Arena(area, need))
+                self._arenas.append(arena)
                 self._schedule()
-        return area, offsets, True
+        return arena.area, offsets, True
 
     def _sweep(self, now: float) -> None:
         """Unmap released arenas kept too long or beyond keep_bytes (oldest release first). Lock held."""
@@ -187,6 +191,16 @@ class ArenaPool:
 
 _POOL: ArenaPool | None = None
 _POOL_LOCK = threading.Lock()
+
+
+def _forget_timer_after_fork() -> None:
+    # A forked child inherits the pool but not the timer thread: let it schedule its own.
+    if _POOL is not None:
+        _POOL._timer = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_timer_after_fork)
 
 
 def default_pool() -> ArenaPool:

@@ -186,11 +186,14 @@ class ChunkStore:
                 if not is_content_id(chunk_id):
                     out.append(False)
                     continue
+                path = self._path_str(chunk_id)
                 try:
-                    os.utime(self._path_str(chunk_id))
+                    os.utime(path)
                     out.append(True)
                 except FileNotFoundError:
                     out.append(False)
+                except OSError:  # read-only or foreign-owned store: nothing can collect it either
+                    out.append(os.path.exists(path))
         return out
 
     def delete_if_unclaimed(self, chunk_id: str, older_than: float) -> bool:
@@ -309,8 +312,9 @@ class ChunkStore:
 
     def _put(self, chunk_id: str, data: bytes, codec: str, raw_size: int, crc: int) -> tuple[bool, set[str]]:
         self.validate_incoming(chunk_id, data, codec, raw_size, crc)
-        if self._intact_copy_exists(chunk_id):
-            self.claim([chunk_id])  # sent again by a push: it must outlive the orphan grace period
+        # Sent again by a push: claim it *before* trusting the copy here, so that orphan
+        # collection cannot delete it between the check and the "already stored" answer.
+        if self.claim([chunk_id])[0] and self._intact_copy_exists(chunk_id):
             return False, set()
         folder = self._ensure_dir(chunk_id)
         final = f"{folder}/{chunk_id}"

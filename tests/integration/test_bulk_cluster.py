@@ -146,14 +146,16 @@ def test_corrupt_chunk_is_answered_corrupt_quarantined_and_pull_fails_over(clust
     assert_bit_exact(got, want)
 
 
-def test_replica_serving_wrong_bytes_with_its_own_crc_is_caught_in_place_and_refetched(cluster: LocalCluster) -> None:
+@pytest.mark.parametrize("verify", ["crc", "content"])
+def test_replica_serving_wrong_bytes_with_its_own_crc_is_caught_in_place_and_refetched(cluster: LocalCluster, verify: str) -> None:
     # A replica whose copy was altered *and* re-checksummed (a bug or a forger): the server's own
     # CRC check passes and it sends the bytes. Raw chunks are received straight into the target
     # tensors, so the client must reject them there, fetch a good copy from another replica over
     # the same region, and tell the replica.
-    want = state_dict(5, n=4)
-    push(cluster.seed, want, model="bulk-forged", tag="prod", token=ADMIN)
-    manifest = manifest_of(cluster, "bulk-forged:prod")
+    want = state_dict(5 if verify == "crc" else 7, n=4)
+    model = f"bulk-forged-{verify}"
+    push(cluster.seed, want, model=model, tag="prod", token=ADMIN)
+    manifest = manifest_of(cluster, f"{model}:prod")
     victims = [r.id for r in manifest.chunks if r.codec == "raw"][:12]
     assert len(victims) == 12
     for sid in ("ps1", "ps2"):  # ps3 keeps good copies
@@ -162,7 +164,7 @@ def test_replica_serving_wrong_bytes_with_its_own_crc_is_caught_in_place_and_ref
             data = bytearray(path.read_bytes()[HEADER_SIZE:])
             data[1000] ^= 0x01
             path.write_bytes(store_header("raw", len(data), len(data), crc32c(bytes(data))) + bytes(data))
-    got, report = pull_tensors(cluster.seed, "bulk-forged:prod", token=READ)
+    got, report = pull_tensors(cluster.seed, f"{model}:prod", token=READ, options=PullOptions(verify=verify))
     assert_bit_exact(got, want)
     assert report.bulk_fallbacks == 0 and report.bulk_bytes > report.bytes_fetched  # all over bulk (rejected copies too)
     assert report.retried >= 1  # some victims were first asked of ps1 or ps2

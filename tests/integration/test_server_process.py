@@ -212,8 +212,17 @@ def test_up_after_down_restarts_the_same_cluster_with_its_data(tmp_path: Path) -
         addresses = sorted(first.addresses)
     finally:
         first.down()
-    with pytest.raises(LauncherError, match="--servers"):
+    with pytest.raises(LauncherError, match="--servers 3"):
         LocalCluster(LocalClusterConfig(root=tmp_path / "c", servers=2)).up(wait=5)
+    import socket
+
+    host, _, port = addresses[0].rpartition(":")
+    with socket.socket() as squatter:  # someone took one of its ports meanwhile
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the port may be in TIME_WAIT
+        squatter.bind((host, int(port)))
+        squatter.listen()
+        with pytest.raises(LauncherError, match="that port is in use"):
+            LocalCluster(config).up(wait=5)
     again = LocalCluster(config)
     again.up(wait=90)
     try:

@@ -234,6 +234,8 @@ def test_truncated_reply_raises_unavailable(store: ChunkStore) -> None:
     (BATCH.pack(1, 66 << 20) + encode_header(OK, "raw", 66 << 20, 66 << 20, 0), "declares 69206016 bytes, over"),
     (BATCH.pack(1, 5000) + encode_header(MISSING, stored_size=5000), "MISSING message declares 5000 bytes"),
     (BATCH.pack(1, 0) + b"\x09" + b"\x00" * 39, "bad chunk header"),
+    (BATCH.pack(1, 100 << 20) + encode_header(OK, "raw", 100 << 20, 100 << 20, 0), "declares 104857600 payload bytes, over"),
+    (BATCH.pack(1, 5) + encode_header(ERROR, stored_size=5) + b"nope!", "server refused the request: nope!"),
 ])
 def test_malformed_batches_are_refused_naming_the_problem(reply: bytes, problem: str) -> None:
     address, join = fake_server(reply)
@@ -299,3 +301,29 @@ def test_idle_connection_is_closed_and_client_reconnects(store: ChunkStore) -> N
         items = list(client.fetch([cid]))
         assert bytes(items[0].data) == data
         client.close()
+
+
+def test_scatter_read_fills_every_buffer_across_partial_reads() -> None:
+    import threading
+    import time
+
+    from paramserver.bulk import recv_into_all
+
+    a, b = socket.socketpair()
+    data = os.urandom(300_000)
+
+    def trickle() -> None:
+        for i in range(0, len(data), 7_001):  # pieces that straddle the buffers' edges
+            a.sendall(data[i : i + 7_001])
+            time.sleep(0.0005)
+        a.close()
+
+    t = threading.Thread(target=trickle, daemon=True)
+    t.start()
+    bufs = [bytearray(n) for n in (1, 0, 99_999, 150_000, 50_000)]
+    recv_into_all(b, [memoryview(x) for x in bufs])
+    assert b"".join(bufs) == data
+    with pytest.raises(EOFError, match="closed after 0 of 10"):
+        recv_into_all(b, [memoryview(bytearray(10))])
+    t.join(5)
+    b.close()

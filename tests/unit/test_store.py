@@ -332,3 +332,23 @@ def test_anti_entropy_gate_skips_only_after_a_clean_pass_of_the_same_state() -> 
     assert gate.due("s2")  # members, R, the store or the committed set changed
     with pytest.raises(ValueError):
         PassGate(0)
+
+
+def test_resending_a_stored_orphan_claims_it_before_trusting_it(store: ChunkStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Orphan collection running between "an intact copy is here" and "answer ALREADY_PRESENT"
+    # must not delete the copy the push is about to count.
+    from paramserver.gc import OrphanCollector
+
+    c = raw_chunk(seed=31)
+    store.put(*c)
+    _age(store, c[0], 7200)
+    collector = OrphanCollector(lambda: set(), store, grace_s=3600)
+    check = store._intact_copy_exists
+
+    def collect_then_check(chunk_id: str) -> bool:
+        collector.step()
+        return check(chunk_id)
+
+    monkeypatch.setattr(store, "_intact_copy_exists", collect_then_check)
+    assert store.put(*c) is False  # already here, and still here
+    assert store.has(c[0])
