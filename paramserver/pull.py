@@ -23,7 +23,7 @@ from collections import Counter, OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import grpc
 import torch
@@ -38,10 +38,11 @@ from . import bulk as bulk_proto
 from .bulkclient import BulkError, BulkItem, BulkPool
 from .clusterview import RETRYABLE, ClusterOptions, ClusterView, parse_seeds
 from .errors import ConfigError
-from .hostmem import ArenaPool, HostMemoryConfig, allocate_targets
+from .hostmem import ArenaPool, HostMemoryConfig, Targets, allocate_targets
 from .progress import ProgressFn, no_progress
 from .proto import pb
 from .rawchunks import RawChunk, get_chunks_raw, open_channel
+from .safetensors_out import SafetensorsOut
 from .transfer_errors import PullError, TransferError, rpc_code, rpc_details
 
 
@@ -443,6 +444,23 @@ def pull_tensors(
     cluster: ClusterOptions | None = None,
 ) -> tuple[dict[str, torch.Tensor], PullReport]:
     """The verified tensors of a version (CPU, in manifest order) and a report."""
+    return _pull(seeds, ref, token=token, progress=progress, options=options, cluster=cluster)
+
+
+Allocate = Callable[[Manifest, pb.Version], Targets]
+
+
+def _pull(
+    seeds: str | Sequence[str],
+    ref: str | ModelRef,
+    *,
+    token: str | None,
+    progress: ProgressFn | None,
+    options: PullOptions,
+    cluster: ClusterOptions | None,
+    allocate: Allocate | None = None,
+) -> tuple[dict[str, torch.Tensor], PullReport]:
+    """pull_tensors, with the destination chosen by ``allocate(manifest, version)``."""
     t0 = time.perf_counter()
     options.validate()
     progress = progress or no_progress
@@ -453,7 +471,10 @@ def pull_tensors(
         version = resolve(view, target, options.linearizable)
         manifest = fetch_manifest_by_id(view, version.manifest_id)
         progress("resolve", 1, 1)
-        targets = allocate_targets(manifest, pool=None if options.recycle_memory else ArenaPool(HostMemoryConfig(keep_bytes=0)))
+        if allocate is not None:
+            targets = allocate(manifest, version)
+        else:
+            targets = allocate_targets(manifest, pool=None if options.recycle_memory else ArenaPool(HostMemoryConfig(keep_bytes=0)))
         tensors = targets.tensors
         t_fetch = time.perf_counter()
         fetcher = _Fetcher(view, manifest, tensors, options)
@@ -517,16 +538,37 @@ def pull(
     options: PullOptions = PullOptions(),
     cluster: ClusterOptions | None = None,
 ) -> PullReport:
-    """Pull ``ref`` ("model:tag", "model@N" or "model") into a .safetensors file at ``out``."""
+    """Pull ``ref`` ("model:tag", "model@N" or "model") into a .safetensors file at ``out``.
+
+    Chunks are received straight into the output file's pages (paramserver.safetensors_out):
+    no second copy of the model in memory. The file appears, complete and fsynced, only when
+    every chunk is in and verified; a failed pull leaves nothing at ``out``.
+    """
     t0 = time.perf_counter()
-    tensors, report = pull_tensors(seeds, ref, token=token, progress=progress, options=options, cluster=cluster)
-    t_save = time.perf_counter()
     progress = progress or no_progress
-    progress("save", 0, report.bytes_total)
-    meta = {"model": report.model, "version": str(report.version), "manifest_id": report.manifest_id}
+    holder: list[SafetensorsOut] = []
+
+    def in_file(manifest: Manifest, version: pb.Version) -> Targets:
+        meta = {"model": manifest.model, "version": str(version.number), "manifest_id": version.manifest_id}
+        try:
+            holder.append(SafetensorsOut(out, manifest, meta))
+        except (OSError, ValueError) as exc:
+            raise TransferError(f"cannot write {out}: {exc}", grpc.StatusCode.UNKNOWN) from None
+        return holder[0].targets
+
     try:
-        save_safetensors(tensors, out, meta)
-    except (OSError, ValueError, RuntimeError) as exc:
+        tensors, report = _pull(seeds, ref, token=token, progress=progress, options=options, cluster=cluster, allocate=in_file)
+    except BaseException:
+        if holder:
+            holder[0].abort()
+        raise
+    del tensors  # views of the file's mapping: released before it is closed
+    t_save = time.perf_counter()
+    progress("save", 0, report.bytes_total)
+    try:
+        holder[0].commit()
+    except OSError as exc:
+        holder[0].abort()
         raise TransferError(f"cannot write {out}: {exc}", grpc.StatusCode.UNKNOWN) from None
     progress("save", report.bytes_total, report.bytes_total)
     now = time.perf_counter()

@@ -87,14 +87,17 @@ def mixed_state_dict() -> dict[str, torch.Tensor]:
 
 def versions(cluster: LocalCluster, model: str) -> list[int]:
     try:
-        return [v.number for v in admin(cluster.addresses[0]).list_versions(model).versions]
+        leader = admin(cluster.addresses[0]).cluster_info().leader_grpc_address or cluster.addresses[0]
+        return [v.number for v in admin(leader).list_versions(model).versions]
     except grpc.RpcError as exc:
         assert exc.code() == grpc.StatusCode.NOT_FOUND
         return []
 
 
 def manifest_of(cluster: LocalCluster, model: str, version: int) -> Manifest:
-    reply = admin(cluster.addresses[0]).get_manifest(model=model, version=version)
+    # Ask the leader: a follower may not have applied a commit that just returned.
+    leader = admin(cluster.addresses[0]).cluster_info().leader_grpc_address or cluster.addresses[0]
+    reply = admin(leader).get_manifest(model=model, version=version)
     return Manifest.from_bytes(reply.data, expected_id=reply.manifest_id)
 
 
@@ -240,8 +243,8 @@ def test_unknown_model_or_tag_is_not_found(cluster: LocalCluster, tmp_path: Path
         c.resolve_tag("no-such-model", "prod")
     assert info.value.code() == grpc.StatusCode.NOT_FOUND and "no-such-model" in info.value.details()
     push(cluster.seed, {"w": torch.ones(4)}, model="tagged", tag="prod", token=ADMIN)
-    with pytest.raises(grpc.RpcError) as info:
-        c.resolve_tag("tagged", "no-such-tag")
+    with pytest.raises(grpc.RpcError) as info:  # linearizable: this member may not have applied the push yet
+        c.resolve_tag("tagged", "no-such-tag", linearizable=True)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND and "no-such-tag" in info.value.details()
     with pytest.raises(PullError) as pulled:
         pull(cluster.seed, "tagged:no-such-tag", tmp_path / "x.safetensors", token=READ)
@@ -364,3 +367,20 @@ def test_pull_refetches_a_chunk_corrupted_on_one_replica(cluster: LocalCluster) 
     tensors, pulled = pull_tensors(cluster.seed, "rotten:prod", token=READ)
     assert_bit_exact(tensors, state)
     print(f"chunks refetched from another replica: {pulled.retried}; bytes per server: {dict(pulled.per_server)}")
+
+
+def test_a_failed_pull_to_a_file_leaves_no_file_behind(cluster: LocalCluster, tmp_path: Path) -> None:
+    # Chunks are received straight into the output file's pages; when one chunk cannot be had
+    # from any replica, neither the file nor its temporary twin may remain.
+    state = synthetic_state_dict(2 * MiB, tensor_bytes=512 * 1024, seed=41)
+    report = push(cluster.seed, state, model="lost", tag="prod", token=ADMIN)
+    manifest = manifest_of(cluster, "lost", report.version)
+    victim = manifest.chunks[-1].id
+    for slot in cluster.slots:
+        for path in Path(slot.data_dir).rglob(victim):
+            path.unlink()
+    out = tmp_path / "pulled" / "lost.safetensors"
+    with pytest.raises(PullError, match="could not be fetched"):
+        pull(cluster.seed, "lost:prod", out, token=READ)
+    assert not out.exists()
+    assert list(out.parent.iterdir()) == []
