@@ -27,7 +27,6 @@ from .bulk import (
     ERROR,
     SOCKET_BUFFER_BYTES,
     STATUS_NAMES,
-    VERSION,
     W_OK,
     W_UNAUTHENTICATED,
     WELCOME,

@@ -20,6 +20,8 @@ from .framework import (
     check_no_failed_loads,
     check_no_lost_commits,
     check_within,
+    check_workload,
+    committed_present,
     run_drill,
     wait_for,
 )
@@ -28,5 +30,5 @@ from .report import DrillReport, load_report
 __all__ = [
     "DrillError", "DrillReport", "Loaded", "Published", "Workload", "WorkloadConfig", "check_converged",
     "check_loads_bit_exact", "check_monotonic_reads", "check_no_failed_loads", "check_no_lost_commits",
-    "check_within", "load_report", "run_drill", "wait_for",
+    "check_within", "check_workload", "committed_present", "load_report", "run_drill", "wait_for",
 ]

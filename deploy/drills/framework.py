@@ -352,6 +352,18 @@ def check_no_lost_commits(report: DrillReport, committed: Iterable[Published],
     return report.check("no_lost_commits", not lost, f"lost: {detail}" if lost else f"{len(items)} commits all present")
 
 
+def committed_present(state: Mapping[str, Any]) -> Callable[[Published], bool]:
+    """For check_no_lost_commits: is a published version among ``state``'s (one server's probe state)."""
+    return lambda p: any(v[0] == p.version for v in state.get(p.model, {}).get("versions", []))
+
+
+def check_workload(report: DrillReport, workload: Workload, allowed_kinds: Iterable[str] = ()) -> None:
+    """The loaders' invariants at the end of a drill: monotonic reads, bit-exact loads, no failed loads."""
+    check_monotonic_reads(report, workload)
+    check_loads_bit_exact(report, workload)
+    check_no_failed_loads(report, workload, allowed_kinds=allowed_kinds)
+
+
 def check_converged(report: DrillReport, states: Mapping[str, Any], name: str = "servers_converged") -> bool:
     """Every server holds the same state (versions, tags, vector clocks); the detail names who differs."""
     if not states:

@@ -16,15 +16,10 @@ from typing import TYPE_CHECKING
 from .framework import (
     DrillError,
     Workload,
-    check_converged,
-    check_loads_bit_exact,
-    check_monotonic_reads,
-    check_no_failed_loads,
-    check_no_lost_commits,
     check_within,
     wait_for,
 )
-from .partition import wait_converged, wait_steady
+from .partition import judge_final, wait_steady
 from .probe import ClusterProbe
 from .report import DrillReport
 
@@ -103,11 +98,4 @@ def run_kill_leader(cluster: "LocalCluster", report: DrillReport, workload: Work
         if config.enforce_target:
             report.check("failover_median_under_target", med <= config.target_median_s,
                          f"median {med:.3f}s, max {worst:.3f}s (target {config.target_median_s}s)")
-    final = wait_converged(probe, cluster.running(), config.settle_s) or probe.states(cluster.running())
-    check_converged(report, final)
-    reference = next(iter(final.values()), {})
-    check_no_lost_commits(report, workload.committed(), lambda p: any(
-        v[0] == p.version for v in reference.get(p.model, {}).get("versions", [])))
-    check_monotonic_reads(report, workload)
-    check_loads_bit_exact(report, workload)
-    check_no_failed_loads(report, workload, allowed_kinds=config.allowed_load_errors)
+    judge_final(report, workload, probe, cluster.running(), config.settle_s, config.allowed_load_errors)

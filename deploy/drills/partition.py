@@ -20,11 +20,10 @@ from .framework import (
     DrillError,
     Workload,
     check_converged,
-    check_loads_bit_exact,
-    check_monotonic_reads,
-    check_no_failed_loads,
     check_no_lost_commits,
     check_within,
+    check_workload,
+    committed_present,
     wait_for,
 )
 from .probe import ClusterProbe
@@ -77,6 +76,17 @@ def wait_converged(probe: ClusterProbe, servers: list[str], timeout: float) -> d
         return wait_for(agreed, timeout, interval=0.2, what="every server holding the same versions and tags")
     except TimeoutError:
         return None
+
+
+def judge_final(report: DrillReport, workload: Workload, probe: ClusterProbe, servers: list[str], settle_s: float,
+                allowed_kinds: Sequence[str], reference: str | None = None) -> None:
+    """A drill's closing checks on a quiet cluster: the servers converge, no committed version is
+    missing from ``reference``'s state (default: the first to answer), and the loaders' invariants."""
+    final = wait_converged(probe, servers, settle_s) or probe.states(servers)
+    check_converged(report, final)
+    state = final.get(reference, {}) if reference is not None else next(iter(final.values()), {})
+    check_no_lost_commits(report, workload.committed(), committed_present(state))
+    check_workload(report, workload, allowed_kinds)
 
 
 def wait_steady(report: DrillReport, workload: Workload, probe: ClusterProbe, servers: list[str],
@@ -168,11 +178,4 @@ def run_partition(cluster: "LocalCluster", report: DrillReport, workload: Worklo
     check_within(report, "commits_after_heal", None if t_after is None else t_after - healed.t, config.commit_limit_s)
     workload.stop()
     # Judged again after the workload stopped: on a quiet cluster every server must hold the same.
-    final = wait_converged(probe, servers, config.settle_s) or probe.states(servers)
-    check_converged(report, final)
-    reference = next(iter(final.values()), {})
-    check_no_lost_commits(report, workload.committed(), lambda p: any(
-        v[0] == p.version for v in reference.get(p.model, {}).get("versions", [])))
-    check_monotonic_reads(report, workload)
-    check_loads_bit_exact(report, workload)
-    check_no_failed_loads(report, workload, allowed_kinds=config.allowed_load_errors)
+    judge_final(report, workload, probe, servers, config.settle_s, config.allowed_load_errors)

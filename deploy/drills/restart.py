@@ -16,22 +16,20 @@ from __future__ import annotations
 import signal
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from .framework import (
     DrillError,
     Loaded,
     Published,
     Workload,
-    check_converged,
-    check_loads_bit_exact,
-    check_monotonic_reads,
-    check_no_failed_loads,
     check_no_lost_commits,
     check_within,
+    check_workload,
+    committed_present,
     wait_for,
 )
-from .partition import wait_converged
+from .partition import judge_final, wait_converged
 from .probe import ClusterProbe
 from .report import DrillReport, error_kind
 
@@ -73,10 +71,6 @@ def _wait_history(report: DrillReport, workload: Workload, config: RestartConfig
         raise DrillError(f"only {len(workload.committed())} versions committed in {config.settle_s:.0f}s "
                          f"(want {config.min_versions}); is the cluster healthy?")
     report.event("history_ready", versions=len(workload.committed()))
-
-
-def _committed_present(reference: dict[str, Any]) -> Callable[[Published], bool]:
-    return lambda p: any(v[0] == p.version for v in reference.get(p.model, {}).get("versions", []))
 
 
 def _chunks_held(probe: ClusterProbe, server: str, committed: list[Published]) -> dict[str, bytes]:
@@ -169,12 +163,7 @@ def run_restart_server(cluster: "LocalCluster", report: DrillReport, workload: W
             got = None
         check_within(report, "restarted_receives_missed_chunks", got, config.replicate_limit_s)
     workload.stop()
-    final = wait_converged(probe, [victim, *others], config.settle_s) or probe.states([victim, *others])
-    check_converged(report, final)
-    check_no_lost_commits(report, workload.committed(), _committed_present(final.get(victim, {})))
-    check_monotonic_reads(report, workload)
-    check_loads_bit_exact(report, workload)
-    check_no_failed_loads(report, workload, allowed_kinds=config.allowed_load_errors)
+    judge_final(report, workload, probe, [victim, *others], config.settle_s, config.allowed_load_errors, reference=victim)
 
 
 def run_restart_cluster(cluster: "LocalCluster", report: DrillReport, workload: Workload,
@@ -223,7 +212,7 @@ def run_restart_cluster(cluster: "LocalCluster", report: DrillReport, workload: 
                  f"{len(servers)} servers hold the same {sum(len(v['versions']) for v in reference.values())} versions, "
                  f"tags and vector clocks as before" if not differ and len(after) == len(servers) else
                  f"differ from before: {differ}; answered: {sorted(after)}")
-    check_no_lost_commits(report, committed, _committed_present(next(iter(after.values()), {})))
+    check_no_lost_commits(report, committed, committed_present(next(iter(after.values()), {})))
     if load_version is not None:
         newest = sorted({(p.model, p.version): p for p in committed}.values(), key=lambda p: -p.version)
         sample = newest[: config.max_verified_versions]
@@ -273,6 +262,4 @@ def run_restart_cluster(cluster: "LocalCluster", report: DrillReport, workload: 
             report.check("version_numbers_continue", done.version > top,
                          f"new v{done.version} after the last committed v{top}")
     report.interval("restart_total", report.now() - killed.t, "cluster_killed", "drill_end")
-    check_monotonic_reads(report, workload)
-    check_loads_bit_exact(report, workload)
-    check_no_failed_loads(report, workload, allowed_kinds=config.allowed_load_errors)
+    check_workload(report, workload, config.allowed_load_errors)

@@ -5,7 +5,6 @@ seen at once.
 """
 from __future__ import annotations
 
-import dataclasses
 import socket
 import time
 from pathlib import Path

@@ -24,7 +24,6 @@ from chunking.manifest import Manifest
 from chunking.synthetic import synthetic_state_dict
 from deploy.local import LocalCluster, LocalClusterConfig
 from paramserver.client import ChunkData, ParamServerClient, make_chunk
-from paramserver.proto import pb
 from paramserver.pull import pull, pull_tensors
 from paramserver.push import push
 from paramserver.transfer_errors import PullError, PushError, TransferError

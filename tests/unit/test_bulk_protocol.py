@@ -24,7 +24,6 @@ from paramserver.bulk import (
     VERSION,
     W_BAD_HELLO,
     W_OK,
-    W_UNAUTHENTICATED,
     WELCOME,
     BulkServer,
     BulkServerConfig,
