@@ -21,7 +21,6 @@ import argparse
 import os
 import dataclasses
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,17 +33,11 @@ from typing import Callable
 from chunking.config import ChunkingConfig
 from chunking.pack import pack
 from chunking.synthetic import synthetic_state_dict
-from deploy.local import LocalCluster, LocalClusterConfig
+from deploy.local import LocalCluster, LocalClusterConfig, free_port
 from paramserver.pull import PullOptions, pull_tensors
 from paramserver.push import push
 
 MiB = 1 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cpu_seconds(pids: list[int]) -> float:

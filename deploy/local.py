@@ -42,7 +42,8 @@ class LauncherError(RuntimeError):
     """The local cluster could not be started, found or stopped."""
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago; callers bind it soon after."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
@@ -113,7 +114,7 @@ class LocalCluster:
             elif c.base_port:
                 gp, rp = c.base_port + 2 * i, c.base_port + 2 * i + 1
             else:
-                gp, rp = _free_port(c.host), _free_port(c.host)
+                gp, rp = free_port(c.host), free_port(c.host)
             sid = f"ps{i + 1}"
             slots.append(
                 ServerSlot(

@@ -1,17 +1,11 @@
 """Shared fixtures: free loopback ports and per-test data directories."""
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 
 import pytest
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago; callers bind it soon after."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+from deploy.local import free_port  # the one helper; tests import it from here too
 
 
 @pytest.fixture

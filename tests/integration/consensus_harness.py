@@ -5,7 +5,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,16 +13,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
 
 from consensus import errors
+from deploy.local import free_port
 
 T = TypeVar("T")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _ERRORS = {name: getattr(errors, name) for name in errors.__dict__ if isinstance(getattr(errors, name), type)}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_until(predicate: Callable[[], T], timeout: float, interval: float = 0.05, what: str = "condition") -> T:

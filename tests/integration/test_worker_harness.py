@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,14 +22,12 @@ from typing import Any
 import pytest
 import torch
 
+from deploy.local import free_port
+
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---------------------------------------------------------------- server process
