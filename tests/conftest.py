@@ -1,7 +1,9 @@
 """Shared fixtures: free loopback ports and per-test data directories."""
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -21,3 +23,13 @@ def port_factory() -> Iterator[object]:
         raise RuntimeError("no free loopback port found after 100 tries")
 
     yield make
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout: float = 10.0) -> None:
+    """SIGTERM, wait, and SIGKILL if it has not exited by then."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout)

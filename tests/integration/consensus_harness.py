@@ -62,7 +62,7 @@ class DevNode:
             cmd += ["--peer", peer]
         stderr = open(self.data_dir.parent / f"{self.server_id}.log", "a")  # noqa: SIM115 - kept for the process' life
         env = {**os.environ, **(self.env or {})}
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
+        self.proc = subprocess.Popen(self.wrap(cmd), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
                                      bufsize=1, cwd=REPO_ROOT, env=env)
         stderr.close()
         started: queue.Queue[dict[str, Any]] = queue.Queue()
@@ -72,6 +72,10 @@ class DevNode:
         except queue.Empty:
             self.kill()
             raise TimeoutError(f"{self.server_id} did not start within {timeout}s; see {self.data_dir.parent}") from None
+
+    def wrap(self, cmd: list[str]) -> list[str]:
+        """The command line that runs ``cmd`` (a subclass may run it elsewhere, e.g. in a namespace)."""
+        return cmd
 
     def _read_loop(self, proc: subprocess.Popen[str], started: queue.Queue[dict[str, Any]]) -> None:
         assert proc.stdout is not None

@@ -17,6 +17,7 @@ from chunking.hashing import content_id, crc32c
 from paramserver.client import ChunkData, ParamServerClient, make_chunk
 from paramserver.proto import pb
 from paramserver.store import HEADER_SIZE
+from tests.conftest import stop_process
 
 pytestmark = pytest.mark.integration
 
@@ -53,12 +54,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             time.sleep(0.05)
         yield Server(proc, f"127.0.0.1:{port_file.read_text()}", root / "data")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop_process(proc)
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,6 @@ node must hold the same versions, tags and vector clocks.
 """
 from __future__ import annotations
 
-import os
-import queue
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -20,7 +15,7 @@ import pytest
 from consensus.errors import MetadataError
 from deploy.netns import NetnsConfig, NetnsTopology, netns_available
 
-from .consensus_harness import REPO_ROOT, DevNode, wait_until
+from .consensus_harness import DevNode, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.root, pytest.mark.timeout(120)]
 
@@ -42,23 +37,8 @@ class NsDevNode(DevNode):
         self.index = index
         self.topo = topo
 
-    def start(self, timeout: float = 30.0) -> None:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "consensus.devnode", "--id", self.server_id, "--raft", self.raft,
-               "--data-dir", str(self.data_dir)]
-        for peer in self.peers:
-            cmd += ["--peer", peer]
-        stderr = open(self.data_dir.parent / f"{self.server_id}.log", "a")  # noqa: SIM115 - kept for the process' life
-        self.proc = subprocess.Popen(self.topo.exec_args(self.index, cmd), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=stderr, text=True, bufsize=1, cwd=REPO_ROOT, env=dict(os.environ))
-        stderr.close()
-        started: queue.Queue[dict[str, Any]] = queue.Queue()
-        threading.Thread(target=self._read_loop, args=(self.proc, started), daemon=True).start()
-        try:
-            started.get(timeout=timeout)
-        except queue.Empty:
-            self.kill()
-            raise TimeoutError(f"{self.server_id} did not start within {timeout}s; see {self.data_dir.parent}") from None
+    def wrap(self, cmd: list[str]) -> list[str]:
+        return self.topo.exec_args(self.index, cmd)
 
 
 @pytest.fixture

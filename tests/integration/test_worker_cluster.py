@@ -22,6 +22,7 @@ from chunking.synthetic import finetune
 from paramserver.client import ParamServerClient
 from paramserver.proto import pb, pb_grpc
 from paramserver.store import HEADER_SIZE, decode_header, encode_header
+from tests.conftest import stop_process
 from tests.integration.test_worker_harness import REPO, Cluster, make_cluster
 from worker.client import ClusterClient
 from worker.config import CacheConfig, ClusterClientConfig, PrefetchConfig
@@ -377,12 +378,7 @@ def test_serve_answers_and_follows_tag(cluster: Cluster) -> None:
                 time.sleep(0.2)
         assert heat and all(count >= 2 for count in heat.values()), heat
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop_process(proc)
 
 
 def test_help_documents_options() -> None:
