@@ -5,7 +5,8 @@ a few parallel GetChunks streams per server (allow_partial, so one missing or
 corrupt chunk does not end a stream), verified (CRC32C, size, content id) and
 written straight into the destination tensors. When a member advertises a bulk
 port (paramserver.bulk) and TLS is off, chunk bytes come over it instead: plain
-TCP, ``recv_into`` a reused buffer, no gRPC per-byte cost; any bulk failure falls
+TCP, received straight into the destination tensors (or a reused buffer), no gRPC
+per-byte cost; any bulk failure falls
 back to GetChunks for that request and parks the address for a while. A chunk that fails on one
 replica is fetched from another, then from any member (repair may have moved
 it); a replica that served bad bytes is told with ReportCorrupt. The worker
@@ -16,13 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 import threading
 import time
 from collections import Counter, OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import grpc
@@ -509,25 +508,6 @@ def _pull(
         return out, report
 
 
-def save_safetensors(tensors: Mapping[str, torch.Tensor], out: str | os.PathLike[str], metadata: Mapping[str, str] | None = None) -> None:
-    """Write atomically (temp file in the same folder, then rename): a failed pull leaves no half file."""
-    from safetensors.torch import save_file
-
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(dict(tensors), tmp, metadata=dict(metadata or {}))
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def pull(
     seeds: str | Sequence[str],
     ref: str | ModelRef,
@@ -575,4 +555,4 @@ def pull(
     return dataclasses.replace(report, seconds=now - t0, save_seconds=now - t_save, path=str(out))
 
 
-__all__ = ["VERIFY_MODES", "pull", "pull_tensors", "PullOptions", "PullReport", "ModelRef", "parse_ref", "resolve", "save_safetensors", "fetch_manifest_by_id"]
+__all__ = ["VERIFY_MODES", "pull", "pull_tensors", "PullOptions", "PullReport", "ModelRef", "parse_ref", "resolve", "fetch_manifest_by_id"]
