@@ -2,7 +2,7 @@
 """Pull a 1 GiB model from a local 3-server cluster and compare, in the same run, with
 (a) the same 256 KiB chunks read from Redis (redis-py + hiredis, pipeline 32) and
 (b) safetensors.torch.load_file of the same model from local disk. The pull runs over the
-servers' bulk TCP ports (paramserver.bulk) and over gRPC GetChunks, each with CRC32C and with
+servers' bulk TCP ports (paramserver.wire.bulk_frames) and over gRPC GetChunks, each with CRC32C and with
 CRC32C + BLAKE3 verification. Also prints push GB/s.
 
     python bench/bench_pull.py [--size-mib 1024] [--rounds 5] [--streams 3] [--server-cache-mib 1024] [--fsync] [--scrub-mb-per-s 0]
@@ -12,7 +12,7 @@ a free port, in a temporary folder, and stops both. The machine is noisy:
 compare figures within one run only. Each round runs every method once, in turn, starting
 one method later than the round before (whatever runs first after a pause or after the
 push is slower); each figure is the best (and the median) of --rounds. Pulls after the first
-reuse the memory the previous pull released (paramserver.hostmem), as a process that loads
+reuse the memory the previous pull released (paramserver.client.hostmem), as a process that loads
 version after version does; one row shows a pull into fresh memory every time.
 """
 from __future__ import annotations
@@ -34,8 +34,8 @@ from chunking.config import ChunkingConfig
 from chunking.pack import pack
 from chunking.synthetic import synthetic_state_dict
 from deploy.local import LocalCluster, LocalClusterConfig, free_port
-from paramserver.pull import PullOptions, pull_tensors
-from paramserver.push import push
+from paramserver.client.pull import PullOptions, pull_tensors
+from paramserver.client.push import push
 
 MiB = 1 << 20
 

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from chunking.synthetic import synthetic_state_dict  # noqa: E402
-from worker.client import ClusterClient  # noqa: E402
+from paramserver.client.session import ClusterClient  # noqa: E402
 from worker.config import MIB, CacheConfig  # noqa: E402
 from worker.loader import empty_targets, load, resolve_device  # noqa: E402
 from worker.tiered_cache import TieredCache  # noqa: E402

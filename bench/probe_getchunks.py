@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Throughput probe for GetChunks on loopback: pick the coalescing default.
 
-Starts one data-plane server process (python -m paramserver.dataplane_dev),
+Starts one data-plane server process (python -m paramserver.server.dataplane_dev),
 pushes a data set of random 256 KiB chunks, then streams about --total-mib
 through GetChunks for each message size and prints GB/s (push GB/s too).
 The machine is noisy: compare figures within one run only.
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from chunking.hashing import content_id
-from paramserver.client import ParamServerClient, make_chunk
+from paramserver.client.rpc import ParamServerClient, make_chunk
 
 KiB, MiB = 1024, 1 << 20
 
@@ -42,7 +42,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="probe-") as tmp:
         port_file = Path(tmp) / "port"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "paramserver.dataplane_dev", "--data-dir", f"{tmp}/data", "--port-file", str(port_file),
+            [sys.executable, "-m", "paramserver.server.dataplane_dev", "--data-dir", f"{tmp}/data", "--port-file", str(port_file),
              "--no-fsync", "--cache-bytes", str(args.cache_mib * MiB)],
         )  # fmt: skip
         try:
@@ -86,7 +86,7 @@ def main() -> int:
 
 
 def client_request(ids: list[str], size: int):  # type: ignore[no-untyped-def]
-    from paramserver.proto import pb
+    from paramserver.wire.proto import pb
 
     return pb.GetChunksRequest(ids=ids, max_message_bytes=size)
 

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 from .clock import Ordering, VectorClock
 from .config import ConfigError, RaftConfig
-from .errors import CommitTimeout, Conflict, Invalid, MetadataError, NoQuorum, NotFound, NotLeader, Unavailable
+from .errors import (CommitTimeout, Conflict, DamagedState, Invalid, MetadataError, NoQuorum, NotFound, NotLeader,
+                     Unavailable)
 from .node import MetadataNode, NodeNotStarted
 from .records import MemberRecord, ReadResult, TagMove, TagRecord, VersionRecord
 from .state import MetadataState
 
 __all__ = [
-    "CommitTimeout", "Conflict", "Invalid", "MetadataError", "NoQuorum", "NotFound", "NotLeader", "Unavailable",
+    "CommitTimeout", "Conflict", "DamagedState", "Invalid", "MetadataError", "NoQuorum", "NotFound", "NotLeader",
+    "Unavailable",
     "ConfigError", "NodeNotStarted",
     "MemberRecord", "ReadResult", "TagMove", "TagRecord", "VersionRecord",
     "MetadataNode", "MetadataState", "Ordering", "RaftConfig", "VectorClock",

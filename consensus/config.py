@@ -37,6 +37,10 @@ class RaftConfig:
     batch_appends: bool = False
     log_compaction_min_entries: int = 5000
     log_compaction_min_time: float = 300.0
+    # Journal, term/vote and dump reach the disk before anything that depends on them is sent
+    # (consensus/durable.py). False (--no-fsync) is for tests and drills: a power loss can
+    # then lose acknowledged commits and votes.
+    fsync: bool = True
 
     @property
     def journal_file(self) -> Path:
@@ -45,6 +49,11 @@ class RaftConfig:
     @property
     def dump_file(self) -> Path:
         return self.data_dir / "raft.dump"
+
+    @property
+    def meta_file(self) -> Path:
+        """Term, vote and commit index; pysyncobj names it after the journal."""
+        return self.data_dir / "raft.journal.meta"
 
     def validate(self) -> None:
         try:
@@ -95,5 +104,7 @@ class RaftConfig:
         if (not isinstance(self.tcp_keepalive, tuple) or len(self.tcp_keepalive) != 3
                 or not all(isinstance(v, int) and v > 0 for v in self.tcp_keepalive)):
             raise ConfigError("tcp_keepalive must be three ints > 0: (idle seconds, probe interval seconds, probes)")
+        if not isinstance(self.fsync, bool):
+            raise ConfigError(f"fsync must be True or False, got {self.fsync!r}")
         if self.log_compaction_min_entries < 2:
             raise ConfigError("log_compaction_min_entries must be >= 2")

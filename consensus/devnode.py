@@ -29,7 +29,8 @@ from .errors import MetadataError, NotLeader
 from .node import MetadataNode
 from .records import MemberRecord, ReadResult, TagRecord, VersionRecord
 
-_TUNABLES = {f.name: f.type for f in fields(RaftConfig) if f.name.endswith(("_timeout", "_period", "_retry"))}
+_TUNABLES = {f.name: f.type for f in fields(RaftConfig)
+             if f.name.endswith(("_timeout", "_period", "_retry")) or f.name.startswith("log_compaction_")}
 
 
 def to_json(value: Any) -> Any:
@@ -101,8 +102,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--peer", action="append", default=[], help="another member's Raft host:port (repeat)")
     parser.add_argument("--data-dir", required=True, type=Path)
     parser.add_argument("--secret-env", help="name of an environment variable that holds the cluster secret")
+    parser.add_argument("--no-fsync", action="store_true",
+                        help="skip every fsync of the Raft state (tests and drills only: "
+                             "a power loss can lose commits)")
     for name in _TUNABLES:
-        parser.add_argument("--" + name.replace("_", "-"), type=float)
+        kind = int if name == "log_compaction_min_entries" else float
+        parser.add_argument("--" + name.replace("_", "-"), type=kind)
     return parser.parse_args(argv)
 
 
@@ -114,9 +119,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"environment variable {args.secret_env} is empty or unset", file=sys.stderr)
         return 2
     tuning = {name: getattr(args, name) for name in _TUNABLES if getattr(args, name) is not None}
-    config = RaftConfig(args.id, args.raft, tuple(args.peer), args.data_dir, secret=secret, **tuning)
+    config = RaftConfig(args.id, args.raft, tuple(args.peer), args.data_dir, secret=secret,
+                        fsync=not args.no_fsync, **tuning)
     node = MetadataNode(config)
-    node.start()
+    try:
+        node.start()
+    except MetadataError as exc:  # e.g. DamagedState naming the file: one line, no traceback
+        print(f"devnode {args.id}: start-up failed: {exc}", file=sys.stderr)
+        return 1
     out_lock = threading.Lock()
 
     def emit(obj: Mapping[str, Any]) -> None:

@@ -40,3 +40,10 @@ class NoQuorum(Unavailable):
 
 class CommitTimeout(Unavailable):
     """The write was sent but not confirmed committed in time; it may still commit."""
+
+
+class DamagedState(MetadataError):
+    """A Raft state file (term/vote, journal, full dump) is damaged or unreadable; the node refuses to start.
+
+    The message names the file. Starting anyway could forget a vote and let two leaders win one term.
+    """

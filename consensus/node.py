@@ -12,6 +12,7 @@ from pysyncobj.config import FAIL_REASON
 
 from .codec import member_command, member_record, tag_record, version_record
 from .config import RaftConfig
+from .durable import AckGate, DurableJournal, DurableSyncObj, check_dump, fsync_path_and_ancestors, install
 from .errors import CommitTimeout, Conflict, NoQuorum, NotLeader, Unavailable
 from .links import transport_class
 from .records import MemberRecord, ReadResult, TagRecord, VersionRecord
@@ -59,13 +60,21 @@ class MetadataNode:
         self._clock = clock  # stamps created_at / when on the proposer; apply never reads a clock
         self._replica = StateReplica()
         self._syncobj: SyncObj | None = None
+        self._journal: DurableJournal | None = None
 
     # ------------------------------------------------------------- lifecycle
     def start(self) -> None:
         if self._syncobj is not None:
             return
         cfg = self._config
+        install()  # refuses a pysyncobj version its patches were not written for
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.fsync:
+            fsync_path_and_ancestors(str(cfg.data_dir))
+        # Damaged state files stop start-up here, with DamagedState naming the file.
+        check_dump(str(cfg.dump_file))
+        journal = DurableJournal(str(cfg.journal_file), fsync=cfg.fsync)
+        gate = AckGate(journal)
         conf = SyncObjConf(
             password=cfg.secret,
             raftMinTimeout=cfg.election_min_timeout,
@@ -88,19 +97,26 @@ class MetadataNode:
             # Forking a process that runs gRPC threads is unsafe; the dump is small anyway.
             useFork=False,
         )
-        syncobj = SyncObj(
-            cfg.raft_address,
-            list(cfg.peers),
-            conf,
-            consumers=[self._replica],
-            transportClass=transport_class(cfg.link_keepalive_period),
-        )
+        try:
+            syncobj = DurableSyncObj(
+                cfg.raft_address,
+                list(cfg.peers),
+                conf,
+                journal=journal,
+                gate=gate,
+                consumers=[self._replica],
+                transportClass=transport_class(cfg.link_keepalive_period, gate),
+            )
+        except BaseException:
+            journal._destroy()
+            raise
         try:
             syncobj.waitBinded()
         except Exception as exc:
             syncobj.destroy_synchronous()
             raise Unavailable(f"cannot listen on {cfg.raft_address} for Raft: {exc}; is the port in use?") from exc
         self._syncobj = syncobj
+        self._journal = journal
 
     def close(self) -> None:
         syncobj, self._syncobj = self._syncobj, None
@@ -160,6 +176,12 @@ class MetadataNode:
             "has_quorum": _racy(lambda: so.hasQuorum),
             "ready": so.isReady(),
             "cluster": self.cluster_addresses(),
+            # Group commits of the journal so far (each one fdatasync) and the time they took.
+            "fsync": self._config.fsync,
+            "journal_syncs": self._journal.sync_count if self._journal is not None else 0,
+            "journal_sync_seconds": self._journal.sync_seconds if self._journal is not None else 0.0,
+            # Set once a write or sync of the Raft state failed: this node then takes no part in Raft.
+            "raft_failure": self._journal.failure if self._journal is not None else None,
         }
 
     # ---------------------------------------------------------------- writes

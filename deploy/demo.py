@@ -22,11 +22,13 @@ import torch
 from rich.console import Console
 
 from deploy.local import LauncherError, LocalCluster, LocalClusterConfig
-from paramserver.ctl import human_bytes, push_summary
-from paramserver.errors import ParamServerError
-from paramserver.progress import RichProgress
-from paramserver.pull import PullReport, pull
-from paramserver.push import push
+from paramserver.client.ctl import human_bytes, push_summary
+from paramserver.client.errors import ClientError
+from paramserver.client.progress import RichProgress
+from paramserver.client.pull import PullReport, pull
+from paramserver.client.push import push
+from worker.config import CacheConfig
+from worker.loader import load
 
 
 def finetune_bytes(state: Mapping[str, torch.Tensor], fraction: float = 0.1, seed: int = 1) -> tuple[dict[str, torch.Tensor], int]:
@@ -106,6 +108,16 @@ def run(root: Path, keep: bool, servers: int, console: Console) -> int:
             return 1
         console.print(f"   [green]bit-exact[/green]: all {len(state)} tensors match the pushed file byte for byte")
 
+        console.print("[bold]4b.[/bold] paramworker load resnet50:prod   (the worker's path: the same client, its cache tiers)")
+        loaded = load(cluster.seed, "resnet50:prod", "cpu", CacheConfig())
+        console.print(f"   {loaded.report.summary()}", highlight=False)
+        bad = mismatches(loaded.tensors, state)
+        if bad:
+            console.print(f"[red]MISMATCH[/red] in the worker's load: {bad[:5]}")
+            return 1
+        console.print(f"   [green]bit-exact[/green]: the worker holds all {len(state)} tensors byte for byte")
+        del loaded
+
         tuned, changed = finetune_bytes(state, 0.10)
         console.print(f"[bold]5.[/bold] push a fine-tune that changes {100 * changed / first.bytes_total:.1f}% of the bytes, tag prod")
         with RichProgress(console=console) as bar:
@@ -149,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     try:
         return run(root.resolve(), args.keep, args.servers, console)
-    except (LauncherError, ParamServerError) as exc:
+    except (LauncherError, ClientError) as exc:
         print(f"demo: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -31,9 +32,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Collection, Sequence
 
 if TYPE_CHECKING:
+    from paramserver.client.config import ClientSettings
+
     from .netns import NetnsTopology
 
 STATE_FILE = "cluster.json"
+CLIENT_CONFIG = "client.toml"  # the client config (paramserver.client.config) 'up' writes: export PARAMS_CONFIG=...
+TLS_DIR = "tls"
+CLIENT_CERT = "client"  # the one client certificate 'up --tls' issues
 NETNS_GRPC_PORT = 7070  # in namespace mode every server has its own port space, so all use the same ports
 NETNS_RAFT_PORT = 7071
 
@@ -67,6 +73,9 @@ class LocalClusterConfig:
     netns_prefix: str | None = None  # None: a fresh unique "pdp-xxxxxx-"
     netns_subnet: str | None = None  # None: a free 10.231.X.0/24
     netns_clients: int = 0  # extra client namespaces on the bridge (for drills)
+    # Mutual TLS: a private CA and per-server certificates under root/tls (deploy.certs), reused on
+    # restart; servers call each other with their own certificate. The bulk read port is off under TLS.
+    tls: bool = False
 
     def validate(self) -> None:
         if not 1 <= self.servers <= 15:
@@ -147,11 +156,75 @@ class LocalCluster:
             args += ["--read-token", c.read_token]
         if c.secret:
             args += ["--cluster-secret", c.secret]
+        if c.tls:
+            tls = self.tls_dir
+            args += ["--tls-cert", str(tls / f"{slot.server_id}.pem"), "--tls-key", str(tls / f"{slot.server_id}.key"),
+                     "--tls-ca", str(tls / "ca.pem")]
         args += list(c.extra_args)
         if self.topology is not None:
             # `ip netns exec` execs the server, so the pid we keep is the server's own.
             args = self.topology.exec_args(self.index_of(slot.server_id), args)
         return args
+
+    # ---- TLS and the client config ------------------------------------------------------
+    @property
+    def tls_dir(self) -> Path:
+        return self.root / TLS_DIR
+
+    @property
+    def client_config_path(self) -> Path:
+        return self.root / CLIENT_CONFIG
+
+    def _make_certs(self) -> None:
+        """The CA and one certificate per server (its host in the SANs) plus the client's; existing ones are reused."""
+        from .certs import CertError, make_cluster_certs
+
+        try:
+            make_cluster_certs(self.tls_dir, {s.server_id: [s.grpc.rpartition(":")[0]] for s in self.slots}, clients=(CLIENT_CERT,))
+        except (CertError, ValueError, OSError) as exc:
+            raise LauncherError(f"cannot make the cluster's TLS certificates in {self.tls_dir}: {exc}") from None
+
+    def client_settings(self, client_cert: str | None = CLIENT_CERT) -> "ClientSettings":
+        """How a client reaches this cluster (addresses, tokens, and under TLS the CA and ``client_cert``'s files)."""
+        from paramserver.client.config import ClientSettings
+
+        tls: dict[str, Any] = {}
+        if self.config.tls:
+            tls["tls_ca"] = self.tls_dir / "ca.pem"
+            if client_cert is not None:
+                tls["tls_cert"], tls["tls_key"] = self.tls_dir / f"{client_cert}.pem", self.tls_dir / f"{client_cert}.key"
+        return ClientSettings(cluster=tuple(self.addresses), admin_token=self.config.admin_token,
+                              read_token=self.config.read_token, **tls)
+
+    def write_client_config(self) -> Path:
+        """Write ``client.toml`` (and the token files it names, mode 0600) into the cluster folder.
+
+        Paths in it are relative to the folder, so the folder can move; no token sits in the file itself.
+        """
+        c = self.config
+        lines = [
+            "# Client config of the local cluster (python -m deploy.local up); use it with",
+            f"#   export PARAMS_CONFIG={self.client_config_path}",
+            "# then paramctl and paramworker need no --cluster, --token or --tls-* flags.",
+            f"cluster = [{', '.join(json.dumps(a) for a in self.addresses)}]",
+        ]
+        for key, token, name in (("admin_token_file", c.admin_token, "admin.token"), ("read_token_file", c.read_token, "read.token")):
+            path = self.root / name
+            if token:
+                _write_private(path, token + "\n")
+                lines.append(f"{key} = {json.dumps(name)}")
+            elif path.exists():
+                path.unlink()  # a token of an earlier start that this one does not use
+        if c.tls:
+            lines += [
+                f"tls_ca = {json.dumps(f'{TLS_DIR}/ca.pem')}",
+                f"tls_cert = {json.dumps(f'{TLS_DIR}/{CLIENT_CERT}.pem')}",
+                f"tls_key = {json.dumps(f'{TLS_DIR}/{CLIENT_CERT}.key')}",
+            ]
+        tmp = self.client_config_path.with_suffix(".toml.tmp")
+        tmp.write_text("\n".join(lines) + "\n")
+        tmp.replace(self.client_config_path)
+        return self.client_config_path
 
     @property
     def addresses(self) -> list[str]:
@@ -187,10 +260,13 @@ class LocalCluster:
             if self.config.netns:
                 self.topology = self._create_topology()
             self.slots = previous or self._plan()
+            if self.config.tls:
+                self._make_certs()
             for slot in self.slots:
                 slot.args = self._args_for(slot)
                 self._spawn(slot)
             self.save_state()
+            self.write_client_config()
             self.wait_ready(wait)
         except BaseException:
             # Never leave processes or namespaces behind a failed start; the logs stay for reading.
@@ -375,12 +451,13 @@ class LocalCluster:
         """ClusterInfo from one server (or the first that answers), as a dict."""
         import grpc
 
-        from paramserver.client import ParamServerClient
-        from paramserver.proto import pb
+        from paramserver.client.rpc import ParamServerClient
+        from paramserver.wire.proto import pb
 
         candidates = [self.slot(server_id)] if server_id else [s for s in self.slots if s.pid]
+        settings = self.client_settings()
         for slot in candidates:
-            client = ParamServerClient(slot.grpc, token=self.config.read_token or self.config.admin_token)
+            client = ParamServerClient(settings.client_config(slot.grpc, write=False))
             try:
                 reply = client.stub.ClusterInfo(pb.ClusterInfoRequest(), timeout=timeout)
             except grpc.RpcError:
@@ -461,7 +538,7 @@ class LocalCluster:
             replication=cfg.get("replication", 3), extra_args=tuple(cfg.get("extra_args", ())),
             env=tuple(tuple(x) for x in cfg.get("env", ())),
             netns=cfg.get("netns", False), netns_prefix=cfg.get("netns_prefix"), netns_subnet=cfg.get("netns_subnet"),
-            netns_clients=cfg.get("netns_clients", 0),
+            netns_clients=cfg.get("netns_clients", 0), tls=cfg.get("tls", False),
         )
         cluster = cls(config)
         cluster.slots = [ServerSlot(**s) for s in data["slots"]]
@@ -483,6 +560,18 @@ def _config_to_json(c: LocalClusterConfig) -> dict[str, Any]:
     d = asdict(replace(c, root=Path(c.root).resolve()))
     d["root"] = str(d["root"])
     return d
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write a secret file atomically, readable by its owner only from the first byte."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, text.encode())
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+    tmp.replace(path)
 
 
 def _alive(pid: int | None) -> bool:
@@ -533,6 +622,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--subnet", help="with --netns: a private /24 for the bridge (default: a free 10.231.X.0/24)")
     up.add_argument("--client-namespaces", type=int, default=0,
                     help="with --netns: extra client namespaces on the bridge, for loaders on one side (default 0)")
+    up.add_argument("--tls", action="store_true",
+                    help="mutual TLS: make a private CA, a certificate per server and one client certificate under "
+                         "DIR/tls (reused on restart); servers call each other with their own certificate; the bulk "
+                         "read port is off (reads go over gRPC) (default: plaintext)")
     for name, text in (("down", "stop every server of the cluster"), ("status", "show servers, pids and the leader"),
                        ("partition", "cut the network between groups of servers (--netns clusters only)"),
                        ("heal", "restore full connectivity (--netns clusters only)")):
@@ -549,18 +642,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             cluster = LocalCluster(LocalClusterConfig(
                 root=Path(args.dir), servers=args.servers, base_port=args.base_port, replication=args.replication,
                 admin_token=args.admin_token, read_token=args.read_token, secret=args.cluster_secret,
-                netns=args.netns, netns_subnet=args.subnet, netns_clients=args.client_namespaces))
+                netns=args.netns, netns_subnet=args.subnet, netns_clients=args.client_namespaces, tls=args.tls))
             try:
                 cluster.up(wait=args.timeout)
             except BaseException:
                 cluster.down()
                 raise
             leader = cluster.leader_id()
-            print(f"cluster of {len(cluster.slots)} servers up under {cluster.root} (leader {leader})")
+            security = ", ".join(x for x in ("mutual TLS" if args.tls else "", "tokens" if args.admin_token else "") if x) or "plaintext"
+            print(f"cluster of {len(cluster.slots)} servers up under {cluster.root} (leader {leader}; {security})")
             for s in cluster.slots:
                 where = f"  netns {s.netns}" if s.netns else ""
                 print(f"  {s.server_id}  grpc {s.grpc}  raft {s.raft}  pid {s.pid}{where}  log {s.log_file}")
-            print(f"reach it with:  paramctl --cluster {cluster.slots[0].grpc} status")
+            print(f"client config written to {cluster.client_config_path}; point paramctl and paramworker at it with:")
+            print(f"export PARAMS_CONFIG={shlex.quote(str(cluster.client_config_path))}")
+            print("then e.g.:  paramctl status   paramctl push FILE --model NAME --tag prod   paramworker load NAME:prod")
             print(f"stop it with:   python -m deploy.local down --dir {args.dir}")
             return 0
         cluster = LocalCluster.load_state(Path(args.dir))

@@ -1,37 +1,11 @@
-"""The parameter server: wire contract, chunk store, placement ring, data and metadata services."""
-from __future__ import annotations
+"""The parameter server and its client, in three layers.
 
-from .client import ChunkData, ClientConfig, ParamServerClient, make_chunk
-from .config import ServerConfig
-from .errors import (
-    AuthError,
-    ChunkCorruptError,
-    ChunkNotFoundError,
-    ChunkTransferCorruptError,
-    ConfigError,
-    InvalidChunkError,
-    ParamServerError,
-    UnknownCodecError,
-)
-from .ring import Ring, RingConfig
-from .store import ChunkStore, StoredChunk
+- ``paramserver.wire``: the contract both sides share (the ``.proto`` and its stubs, GetChunks
+  encoding, bulk frames, message limits, auth metadata, the placement ring).
+- ``paramserver.server``: the ``paramserver`` process (services, chunk store, replication,
+  repair, scrub, GC, heat, metrics).
+- ``paramserver.client``: the one client stack (channels, cluster view, model references,
+  fetch engine, pull, push) and ``paramctl``.
 
-__all__ = [
-    "ChunkData",
-    "ClientConfig",
-    "ParamServerClient",
-    "make_chunk",
-    "ServerConfig",
-    "Ring",
-    "RingConfig",
-    "ChunkStore",
-    "StoredChunk",
-    "ParamServerError",
-    "ConfigError",
-    "InvalidChunkError",
-    "ChunkTransferCorruptError",
-    "ChunkNotFoundError",
-    "ChunkCorruptError",
-    "UnknownCodecError",
-    "AuthError",
-]
+Nothing is imported here, so importing the ring does not import gRPC or torch.
+"""

@@ -1,5 +1,5 @@
 from __future__ import annotations
 
-from .cli import main
+from paramserver.server.cli import main
 
 raise SystemExit(main())

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Regenerate the committed gRPC stubs from paramserver/proto/paramserver.proto.
+"""Regenerate the committed gRPC stubs from paramserver/wire/proto/paramserver.proto.
 
 Usage: python scripts/gen_proto.py [--out DIR]
 
@@ -16,7 +16,7 @@ import re
 import sys
 from pathlib import Path
 
-PROTO_DIR = Path(__file__).resolve().parent.parent / "paramserver" / "proto"
+PROTO_DIR = Path(__file__).resolve().parent.parent / "paramserver" / "wire" / "proto"
 PROTO_NAME = "paramserver.proto"
 GENERATED = ("paramserver_pb2.py", "paramserver_pb2.pyi", "paramserver_pb2_grpc.py")
 

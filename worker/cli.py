@@ -2,28 +2,36 @@
 
     paramworker load MODEL:TAG --cluster HOST:PORT[,HOST:PORT] [--device cuda:0]
     paramworker serve --model MODEL:TAG --factory package.module:function --cluster HOST:PORT
+
+Cluster addresses, tokens and TLS files come from ``paramserver.client.config`` (flags >
+environment > client config file), exit codes from ``paramserver.client.exit_codes``: the same as
+``paramctl``'s. Expected failures print one line on stderr, never a traceback.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 import threading
 from collections.abc import Sequence
 
-from worker.config import MIB, CacheConfig, ClusterClientConfig, PrefetchConfig
-from worker.errors import WorkerError
+import grpc
 
-ENV_TOKEN = "PARAMS_READ_TOKEN"
-ENV_CLUSTER = "PARAMS_CLUSTER"
+from chunking.errors import ChunkingError
+
+from paramserver.client.config import ClientSettings, add_client_arguments, settings_from_args
+from paramserver.client.errors import ClientError
+from paramserver.client.exit_codes import (
+    BAD_ARGUMENTS, CLIENT_ENV_HELP, EXIT_CODES_HELP, INTERRUPTED, Failure,
+    describe_failure, exit_code_for, one_line,
+)  # fmt: skip
+from worker.config import MIB, CacheConfig, PrefetchConfig
+from worker.errors import WorkerError
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cluster", default=os.environ.get(ENV_CLUSTER),
-                   help=f"any member's gRPC address(es), comma-separated (default: ${ENV_CLUSTER})")
-    p.add_argument("--token", default=None, help=f"read token (default: ${ENV_TOKEN}; none when unset)")
+    add_client_arguments(p, write=False)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto = cuda:0 when CUDA is present (default auto)")
     p.add_argument("--cache-mb", type=int, default=4096, help="memory tier (LRU-K) budget in MiB, 0 disables it (default 4096)")
     p.add_argument("--cache-k", type=int, default=2, help="K of LRU-K (default 2)")
@@ -32,18 +40,28 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--streams", type=int, default=4, help="GetChunks streams in flight (default 4)")
     p.add_argument("--chunks-per-call", type=int, default=64, help="chunk ids per GetChunks call (default 64)")
     p.add_argument("--no-heatmap", action="store_true", help="fetch in manifest order, ignoring the servers' heatmap")
-    p.add_argument("--verify", choices=("crc", "content"), default="crc",
-                   help="crc: every chunk's size and CRC32C from the (content-verified) manifest; content: also its BLAKE3 id (default crc)")
+    p.add_argument("--verify", choices=("crc", "content"), default=None,
+                   help="crc: every chunk's size and CRC32C from the (content-verified) manifest; content: also its BLAKE3 id "
+                        "(env PARAMS_VERIFY, config file: verify; default crc)")
     p.add_argument("--no-bulk", action="store_true", help="read chunk bytes over gRPC GetChunks only, not the servers' bulk ports")
     p.add_argument("--monotonic-file", default=None, metavar="FILE",
                    help="persist the newest tag resolutions seen, so a restart cannot be rolled back (default: memory only)")
+
+
+EPILOG = f"""\
+A model reference is MODEL:TAG (e.g. resnet50:prod) or MODEL@N for the exact version N (e.g. resnet50@3).
+
+{EXIT_CODES_HELP}
+
+{CLIENT_ENV_HELP}
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="paramworker",
         description="GPU worker for the parameter-server cluster: load model weights by tag, or serve a model that follows its tag.",
-        epilog="A model reference is MODEL:TAG (e.g. resnet50:prod) or MODEL@N for the exact version N (e.g. resnet50@3).",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="cmd", required=True)
     load = sub.add_parser("load", help="load a model version, print a progress bar and a summary",
@@ -65,16 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _setup(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from worker.client import ClusterClient
+def _setup(args: argparse.Namespace, settings: ClientSettings):  # type: ignore[no-untyped-def]
+    from paramserver.client.session import ClusterClient, SessionConfig
     from worker.tiered_cache import TieredCache
 
-    if not args.cluster:
-        raise WorkerError(f"no cluster address: pass --cluster HOST:PORT or set {ENV_CLUSTER}")
-    token = args.token if args.token is not None else os.environ.get(ENV_TOKEN)
-    client_config = ClusterClientConfig(token=token, max_streams=args.streams, chunks_per_call=args.chunks_per_call,
-                                        monotonic_path=args.monotonic_file)
-    client = ClusterClient(args.cluster, config=client_config, bulk=not args.no_bulk, verify=args.verify)
+    session = SessionConfig(call_timeout_s=settings.timeout_s, monotonic_path=args.monotonic_file)
+    client = ClusterClient(settings.cluster, token=settings.token_for(write=False), config=session, bulk=settings.use_bulk,
+                           verify=settings.verify, settings=settings)
     cache_config = CacheConfig(
         memory_bytes=args.cache_mb * MIB, k=args.cache_k, disk_dir=args.disk_cache,
         disk_bytes=args.disk_cache_mb * MIB if args.disk_cache else 0,
@@ -87,7 +102,7 @@ def _setup(args: argparse.Namespace):  # type: ignore[no-untyped-def]
     return client, cache, prefetch
 
 
-def cmd_load(args: argparse.Namespace) -> int:
+def cmd_load(args: argparse.Namespace, settings: ClientSettings) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
@@ -95,7 +110,7 @@ def cmd_load(args: argparse.Namespace) -> int:
 
     console = Console(stderr=True)
     ref = ModelRef.parse(args.model)
-    client, cache, prefetch = _setup(args)
+    client, cache, prefetch = _setup(args, settings)
     try:
         device = resolve_device(args.device)
         for _ in range(max(1, args.repeat)):
@@ -117,11 +132,11 @@ def cmd_load(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def cmd_serve(args: argparse.Namespace, settings: ClientSettings) -> int:
     from worker.serve import ModelServer, load_factory
 
     factory = load_factory(args.factory)
-    client, cache, prefetch = _setup(args)
+    client, cache, prefetch = _setup(args, settings)
     server = ModelServer(client, args.model, factory, args.device, cache, prefetch, heat_report_s=args.heat_report_s)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -138,15 +153,40 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def worker_exit_code(exc: BaseException) -> int:
+    """paramworker's exit code: the shared table (paramserver.client.exit_codes) for client, gRPC and
+    chunking errors; the worker's own errors by what they mean (configuration 2, others 1)."""
+    from worker import errors as we
+
+    if isinstance(exc, we.TensorFailed) and isinstance(exc.cause, BaseException):
+        return worker_exit_code(exc.cause)  # the chunk failure behind the tensor says what happened
+    if isinstance(exc, we.ConfigError):
+        return BAD_ARGUMENTS
+    # Anything else goes by the shared table; a worker error raised while handling a failed call
+    # keeps that call's status code, and one without any is 1.
+    return exit_code_for(exc)
+
+
+def describe_worker_failure(exc: BaseException, settings: ClientSettings | None) -> Failure:
+    """Exit code and one-line message, as paramctl gives them (same codes, same TLS diagnosis)."""
+    return describe_failure(exc, settings, code=worker_exit_code(exc))
+
+
+def _fail(failure: Failure) -> int:
+    print(f"paramworker: error: {one_line(failure.message)}", file=sys.stderr)
+    return failure.code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    settings: ClientSettings | None = None
     try:
-        return cmd_load(args) if args.cmd == "load" else cmd_serve(args)
-    except WorkerError as exc:
-        print(f"paramworker: error: {exc}", file=sys.stderr)
-        return 2
+        settings = settings_from_args(args, write=False)
+        return cmd_load(args, settings) if args.cmd == "load" else cmd_serve(args, settings)
+    except (WorkerError, ClientError, grpc.RpcError, ChunkingError) as exc:
+        return _fail(describe_worker_failure(exc, settings))
     except KeyboardInterrupt:
-        return 130
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

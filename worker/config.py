@@ -83,39 +83,3 @@ class PrefetchConfig:
         return self
 
 
-@dataclass(frozen=True)
-class ClusterClientConfig:
-    """How the worker talks to the cluster.
-
-    ``call_timeout_s`` bounds unary calls; a GetChunks call gets ``call_timeout_s`` plus the time
-    its bytes take at ``min_stream_bytes_per_s``, so a hung server is abandoned for another replica.
-    ``ewma_alpha`` weighs the newest throughput sample of a server against its history.
-    """
-
-    token: str | None = None
-    call_timeout_s: float = 10.0
-    min_stream_bytes_per_s: float = 20e6
-    chunks_per_call: int = 64
-    max_streams: int = 4
-    get_message_bytes: int = 1 * MIB
-    refresh_interval_s: float = 5.0
-    down_backoff_s: float = 3.0
-    ewma_alpha: float = 0.3
-    monotonic_path: str | None = None
-    allow_rollback: bool = True
-    worker_id: str = ""
-
-    def validate(self) -> ClusterClientConfig:
-        if self.call_timeout_s <= 0:
-            raise ConfigError(f"call_timeout_s must be > 0, got {self.call_timeout_s}")
-        if self.min_stream_bytes_per_s <= 0:
-            raise ConfigError(f"min_stream_bytes_per_s must be > 0, got {self.min_stream_bytes_per_s}")
-        if self.chunks_per_call < 1 or self.max_streams < 1:
-            raise ConfigError(f"chunks_per_call and max_streams must be >= 1, got {self.chunks_per_call}, {self.max_streams}")
-        if self.get_message_bytes < 4 * KIB:
-            raise ConfigError(f"get_message_bytes must be >= 4 KiB, got {self.get_message_bytes}")
-        if not 0 < self.ewma_alpha <= 1:
-            raise ConfigError(f"ewma_alpha must be in (0, 1], got {self.ewma_alpha}")
-        if self.refresh_interval_s <= 0 or self.down_backoff_s < 0:
-            raise ConfigError("refresh_interval_s must be > 0 and down_backoff_s >= 0")
-        return self

@@ -1,4 +1,8 @@
-"""Errors raised by the worker's building blocks. Messages say what to do next."""
+"""Errors of the worker's own parts (caches, staging, readiness, heat). Messages say what to do next.
+
+Failures of talking to the cluster (not found, unavailable, stale, data loss, bad references)
+are the client's: ``paramserver.client.errors``.
+"""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -65,52 +69,3 @@ class TensorFailed(WorkerError):
 
 class HeatmapMismatch(WorkerError, ValueError):
     """Heat reports of different model versions were merged."""
-
-
-class StaleRead(WorkerError):
-    """Every reachable server answered with a tag resolution older than one already seen."""
-
-
-class ChunkUnavailable(WorkerError):
-    """No replica could serve a chunk (unreachable, missing, timed out or bad bytes)."""
-
-    def __init__(self, chunk_id: str, attempts: dict[str, str], tensors: Sequence[str] = ()) -> None:
-        self.chunk_id = chunk_id
-        self.attempts = dict(attempts)
-        self.tensors = tuple(tensors)
-        tried = "; ".join(f"{s}: {r}" for s, r in self.attempts.items()) or "no server holds it"
-        feeds = f" (feeds {', '.join(self.tensors[:4])}{' ...' if len(self.tensors) > 4 else ''})" if self.tensors else ""
-        super().__init__(
-            f"chunk {chunk_id}{feeds} could not be read from any replica [{tried}]; "
-            "check that the servers are up (paramctl status) or repair the replicas"
-        )
-
-
-class ChunkDataLoss(ChunkUnavailable):
-    """Every replica of a chunk returned bytes that failed verification (DATA_LOSS everywhere)."""
-
-    def __init__(self, chunk_id: str, attempts: dict[str, str], tensors: Sequence[str] = ()) -> None:
-        super().__init__(chunk_id, attempts, tensors)
-        self.args = (
-            f"DATA_LOSS: every replica of chunk {self.chunk_id} is corrupt [{'; '.join(f'{s}: {r}' for s, r in attempts.items())}]; "
-            "no good copy is left in the cluster: re-push the model version that introduced it",
-        )
-
-    def __str__(self) -> str:
-        return str(self.args[0])
-
-
-class ClusterUnavailable(WorkerError):
-    """No seed or member of the cluster answered."""
-
-
-class ManifestUnavailable(WorkerError):
-    """No server returned a manifest that matches its content id."""
-
-
-class BadModelRef(WorkerError, ValueError):
-    """A model reference is not MODEL:TAG or MODEL@VERSION."""
-
-
-class ModelNotFound(WorkerError, LookupError):
-    """The cluster does not know the model, tag or version asked for."""

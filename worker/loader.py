@@ -1,7 +1,7 @@
 """Load a model version from the cluster into tensors: ``load_state_dict``, ``load_into``, ``start_load``.
 
-A model reference is ``MODEL:TAG`` (a tag, resolved with monotonic reads) or ``MODEL@N`` (the
-exact version number N; ``@`` because a tag may itself be called ``v3``).
+A model reference is ``MODEL:TAG`` (a tag, resolved with monotonic reads), ``MODEL@N`` (the
+exact version number N) or ``MODEL`` (its latest version): ``paramserver.client.refs``.
 
 One load pins one manifest: the tag is resolved once, the manifest is proven by its content id,
 and every chunk is checked against that manifest before its bytes reach a tensor, so a loaded
@@ -9,7 +9,6 @@ model never mixes chunks of two versions and never holds bytes that failed verif
 """
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -20,36 +19,14 @@ import torch
 
 from chunking.dtypes import torch_dtype
 from chunking.manifest import Manifest
-from worker.client import ClusterClient, VersionInfo
+from paramserver.client.errors import ConfigError
+from paramserver.client.hostmem import Targets, allocate_targets
+from paramserver.client.refs import ModelRef
+from paramserver.client.session import ClusterClient, VersionInfo, client_for
 from worker.config import CacheConfig, PrefetchConfig
-from worker.errors import BadModelRef, WorkerError
 from worker.heatmap import HeatmapRecorder, HeatReport
 from worker.prefetch import LoadCounters, LocalSource, Prefetcher
 from worker.tiered_cache import TieredCache
-
-_REF = re.compile(r"^(?P<model>[^:@\s]+)(?::(?P<tag>[^:@\s]+)|@(?P<version>\d+))$")
-
-
-@dataclass(frozen=True)
-class ModelRef:
-    model: str
-    tag: str | None = None
-    version: int | None = None
-
-    @classmethod
-    def parse(cls, text: str) -> ModelRef:
-        m = _REF.match(text.strip()) if isinstance(text, str) else None
-        if m is None or (m["version"] is not None and int(m["version"]) < 1):
-            raise BadModelRef(
-                f"model reference {text!r} is not MODEL:TAG (e.g. resnet50:prod) or MODEL@VERSION (e.g. resnet50@3)"
-            )
-        if m["version"] is not None:
-            return cls(m["model"], None, int(m["version"]))
-        return cls(m["model"], m["tag"], None)
-
-    def __str__(self) -> str:
-        return f"{self.model}@{self.version}" if self.version is not None else f"{self.model}:{self.tag}"
-
 
 @dataclass(frozen=True)
 class LoadReport:
@@ -109,7 +86,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise WorkerError(f"device {device} asked for but CUDA is not available here; use --device cpu")
+        raise ConfigError(f"device {device} asked for but CUDA is not available here; use --device cpu")
     return dev
 
 
@@ -123,25 +100,16 @@ def empty_targets(manifest: Manifest, device: torch.device) -> dict[str, torch.T
     return {t.name: torch.empty(t.shape, dtype=torch_dtype(t.dtype), device=device) for t in manifest.tensors}
 
 
-def client_for(cluster: ClusterClient | str | Sequence[str], token: str | None = None) -> tuple[ClusterClient, bool]:
-    """``(client, owned)``: an existing client, or a new one for seed addresses (to be closed)."""
-    if isinstance(cluster, ClusterClient):
-        return cluster, False
-    return ClusterClient(cluster, token=token), True
-
-
 def resolve_ref(client: ClusterClient, ref: ModelRef) -> VersionInfo:
-    if ref.version is not None:
-        return client.version(ref.model, ref.version)
-    assert ref.tag is not None
-    return client.resolve(ref.model, ref.tag)
+    return client.resolve_ref(ref)
 
 
 class LoadHandle:
     """A load running in the background: ``wait(name)`` for one tensor, ``result()`` for all."""
 
     def __init__(self, prefetcher: Prefetcher, info: VersionInfo, manifest: Manifest, targets: dict[str, torch.Tensor],
-                 device: torch.device, client: ClusterClient, owned: bool, report_heat: bool) -> None:
+                 device: torch.device, client: ClusterClient, owned: bool, report_heat: bool,
+                 host: Targets | None = None) -> None:
         self.prefetcher = prefetcher
         self.readiness = prefetcher.readiness
         self.info = info
@@ -151,6 +119,7 @@ class LoadHandle:
         self._client = client
         self._owned = owned
         self._report_heat = report_heat
+        self._host = host
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._report: LoadReport | None = None
@@ -159,6 +128,7 @@ class LoadHandle:
         self._thread.start()
 
     def _run(self) -> None:
+        prefault = self._host.prefaulter().start() if self._host is not None else None
         try:
             counters = self.prefetcher.run()
             self._report = make_report(self.info, self.manifest, self.device, counters, time.perf_counter() - self._start)
@@ -171,6 +141,9 @@ class LoadHandle:
         except BaseException as exc:  # noqa: BLE001
             self._error = exc
         finally:
+            if prefault is not None:
+                prefault.stop()
+            self._host = None
             if self._owned:
                 self._client.close()
             self._done.set()
@@ -211,7 +184,13 @@ def start_load(
         dev = resolve_device(device)
         info = info or resolve_ref(client, mref)
         manifest = manifest or client.manifest(info.manifest_id)
-        tensors = dict(targets) if targets is not None else empty_targets(manifest, dev)
+        # Fresh CPU targets come from recycled host arenas (no page zeroing), and only this load
+        # writes them until it is done: chunks may be received straight into them.
+        host: Targets | None = allocate_targets(manifest) if targets is None and dev.type == "cpu" else None
+        if host is not None:
+            tensors = dict(host.tensors)
+        else:
+            tensors = dict(targets) if targets is not None else empty_targets(manifest, dev)
         heat = None
         if config.use_heatmap:
             try:
@@ -222,12 +201,13 @@ def start_load(
         prefetcher = Prefetcher(
             manifest, tensors, client=client, cache=make_cache(cache), config=config, version=info.number, heat=heat,
             local=local, recorder=HeatmapRecorder(info.model, info.number), on_progress=on_progress,
+            private_targets=host is not None,
         )
     except BaseException:
         if owned:
             client.close()
         raise
-    return LoadHandle(prefetcher, info, manifest, tensors, dev, client, owned, report_heat)
+    return LoadHandle(prefetcher, info, manifest, tensors, dev, client, owned, report_heat, host)
 
 
 @dataclass

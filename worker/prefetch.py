@@ -5,6 +5,13 @@ order). Each verified chunk is written straight into its destination tensors: on
 from the received (or cached) bytes into the tensor's memory; on CUDA through the reused pinned
 staging pool and a ``non_blocking`` copy on a side stream. ``TensorReadiness`` marks each tensor
 usable as soon as its own chunks have landed. Chunks fetched from the network fill the cache.
+
+The fetch itself is the client's one engine (``ClusterClient.fetch``); the prefetcher is its
+sink. When the load owns fresh CPU targets (``private_targets``), a raw chunk that fills one
+tensor region whole is received straight into it and verified there. On CPU the memory tier
+then holds a view of the loaded tensor's bytes, not a copy (a loaded model is never in memory
+twice), with the chunk's CRC32C: a later hit is re-verified before it is copied, so a tensor
+the user changed in place never leaks into another load. On CUDA the tier holds one host copy.
 """
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ import numpy as np
 import torch
 
 from chunking.codec import as_u8
-from chunking.hashing import Buffer
+from chunking.hashing import Buffer, crc32c
 from chunking.manifest import ChunkRef, Manifest
 from worker.config import PrefetchConfig
 from worker.heatmap import HeatmapRecorder, HeatReport, prefetch_order
@@ -48,6 +55,19 @@ class LoadCounters:
     failovers: int = 0
     corrupt_reports: int = 0
     first_tensor_s: float | None = None
+
+
+class HeldChunk:
+    """A memory-tier entry that is a view of a loaded tensor's bytes, with their CRC32C."""
+
+    __slots__ = ("crc", "view")
+
+    def __init__(self, view: memoryview, crc: int) -> None:
+        self.view = view
+        self.crc = crc
+
+    def intact(self) -> bool:
+        return crc32c(self.view) == self.crc
 
 
 class ChunkWriter:
@@ -109,6 +129,17 @@ class ChunkWriter:
                 cpu[s.tensor_offset : s.tensor_offset + s.length] = src[s.chunk_offset : s.chunk_offset + s.length]
         self.readiness.mark_landed(index, fence)
 
+    def region(self, index: int) -> memoryview | None:
+        """The CPU tensor bytes chunk ``index`` fills when they are one whole region, else None."""
+        segs = self._plan.segments[index]
+        if len(segs) != 1:
+            return None
+        s = segs[0]
+        cpu = self._cpu[s.tensor]
+        if cpu is None or s.chunk_offset != 0 or s.length != self._plan.raw_sizes[index]:
+            return None
+        return memoryview(cpu[s.tensor_offset : s.tensor_offset + s.length])
+
     def synchronize(self) -> None:
         if self.copier is not None:
             self.copier.synchronize()
@@ -143,6 +174,7 @@ class Prefetcher:
         recorder: HeatmapRecorder | None = None,
         pool: StagingPool | None = None,
         on_progress: Callable[[int], None] | None = None,
+        private_targets: bool = False,
     ) -> None:
         self.manifest = manifest
         self.config = config.validate()
@@ -153,6 +185,7 @@ class Prefetcher:
         self.local = local
         self.recorder = recorder or HeatmapRecorder(manifest.model, self.version)
         self.on_progress = on_progress
+        self.private_targets = private_targets
         self.readiness = TensorReadiness({t.name: manifest.plan.tensor_chunks[i] for i, t in enumerate(manifest.tensors)})
         self.writer = ChunkWriter(manifest, targets, self.readiness, self.config, pool)
         self.counters = LoadCounters()
@@ -173,11 +206,16 @@ class Prefetcher:
             if self.counters.first_tensor_s is None:
                 self.counters.first_tensor_s = time.perf_counter() - self._t0
 
-    def _land(self, ref: ChunkRef, raw: Buffer, tier: str) -> None:
+    def _land(self, ref: ChunkRef, raw: Buffer, tier: str, *, written: int | None = None) -> None:
+        """Write verified ``raw`` wherever the manifest uses ``ref`` (``written``: an index that
+        already holds the bytes, received there in place)."""
         indices = self._indices[ref.id]
         self._done.add(ref.id)
         for index in indices:
-            self.writer.write(index, raw)
+            if index == written:
+                self.readiness.mark_landed(index, COMPLETED)
+            else:
+                self.writer.write(index, raw)
             self.recorder.record(index)
         with self._lock:
             self.counters.bytes[tier] += ref.raw_size * len(indices)
@@ -185,16 +223,46 @@ class Prefetcher:
         if self.on_progress is not None:
             self.on_progress(ref.raw_size * len(indices))
 
-    def _from_network(self, ref: ChunkRef, raw: Buffer, _server: str) -> None:
-        self._land(ref, raw, "network")
-        if self.cache is not None:
-            # Decompressed chunks arrive as numpy arrays; the tiers keep plain bytes.
-            value = raw if isinstance(raw, (bytes, bytearray)) else as_u8(raw).tobytes()
-            self.cache.memory.put(ref.id, value)
-            if self.cache.disk is not None:
-                self._disk_writer().put((ref.id, value))
+    # -------------------------------------------------------------- the engine's sink
+
+    def region(self, ref: ChunkRef) -> memoryview | None:
+        if not self.private_targets or ref.id in self._done:
+            return None
+        return self.writer.region(self._indices[ref.id][0])
+
+    def landed_in_place(self, ref: ChunkRef) -> None:
+        index = self._indices[ref.id][0]
+        view = self.writer.region(index)
+        assert view is not None
+        self._land(ref, view, "network", written=index)
+        self._keep(ref, view, in_tensor=True)
         with self._lock:
             self.counters.network_stored_bytes += ref.stored_size
+
+    def write(self, ref: ChunkRef, raw: Buffer) -> None:
+        self._land(ref, raw, "network")
+        view = self.writer.region(self._indices[ref.id][0])
+        if view is not None:
+            self._keep(ref, view, in_tensor=True)
+        else:
+            self._keep(ref, memoryview(as_u8(raw)), in_tensor=False)
+        with self._lock:
+            self.counters.network_stored_bytes += ref.stored_size
+
+    def _keep(self, ref: ChunkRef, view: memoryview, *, in_tensor: bool) -> None:
+        """Put a fetched chunk in the tiers: on CPU a view of the tensor bytes it landed in."""
+        if self.cache is None:
+            return
+        if in_tensor:
+            crc = ref.crc32c if ref.codec == "raw" else crc32c(view)
+            self.cache.memory.put(ref.id, HeldChunk(view, crc), size=view.nbytes)
+            disk_value: Buffer = view
+        else:
+            # A received buffer is reused after this call (or a CUDA staging copy): keep one copy.
+            disk_value = bytes(view)
+            self.cache.memory.put(ref.id, disk_value)
+        if self.cache.disk is not None:
+            self._disk_writer().put((ref.id, disk_value if isinstance(disk_value, bytes) else bytes(disk_value)))
 
     def _disk_writer(self) -> queue.Queue[tuple[str, bytes] | None]:
         # Disk-tier writes happen behind the fetch (write-behind) so file I/O overlaps the streams;
@@ -284,11 +352,18 @@ class Prefetcher:
                         return
                     for ref in hits[start : start + HIT_BLOCK]:
                         hit = cache.get(ref.id)
-                        if hit.value is None:
+                        value = hit.value
+                        if isinstance(value, HeldChunk):
+                            if not value.intact():  # the tensor it views was changed in place
+                                cache.memory.pop(ref.id)
+                                value = None
+                            else:
+                                value = value.view
+                        if value is None:
                             with lock:  # evicted meanwhile, or dropped by the disk tier's verification
                                 late.append(ref)
                             continue
-                        self._land(ref, hit.value, hit.tier or "memory")
+                        self._land(ref, value, hit.tier or "memory")
             except BaseException as exc:  # noqa: BLE001
                 errors.append(exc)
 
@@ -320,7 +395,7 @@ class Prefetcher:
                 from chunking.errors import ChunkMissing
 
                 raise ChunkMissing([r.id for r in refs])
-            stats = self.client.fetch(refs, self._from_network, algorithm=self.manifest.hash_algorithm,
+            stats = self.client.fetch(refs, self, algorithm=self.manifest.hash_algorithm,
                                       tensors_of=lambda r: self.manifest.tensors_of_chunk(r.index))
             with self._lock:
                 self.counters.failovers += stats.failovers
@@ -331,4 +406,4 @@ class Prefetcher:
             errors.append(exc)
 
 
-__all__ = ["ChunkWriter", "LoadCounters", "LocalSource", "Prefetcher", "TIERS", "unique_order"]
+__all__ = ["ChunkWriter", "HeldChunk", "LoadCounters", "LocalSource", "Prefetcher", "TIERS", "unique_order"]

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from worker.client import ClusterClient
+from paramserver.client.session import ClusterClient
 from worker.config import PrefetchConfig
 from worker.errors import WorkerError
 from worker.loader import LoadedModel, fill_module

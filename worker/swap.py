@@ -18,7 +18,7 @@ import torch
 from chunking.diff import diff
 from chunking.hashing import Buffer, content_id
 from chunking.manifest import ChunkRef, Manifest
-from worker.client import ClusterClient
+from paramserver.client.session import ClusterClient
 from worker.config import PrefetchConfig
 from worker.loader import LoadedModel, ModelRef, load, resolve_device, resolve_ref
 from worker.prefetch import LocalSource

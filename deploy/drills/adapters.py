@@ -3,7 +3,7 @@
 The models are self-verifying: every tensor is generated from a seed that the
 model carries in its ``seed`` tensor, so a loader can check bit-exactness of
 whatever version it got without asking the publisher. The publisher pushes
-with ``paramserver.push.push`` (parent "head", then moves the tag); each loader
+with ``paramserver.client.push.push`` (parent "head", then moves the tag); each loader
 keeps one ``worker.client.ClusterClient`` for its whole life, because the
 monotonic-reads guard (invariant 4) lives in the client.
 
@@ -64,7 +64,10 @@ def digest(state: Mapping[str, torch.Tensor]) -> str:
 class PublisherConfig:
     """How the drill's publisher talks to the cluster: short deadlines, so a silent server costs seconds, not minutes."""
 
-    rpc_timeout_s: float = 1.5  # unary calls (ClusterInfo, HasChunks, ListVersions, ...): a cut-off server costs this
+    # Unary calls (HasChunks, ListVersions, CommitVersion, ...): the most a cut-off server costs a call whose
+    # request it had acknowledged (a request sent after the cut fails sooner, on the channel keepalive's
+    # TCP timeout). A silent leader costs less still: leader_call moves as soon as a member names a newer one.
+    rpc_timeout_s: float = 1.0
     commit_deadline_s: float = 8.0  # CommitVersion retries on UNAVAILABLE this long, then the publish fails
     publisher: str = "drill"
     token: str | None = None
@@ -81,7 +84,7 @@ class Publisher:
 
     ``prefer(addresses)`` puts those servers first in the seed list, so a drill
     that cuts the network can point the publisher at the side it can reach
-    (``paramserver.push`` asks seeds one after another).
+    (``paramserver.client.push`` asks every seed at once and takes the first answer).
     """
 
     def __init__(self, seeds: Sequence[str], spec: ModelSpec = ModelSpec(),
@@ -108,8 +111,8 @@ class Publisher:
             self._order = first + [a for a in self._all if a not in first]
 
     def __call__(self, i: int) -> Published:
-        from paramserver.clusterview import ClusterOptions
-        from paramserver.push import PushOptions, push
+        from paramserver.client.cluster_view import ClusterOptions
+        from paramserver.client.push import PushOptions, push
 
         state = make_state(self.spec, i)
         c = self.config
@@ -136,7 +139,7 @@ def verify_loaded(spec: ModelSpec, tensors: Mapping[str, torch.Tensor]) -> tuple
 def load_version(seeds: Sequence[str], spec: ModelSpec, version: int, seed: int | None = None,
                  token: str | None = None) -> Loaded:
     """Load spec.model@version with a fresh worker client (no cache) and verify it; seed: the expected one."""
-    from worker.client import ClusterClient
+    from paramserver.client.session import ClusterClient
     from worker.loader import load
 
     with ClusterClient(list(seeds), token=token) as client:
@@ -160,7 +163,7 @@ class LoaderPool:
         self._lock = threading.Lock()
 
     def _client(self, k: int) -> Any:
-        from worker.client import ClusterClient
+        from paramserver.client.session import ClusterClient
 
         with self._lock:
             if k not in self._clients:

@@ -115,7 +115,7 @@ def run_corrupt_chunk(cluster: "LocalCluster", report: DrillReport, workload: Wo
                       publish_cold: Callable[[], Published] | None = None) -> None:
     """load_once: one load by tag (a fresh worker, so no client cache hides the corruption).
     publish_cold: push a version that no loader reads, for the scrubber phase (skipped when None)."""
-    from paramserver.store import HEADER_SIZE
+    from paramserver.server.store import HEADER_SIZE
 
     config.validate()
     probe = probe or ClusterProbe(cluster)

@@ -40,7 +40,7 @@ class ClusterProbe:
         self.config = config
 
     def _client(self, server_id: str) -> Any:
-        from paramserver.client import ClientConfig, ParamServerClient
+        from paramserver.client.rpc import ClientConfig, ParamServerClient
 
         return ParamServerClient(ClientConfig(self.cluster.slot(server_id).grpc, token=self.config.token,
                                               timeout_s=self.config.timeout_s))
@@ -102,7 +102,7 @@ class ClusterProbe:
 
     # ---- chunk files ------------------------------------------------------------------------------
     def chunk_path(self, server_id: str, chunk_id: str) -> Path:
-        # Layout of paramserver.store.ChunkStore.path: chunks/ab/cd/<id>.
+        # Layout of paramserver.server.store.ChunkStore.path: chunks/ab/cd/<id>.
         return Path(self.cluster.slot(server_id).data_dir) / "chunks" / chunk_id[0:2] / chunk_id[2:4] / chunk_id
 
     def replicas_on_disk(self, chunk_id: str) -> list[str]:
@@ -115,7 +115,7 @@ def flip_bytes(path: Path, count: int = 4, offset: int | None = None) -> bytes:
     The header (48 bytes) is left alone so the corruption is caught by the
     CRC32C of the data, the check every read does.
     """
-    from paramserver.store import HEADER_SIZE
+    from paramserver.server.store import HEADER_SIZE
 
     original = path.read_bytes()
     if len(original) <= HEADER_SIZE:

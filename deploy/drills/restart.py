@@ -90,7 +90,7 @@ def _chunks_held(probe: ClusterProbe, server: str, committed: list[Published]) -
 
 def check_serves_chunks(report: DrillReport, probe: ClusterProbe, server: str, held: dict[str, bytes]) -> bool:
     """server answers every chunk in held with the bytes it held (the data after the file header)."""
-    from paramserver.store import HEADER_SIZE
+    from paramserver.server.store import HEADER_SIZE
 
     bad: list[str] = []
     nbytes = 0

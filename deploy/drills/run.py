@@ -7,7 +7,7 @@ in network-namespace mode for ``partition``, which needs root) in a temporary
 folder and stops it afterwards. With ``--cluster-dir DIR`` it drives a cluster
 already started by ``python -m deploy.local up --dir DIR`` (the drill needs
 its pids and data dirs to kill, restart and corrupt; the cluster is left
-running). It runs a real publisher (``paramserver.push``) and real loaders
+running). It runs a real publisher (``paramserver.client.push``) and real loaders
 (``worker.loader``), prints the report tables, writes a JSON report and
 exits 0 when every invariant held, 1 when one broke, 2 when the drill could
 not run (no cluster, not root for ``partition``, bad options).

@@ -42,13 +42,15 @@ class DevNode:
     """One devnode process and a JSON-lines client for it."""
 
     def __init__(self, server_id: str, raft: str, peers: Iterable[str], data_dir: Path,
-                 extra_args: Iterable[str] = (), env: dict[str, str] | None = None) -> None:
+                 extra_args: Iterable[str] = (), env: dict[str, str] | None = None,
+                 log_dir: Path | None = None) -> None:
         self.server_id = server_id
         self.raft = raft
         self.peers = list(peers)
         self.data_dir = data_dir
         self.extra_args = list(extra_args)
         self.env = env
+        self.log_dir = log_dir  # default: beside the data dir (a power-loss test keeps logs off its test fs)
         self.proc: subprocess.Popen[str] | None = None
         self._pending: dict[int, queue.Queue[dict[str, Any]]] = {}
         self._lock = threading.Lock()
@@ -60,18 +62,23 @@ class DevNode:
                "--data-dir", str(self.data_dir), *self.extra_args]
         for peer in self.peers:
             cmd += ["--peer", peer]
-        stderr = open(self.data_dir.parent / f"{self.server_id}.log", "a")  # noqa: SIM115 - kept for the process' life
+        log_file = (self.log_dir or self.data_dir.parent) / f"{self.server_id}.log"
+        stderr = open(log_file, "a")  # noqa: SIM115 - kept for the process' life
         env = {**os.environ, **(self.env or {})}
         self.proc = subprocess.Popen(self.wrap(cmd), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True,
                                      bufsize=1, cwd=REPO_ROOT, env=env)
         stderr.close()
         started: queue.Queue[dict[str, Any]] = queue.Queue()
         threading.Thread(target=self._read_loop, args=(self.proc, started), daemon=True).start()
+        logs = self.log_dir or self.data_dir.parent
         try:
-            started.get(timeout=timeout)
+            event = started.get(timeout=timeout)
         except queue.Empty:
             self.kill()
-            raise TimeoutError(f"{self.server_id} did not start within {timeout}s; see {self.data_dir.parent}") from None
+            raise TimeoutError(f"{self.server_id} did not start within {timeout}s; see {logs}") from None
+        if event.get("event") != "started":
+            self.kill()
+            raise RuntimeError(f"{self.server_id} exited during start-up; see {logs}/{self.server_id}.log")
 
     def wrap(self, cmd: list[str]) -> list[str]:
         """The command line that runs ``cmd`` (a subclass may run it elsewhere, e.g. in a namespace)."""
@@ -91,6 +98,12 @@ class DevNode:
                 waiter = self._pending.pop(message.get("id"), None)
             if waiter is not None:
                 waiter.put(message)
+        # The process is gone: whoever still waits learns it now, not at its timeout.
+        started.put({"event": "exited"})
+        with self._lock:
+            orphans, self._pending = list(self._pending.values()), {}
+        for waiter in orphans:
+            waiter.put({"ok": False, "error": "Unavailable", "message": f"{self.server_id} exited"})
 
     @property
     def alive(self) -> bool:
@@ -161,13 +174,13 @@ class Cluster:
     """N devnodes on loopback; every process is killed by close(), even after a failure."""
 
     def __init__(self, root: Path, size: int = 3, extra_args: Iterable[str] = (),
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, log_dir: Path | None = None) -> None:
         self.root = root
         self.extra_args = list(extra_args)
         self.env = env
         addresses = [f"127.0.0.1:{free_port()}" for _ in range(size)]
         self.nodes = [
-            DevNode(f"n{i}", a, [p for p in addresses if p != a], root / f"n{i}", self.extra_args, env)
+            DevNode(f"n{i}", a, [p for p in addresses if p != a], root / f"n{i}", self.extra_args, env, log_dir)
             for i, a in enumerate(addresses)
         ]
 

@@ -16,16 +16,18 @@ import torch
 from chunking.hashing import crc32c
 from chunking.manifest import Manifest
 from deploy.local import LocalCluster, LocalClusterConfig
-from paramserver.bulk import CORRUPT, MISSING, OK
-from paramserver.bulkclient import BulkClient, BulkUnauthenticated
-from paramserver.client import ParamServerClient
-from paramserver.clusterview import ClusterOptions, ClusterView
-from paramserver.proto import pb
-from paramserver.hostmem import allocate_targets
-from paramserver.pull import PullOptions, _Fetcher, fetch_manifest_by_id, pull_tensors, resolve, parse_ref
-from paramserver.push import push
-from paramserver.store import HEADER_SIZE
-from paramserver.store import encode_header as store_header
+from paramserver.wire.bulk_frames import CORRUPT, MISSING, OK
+from paramserver.client.bulk_transport import BulkClient, BulkUnauthenticated
+from paramserver.client.rpc import ParamServerClient
+from paramserver.client.cluster_view import ClusterOptions, ClusterView
+from paramserver.wire.proto import pb
+from paramserver.client.hostmem import allocate_targets
+from paramserver.client.pull import PullOptions, pull_tensors
+from paramserver.client.session import ClusterClient
+from paramserver.client.sinks import TensorSink
+from paramserver.client.push import push
+from paramserver.server.store import HEADER_SIZE
+from paramserver.server.store import encode_header as store_header
 
 pytestmark = pytest.mark.integration
 
@@ -79,8 +81,8 @@ def members(cluster: LocalCluster) -> dict[str, pb.Member]:
 
 
 def manifest_of(cluster: LocalCluster, ref: str) -> Manifest:
-    with ClusterView.connect(ClusterOptions(tuple(cluster.addresses), token=READ)) as view:
-        return fetch_manifest_by_id(view, resolve(view, parse_ref(ref)).manifest_id)
+    with ClusterClient(cluster.addresses, token=READ) as client:
+        return client.manifest(client.resolve_ref(ref, linearizable=True).manifest_id)
 
 
 def test_members_advertise_a_bulk_address_on_the_grpc_host(cluster: LocalCluster) -> None:
@@ -170,7 +172,7 @@ def test_replica_serving_wrong_bytes_with_its_own_crc_is_caught_in_place_and_ref
 
 
 def test_repeated_pulls_reuse_released_memory_and_stay_bit_exact(cluster: LocalCluster) -> None:
-    from paramserver.hostmem import default_pool
+    from paramserver.client.hostmem import default_pool
 
     first = state_dict(6, n=3)
     second = {k: v + 1 for k, v in first.items()}  # same shapes, other bytes
@@ -199,19 +201,20 @@ def test_unreachable_bulk_port_falls_back_to_grpc(cluster: LocalCluster) -> None
     sock.bind(("127.0.0.1", 0))
     dead = f"127.0.0.1:{sock.getsockname()[1]}"
     sock.close()  # nothing listens there
-    with ClusterView.connect(ClusterOptions(tuple(cluster.addresses), token=READ)) as view:
-        manifest = fetch_manifest_by_id(view, resolve(view, parse_ref("bulk-gone:prod")).manifest_id)
+    with ClusterClient(cluster.addresses, token=READ) as client:
+        manifest = client.manifest(client.resolve_ref("bulk-gone:prod", linearizable=True).manifest_id)
+        view = client.view()
         for sid, m in list(view.members.items()):
             broken = pb.Member()
             broken.CopyFrom(m)
             broken.bulk_address = dead
             view.members[sid] = broken
         targets = allocate_targets(manifest).tensors
-        fetcher = _Fetcher(view, manifest, targets, PullOptions())
-        fetcher.run(lambda *a: None)
-        assert fetcher.bulk is not None
-        fetcher.bulk.close()
-    assert fetcher.bulk_bytes == 0 and fetcher.bulk_fallbacks >= 1
+        sink = TensorSink(manifest, targets)
+        client.fetch(manifest.unique_chunks(), sink)
+        sink.assembler.raise_if_incomplete()
+        stats = client.transport.stats
+    assert stats.bulk_bytes == 0 and stats.bulk_fallbacks >= 1
     assert_bit_exact({t.name: targets[t.name] for t in manifest.tensors}, want)
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tests.integration.test_worker_harness import Cluster, make_cluster
-from worker.client import ClusterClient
-from worker.errors import WorkerError
+from paramserver.client.session import ClusterClient
+from paramserver.client.errors import ConfigError as WorkerError
 from worker.loader import load
 
 pytestmark = pytest.mark.integration
@@ -52,7 +52,7 @@ def test_load_reads_every_chunk_over_bulk(cluster: Cluster) -> None:
         assert all(m.bulk_address for m in c.members().values())
         loaded = load(c, "wbulk:prod")
         assert_bit_exact(loaded.tensors, want)
-        assert c.stats.bulk_bytes == c.stats.stored_bytes > 0 and c.stats.bulk_fallbacks == 0
+        assert c.transport.stats.bulk_bytes == c.stats.stored_bytes > 0 and c.transport.stats.bulk_fallbacks == 0
 
 
 def test_content_verification_mode_loads_bit_exact(cluster: Cluster) -> None:
@@ -69,7 +69,7 @@ def test_bulk_off_reads_over_grpc(cluster: Cluster) -> None:
     cluster.push(want, "wgrpc", tag="prod")
     with ClusterClient(cluster.seed, bulk=False) as c:
         assert_bit_exact(load(c, "wgrpc:prod").tensors, want)
-        assert c.stats.bulk_bytes == 0 and c.stats.stored_bytes > 0
+        assert c.transport.stats.bulk_bytes == 0 and c.stats.stored_bytes > 0
 
 
 def test_unreachable_bulk_ports_fall_back_to_grpc_and_are_remembered(cluster: Cluster) -> None:
@@ -77,11 +77,14 @@ def test_unreachable_bulk_ports_fall_back_to_grpc_and_are_remembered(cluster: Cl
     cluster.push(want, "wfall", tag="prod")
     dead = dead_address()
     with ClusterClient(cluster.seed) as c:
-        c.refresh()
-        with c._lock:  # every member advertises a bulk port where nothing listens
-            c._members = {sid: dataclasses.replace(m, bulk_address=dead) for sid, m in c._members.items()}
         c.config = dataclasses.replace(c.config, refresh_interval_s=3600)  # keep the doctored view
+        view = c.view()
+        for sid, m in list(view.members.items()):  # every member advertises a bulk port where nothing listens
+            broken = type(m)()
+            broken.CopyFrom(m)
+            broken.bulk_address = dead
+            view.members[sid] = broken
         loaded = load(c, "wfall:prod")
         assert_bit_exact(loaded.tensors, want)
-        assert c.stats.bulk_bytes == 0 and c.stats.bulk_fallbacks >= 1
-        assert c.bulk is not None and c.bulk.client(dead) is None  # parked after the failure
+        assert c.transport.stats.bulk_bytes == 0 and c.transport.stats.bulk_fallbacks >= 1
+        assert c.transport.bulk is not None and c.transport.bulk.client(dead) is None  # parked after the failure

@@ -1,4 +1,4 @@
-"""Data plane against a real server process (python -m paramserver.dataplane_dev) on loopback."""
+"""Data plane against a real server process (python -m paramserver.server.dataplane_dev) on loopback."""
 from __future__ import annotations
 
 import os
@@ -14,9 +14,9 @@ import zstandard
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from chunking.hashing import content_id, crc32c
-from paramserver.client import ChunkData, ParamServerClient, make_chunk
-from paramserver.proto import pb
-from paramserver.store import HEADER_SIZE
+from paramserver.client.rpc import ChunkData, ParamServerClient, make_chunk
+from paramserver.wire.proto import pb
+from paramserver.server.store import HEADER_SIZE
 from tests.conftest import stop_process
 
 pytestmark = pytest.mark.integration
@@ -40,7 +40,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     port_file = root / "port"
     env = {**os.environ, "PARAMS_ADMIN_TOKEN": ADMIN, "PARAMS_READ_TOKEN": READ}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "paramserver.dataplane_dev", "--data-dir", str(root / "data"), "--port-file", str(port_file),
+        [sys.executable, "-m", "paramserver.server.dataplane_dev", "--data-dir", str(root / "data"), "--port-file", str(port_file),
          "--cache-bytes", "0", "--max-message-bytes", str(MAX_MESSAGE), "--get-message-bytes", str(1 * MiB), "--no-fsync"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip

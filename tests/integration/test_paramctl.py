@@ -37,7 +37,7 @@ def paramctl(*args: str, cluster: LocalCluster | None = None, token: str | None 
     if token is not None:
         full["PARAMS_ADMIN_TOKEN"] = token
     full.update(env or {})
-    return subprocess.run([sys.executable, "-m", "paramserver.ctl", *args], env=full, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "paramserver.client.ctl", *args], env=full, capture_output=True, text=True, timeout=120)
 
 
 def one_line_error(result: subprocess.CompletedProcess[str]) -> str:

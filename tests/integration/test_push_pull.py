@@ -23,10 +23,10 @@ from chunking.hashing import content_id, crc32c
 from chunking.manifest import Manifest
 from chunking.synthetic import synthetic_state_dict
 from deploy.local import LocalCluster, LocalClusterConfig
-from paramserver.client import ChunkData, ParamServerClient, make_chunk
-from paramserver.pull import pull, pull_tensors
-from paramserver.push import push
-from paramserver.transfer_errors import PullError, PushError, TransferError
+from paramserver.client.rpc import ChunkData, ParamServerClient, make_chunk
+from paramserver.client.pull import pull, pull_tensors
+from paramserver.client.push import push
+from paramserver.client.errors import ChunkUnavailable, NotFound, PullError, PushError, TransferError
 
 pytestmark = pytest.mark.integration
 
@@ -190,7 +190,7 @@ PUSH_SCRIPT = textwrap.dedent(
     """
     import sys
     from chunking.synthetic import synthetic_state_dict
-    from paramserver.push import push, PushOptions
+    from paramserver.client.push import push, PushOptions
 
     def progress(phase, done, total):
         if phase == "upload" and done > 0:
@@ -245,7 +245,7 @@ def test_unknown_model_or_tag_is_not_found(cluster: LocalCluster, tmp_path: Path
     with pytest.raises(grpc.RpcError) as info:  # linearizable: this member may not have applied the push yet
         c.resolve_tag("tagged", "no-such-tag", linearizable=True)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND and "no-such-tag" in info.value.details()
-    with pytest.raises(PullError) as pulled:
+    with pytest.raises(NotFound) as pulled:
         pull(cluster.seed, "tagged:no-such-tag", tmp_path / "x.safetensors", token=READ)
     assert pulled.value.code == grpc.StatusCode.NOT_FOUND
     assert not (tmp_path / "x.safetensors").exists()
@@ -379,7 +379,7 @@ def test_a_failed_pull_to_a_file_leaves_no_file_behind(cluster: LocalCluster, tm
         for path in Path(slot.data_dir).rglob(victim):
             path.unlink()
     out = tmp_path / "pulled" / "lost.safetensors"
-    with pytest.raises(PullError, match="could not be fetched"):
+    with pytest.raises(ChunkUnavailable, match="could not be read from any replica"):
         pull(cluster.seed, "lost:prod", out, token=READ)
     assert not out.exists()
     assert list(out.parent.iterdir()) == []

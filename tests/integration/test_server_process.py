@@ -18,8 +18,8 @@ import torch
 
 from chunking import pack
 from deploy.local import LocalCluster, LocalClusterConfig
-from paramserver.client import ParamServerClient, make_chunk
-from paramserver.ring import Ring, RingConfig
+from paramserver.client.rpc import ParamServerClient, make_chunk
+from paramserver.wire.ring import Ring, RingConfig
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration
@@ -200,8 +200,8 @@ def test_up_after_down_restarts_the_same_cluster_with_its_data(tmp_path: Path) -
     # The Raft journal names members by address: `up` on a folder with data must bring the
     # servers back on their old ports, not on fresh ones (which would never elect a leader).
     from deploy.local import LauncherError
-    from paramserver.pull import pull_tensors
-    from paramserver.push import push
+    from paramserver.client.pull import pull_tensors
+    from paramserver.client.push import push
 
     want = {"w": torch.randn(300, 300), "b": torch.randn(7)}
     config = LocalClusterConfig(root=tmp_path / "c", servers=3, extra_args=("--no-fsync",))

@@ -19,16 +19,19 @@ from chunking.diff import diff
 from chunking.hashing import crc32c
 from chunking.manifest import Manifest
 from chunking.synthetic import finetune
-from paramserver.client import ParamServerClient
-from paramserver.proto import pb, pb_grpc
-from paramserver.store import HEADER_SIZE, decode_header, encode_header
+from paramserver.client.rpc import ParamServerClient
+from paramserver.wire.proto import pb, pb_grpc
+from paramserver.server.store import HEADER_SIZE, decode_header, encode_header
 from tests.conftest import stop_process
 from tests.integration.test_worker_harness import REPO, Cluster, make_cluster
-from worker.client import ClusterClient
-from worker.config import CacheConfig, ClusterClientConfig, PrefetchConfig
-from worker.errors import ChunkDataLoss, StaleRead
+from paramserver.client.session import ClusterClient
+from paramserver.client.fetch_plan import FetchPlanner, Read, Want
+from paramserver.client.session import SessionConfig
+from worker.config import CacheConfig, PrefetchConfig
+from worker.prefetch import unique_order
+from paramserver.client.errors import ChunkDataLoss, StaleRead
 from worker.loader import load, load_into, load_state_dict, start_load
-from worker.monotonic import Resolution
+from paramserver.client.monotonic import Resolution
 from worker.swap import HotSwapper
 from worker.tiered_cache import TieredCache
 
@@ -159,7 +162,7 @@ def test_server_killed_mid_load_does_not_fail_it(cluster: Cluster) -> None:
     sd = layers(24, rows=512, seed=7)  # 48 MiB
     cluster.push(sd, "big", tag="prod")
     victim = "ps2"
-    config = ClusterClientConfig(chunks_per_call=4, max_streams=2)
+    config = SessionConfig(max_read_bytes=1 * MiB, grpc_streams_per_server=2)
     with ClusterClient(cluster.seed, config=config) as c:
         c.refresh()
         killer: list[threading.Thread] = []
@@ -199,16 +202,15 @@ def _rewrite_stored(path: Path, flip_at: int, fix_crc: bool) -> None:
 def test_corrupt_replica_is_detected_read_elsewhere_and_reported(cluster: Cluster) -> None:
     sd = layers(4, seed=9)
     cluster.push(sd, "corrupt", tag="prod")
-    config = ClusterClientConfig(down_backoff_s=120)
-    with ClusterClient(cluster.seed, config=config) as c:
+    with ClusterClient(cluster.seed) as c:
         info = c.resolve("corrupt", "prod")
         manifest: Manifest = c.manifest(info.manifest_id)
         victim_chunk = manifest.chunks[2].id
-        replicas = c.replicas(victim_chunk)
-        bad = replicas[0]
+        # The planner is deterministic: corrupt the copy on the replica it will read first.
+        order = unique_order(manifest, None)
+        first = FetchPlanner([Want(r.id, r.stored_size, tuple(c.replicas(r.id))) for r in order], sorted(c.members())).start()
+        bad = next(d.server for d in first if isinstance(d, Read) and victim_chunk in d.ids)
         _rewrite_stored(cluster.chunk_path(bad, victim_chunk), 1000, fix_crc=True)
-        for other in replicas[1:]:
-            c.selector.mark_down(other)  # steer every read to the bad replica first
         loaded = load(c, "corrupt:prod")
         assert_bit_exact(loaded.tensors, sd)
         assert loaded.report.corrupt_reports >= 1 and loaded.report.failovers >= 1
@@ -269,15 +271,15 @@ def test_stale_server_cannot_roll_the_worker_back(cluster: Cluster, stale_server
         servicer.reply = ps.resolve_tag("mono", "stable")  # what a lagging server will keep saying
     cluster.push(new_sd, "mono", parent=v1, tag="stable")
     memory = str(tmp_path / "seen.json")
-    with ClusterClient(cluster.seed, config=ClusterClientConfig(monotonic_path=memory)) as fresh:
+    with ClusterClient(cluster.seed, config=SessionConfig(monotonic_path=memory)) as fresh:
         assert fresh.resolve("mono", "stable").number == v1 + 1
     # A restarted worker whose nearest server is stale: the old answer is refused, the next server asked.
-    with ClusterClient([fake, *cluster.addresses], config=ClusterClientConfig(monotonic_path=memory)) as c:
+    with ClusterClient([fake, *cluster.addresses], config=SessionConfig(monotonic_path=memory)) as c:
         got = load_state_dict(c, "mono:stable")
         assert servicer.asked >= 1
         assert_bit_exact(got, new_sd)
     # Only the stale server reachable: a clear staleness error, never the old version.
-    with ClusterClient([fake], config=ClusterClientConfig(monotonic_path=memory)) as c:
+    with ClusterClient([fake], config=SessionConfig(monotonic_path=memory)) as c:
         with pytest.raises(StaleRead, match="older"):
             c.resolve("mono", "stable")
     # Feeding a resolution with an older clock than one remembered is refused by every real server too.
@@ -293,7 +295,7 @@ def test_deliberate_rollback_is_followed(cluster: Cluster, client: ClusterClient
     assert client.resolve("rb", "prod").number == v1 + 1
     cluster.rollback_tag("rb", "prod")
     assert client.resolve("rb", "prod").number == v1  # a later commit proves it is a rollback, not staleness
-    with ClusterClient(cluster.seed, config=ClusterClientConfig(allow_rollback=False)) as strict:
+    with ClusterClient(cluster.seed, config=SessionConfig(allow_rollback=False)) as strict:
         strict.monotonic.remember(Resolution("rb", "prod", v1 + 1, "0" * 64, {"tests": 10_000}, 0, "x"))
         with pytest.raises(StaleRead):
             strict.resolve("rb", "prod")
@@ -319,6 +321,9 @@ def test_cli_load_prints_tiers(cluster: Cluster) -> None:
     assert first["bytes_network"] == first["bytes_total"] > 0
     assert second["bytes_network"] == 0 and second["bytes_memory"] == second["bytes_total"]
     bad = subprocess.run([sys.executable, "-m", "worker", "load", "nope", "--cluster", cluster.seed],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 3 and "does not exist" in bad.stderr  # "nope" names its latest version
+    bad = subprocess.run([sys.executable, "-m", "worker", "load", "nope:", "--cluster", cluster.seed],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "MODEL:TAG" in bad.stderr
 

@@ -37,8 +37,8 @@ def serve_main(argv: list[str]) -> int:
     from consensus.config import RaftConfig
     from consensus.node import MetadataNode
     from consensus.records import MemberRecord
-    from paramserver.config import ServerConfig
-    from paramserver.service import start_server
+    from paramserver.server.config import ServerConfig
+    from paramserver.server.service import start_server
 
     p = argparse.ArgumentParser()
     p.add_argument("--id", required=True)
@@ -121,7 +121,7 @@ class Cluster:
         self.wait_ready(timeout)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
-        from paramserver.client import ParamServerClient
+        from paramserver.client.rpc import ParamServerClient
 
         deadline = time.monotonic() + timeout
         last: Any = None
@@ -180,8 +180,8 @@ class Cluster:
         """Pack ``state``, write each chunk to its R ring replicas and the manifest to every server,
         then commit through Raft. Returns the VersionReply."""
         from chunking.pack import pack
-        from paramserver.client import ParamServerClient, make_chunk
-        from worker.client import ClusterClient
+        from paramserver.client.rpc import ParamServerClient, make_chunk
+        from paramserver.client.session import ClusterClient
 
         result = pack(state, model=model)
         manifest_bytes = result.manifest.to_bytes()
@@ -195,7 +195,7 @@ class Cluster:
                 for sid in view.replicas(chunk.ref.id):
                     per_server[sid].append(c)
             for sid, chunks in per_server.items():
-                with ParamServerClient(members[sid].address) as ps:
+                with ParamServerClient(members[sid].grpc_address) as ps:
                     ps.put_chunks(chunks + [make_chunk(manifest_id, manifest_bytes)])
         with ParamServerClient(self.addresses[0]) as ps:
             for _ in range(50):
@@ -209,13 +209,13 @@ class Cluster:
         raise TimeoutError("commit did not succeed")
 
     def set_tag(self, model: str, tag: str, version: int) -> Any:
-        from paramserver.client import ParamServerClient
+        from paramserver.client.rpc import ParamServerClient
 
         with ParamServerClient(self.addresses[0]) as ps:
             return ps.set_tag(model, tag, version, who="tests")
 
     def rollback_tag(self, model: str, tag: str) -> Any:
-        from paramserver.client import ParamServerClient
+        from paramserver.client.rpc import ParamServerClient
 
         with ParamServerClient(self.addresses[0]) as ps:
             return ps.rollback_tag(model, tag, who="tests")
@@ -283,8 +283,8 @@ def make_cluster(root: Path, servers: int = 3) -> Cluster:
 def test_harness_places_chunks_on_ring_replicas_and_survives_restart(tmp_path: Path) -> None:
     """The other worker tests trust this harness: pushes land on exactly the ring's replicas
     (R=3 of 3 here, so on every server), and a killed server restarts with its chunks."""
-    from paramserver.client import ParamServerClient
-    from worker.client import ClusterClient
+    from paramserver.client.rpc import ParamServerClient
+    from paramserver.client.session import ClusterClient
 
     cluster = make_cluster(tmp_path)
     try:
@@ -298,7 +298,7 @@ def test_harness_places_chunks_on_ring_replicas_and_survives_restart(tmp_path: P
             placement = {cid: set(view.replicas(cid)) for cid in ids}
             members = view.members()
         for sid, member in members.items():
-            with ParamServerClient(member.address) as ps:
+            with ParamServerClient(member.grpc_address) as ps:
                 present = ps.has_chunks(ids)
             assert present == [sid in placement[cid] for cid in ids]
         cluster.kill("ps1")

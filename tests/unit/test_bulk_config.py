@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from paramserver.cli import _overrides, _parser
-from paramserver.config import ServerConfig
-from paramserver.errors import ConfigError
-from paramserver.pull import PullOptions
+from paramserver.server.cli import _overrides, _parser
+from paramserver.server.config import ServerConfig
+from paramserver.wire.errors import ConfigError
+from paramserver.client.pull import PullOptions
 
 
 def config(tmp_path: Path, **kw: object) -> ServerConfig:

@@ -7,7 +7,7 @@ from consensus.codec import member_command, member_record, member_to_json
 from consensus.errors import Invalid
 from consensus.records import MemberRecord
 from consensus.state import MetadataState
-from paramserver.metaservice import _member_pb
+from paramserver.server.metaservice import _member_pb
 
 
 def add(state: MetadataState, **extra: str) -> None:

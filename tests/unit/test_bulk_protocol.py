@@ -10,8 +10,9 @@ from typing import Callable, Iterator
 import pytest
 
 from chunking.hashing import content_id, crc32c
-from paramserver.auth import AuthConfig
-from paramserver.bulk import (
+from paramserver.server.auth import AuthConfig
+from paramserver.server.bulk_port import BulkServer, BulkServerConfig, check_token
+from paramserver.wire.bulk_frames import (
     BATCH,
     CORRUPT,
     ERROR,
@@ -25,15 +26,12 @@ from paramserver.bulk import (
     W_BAD_HELLO,
     W_OK,
     WELCOME,
-    BulkServer,
-    BulkServerConfig,
-    check_token,
     decode_header,
     encode_header,
     encode_hello,
 )
-from paramserver.bulkclient import BulkClient, BulkPool, BulkProtocolFailure, BulkUnauthenticated, BulkUnavailable
-from paramserver.store import HEADER_SIZE, ChunkStore
+from paramserver.client.bulk_transport import BulkClient, BulkPool, BulkProtocolFailure, BulkUnauthenticated, BulkUnavailable
+from paramserver.server.store import HEADER_SIZE, ChunkStore
 
 ADMIN, READ = "admin-token-1", "read-token-1"
 
@@ -306,7 +304,7 @@ def test_scatter_read_fills_every_buffer_across_partial_reads() -> None:
     import threading
     import time
 
-    from paramserver.bulk import recv_into_all
+    from paramserver.wire.bulk_frames import recv_into_all
 
     a, b = socket.socketpair()
     data = os.urandom(300_000)

@@ -29,6 +29,7 @@ def test_split_puts_the_leader_in_the_largest_minority() -> None:
 @pytest.mark.parametrize("cfg, match", [
     (PartitionDrillConfig(hold_s=0), "hold_s"),
     (PartitionDrillConfig(commit_grace_s=-1), "commit_grace_s"),
+    (PartitionDrillConfig(failover_limit_s=0), "failover_limit_s"),
     (KillLeaderConfig(rounds=0), "rounds"),
     (KillLeaderConfig(pause_s=-1), "pause_s"),
     (CorruptChunkConfig(flip=0), "flip"),
@@ -71,7 +72,7 @@ def test_loaders_wait_for_the_first_publish() -> None:
 
 
 def test_flip_bytes_keeps_the_header_and_restore_puts_the_file_back(tmp_path: Path) -> None:
-    from paramserver.store import HEADER_SIZE
+    from paramserver.server.store import HEADER_SIZE
 
     path = tmp_path / "ab" / "cd" / "abcd"
     path.parent.mkdir(parents=True)

@@ -71,7 +71,8 @@ def test_publisher_prefer_reorders_seeds_and_restores() -> None:
 
 
 def test_error_kind_looks_through_worker_wrappers() -> None:
-    from worker.errors import ChunkDataLoss, ChunkUnavailable, TensorFailed
+    from paramserver.client.errors import ChunkDataLoss, ChunkUnavailable
+    from worker.errors import TensorFailed
 
     loss = ChunkDataLoss("ab" * 32, {"ps1": "DATA_LOSS: crc"})
     assert error_kind(loss) == "DATA_LOSS"

@@ -1,4 +1,4 @@
-"""Arenas for pulled tensors (paramserver.hostmem) and the assembler's direct-receive path."""
+"""Arenas for pulled tensors (paramserver.client.hostmem) and the assembler's direct-receive path."""
 from __future__ import annotations
 
 import gc
@@ -13,8 +13,8 @@ from chunking.assembler import Assembler
 from chunking.config import ChunkingConfig
 from chunking.errors import InvalidInput
 from chunking.pack import pack
-from paramserver.errors import ConfigError
-from paramserver.hostmem import ArenaPool, HostMemoryConfig, allocate_targets, arena_layout
+from paramserver.client.errors import ConfigError
+from paramserver.client.hostmem import ArenaPool, HostMemoryConfig, allocate_targets, arena_layout
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int64, torch.bool, torch.float64]
 

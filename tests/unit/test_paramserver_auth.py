@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from paramserver.auth import AuthConfig, check_call
-from paramserver.errors import ConfigError
+from paramserver.server.auth import AuthConfig, check_call
+from paramserver.server.errors import ConfigError
 
 ADMIN, READ = "admin-secret-123", "read-secret-456"
 PUT = "/pdparams.v1.ParamServer/PutChunks"

@@ -10,13 +10,13 @@ import torch
 from chunking import ChunkingConfig, pack
 from chunking.hashing import content_id
 from consensus.records import MemberRecord
-from paramserver.client import ParamServerClient, make_chunk
-from paramserver.cluster import PeerSet, QuorumVersionCheck, ReplicaFetcher, cluster_blob_fetcher
-from paramserver.config import ServerConfig
-from paramserver.errors import InvalidChunkError
-from paramserver.rpc_errors import PreconditionFailed
-from paramserver.service import RunningServer, start_server
-from paramserver.store import HEADER_SIZE
+from paramserver.client.rpc import ParamServerClient, make_chunk
+from paramserver.server.cluster import PeerSet, QuorumVersionCheck, ReplicaFetcher, cluster_blob_fetcher
+from paramserver.server.config import ServerConfig
+from paramserver.server.errors import InvalidChunkError
+from paramserver.server.rpc_errors import PreconditionFailed
+from paramserver.server.service import RunningServer, start_server
+from paramserver.server.store import HEADER_SIZE
 
 
 @pytest.fixture

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from paramserver.config import ServerConfig
-from paramserver.errors import ConfigError
+from paramserver.server.config import ServerConfig
+from paramserver.wire.errors import ConfigError
 
 
 def base(tmp_path: Path, **kw: object) -> ServerConfig:

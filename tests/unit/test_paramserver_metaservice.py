@@ -15,11 +15,11 @@ import pytest
 from chunking.hashing import content_id
 from consensus.errors import Conflict, Invalid, NotFound, NotLeader
 from consensus.records import MemberRecord, ReadResult, TagMove, TagRecord, VersionRecord
-from paramserver.client import ParamServerClient, make_chunk
-from paramserver.config import ServerConfig
-from paramserver.metaservice import VersionFacts
-from paramserver.rpc_errors import LEADER_METADATA_KEY, PreconditionFailed
-from paramserver.service import RunningServer, start_server
+from paramserver.client.rpc import ParamServerClient, make_chunk
+from paramserver.server.config import ServerConfig
+from paramserver.server.metaservice import VersionFacts
+from paramserver.server.rpc_errors import LEADER_METADATA_KEY, PreconditionFailed
+from paramserver.server.service import RunningServer, start_server
 
 
 class FakePlane:

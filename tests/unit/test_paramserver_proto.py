@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PROTO_DIR = ROOT / "paramserver" / "proto"
+PROTO_DIR = ROOT / "paramserver" / "wire" / "proto"
 
 
 def _load_generator():
@@ -29,7 +29,7 @@ def test_committed_stubs_match_proto(tmp_path: Path) -> None:
 
 
 def test_grpc_module_imports_as_package() -> None:
-    from paramserver.proto import pb, pb_grpc
+    from paramserver.wire.proto import pb, pb_grpc
 
     assert "from . import paramserver_pb2" in (PROTO_DIR / "paramserver_pb2_grpc.py").read_text()
     assert pb_grpc.paramserver__pb2 is pb
@@ -37,7 +37,7 @@ def test_grpc_module_imports_as_package() -> None:
 
 
 def test_contract_lists_every_rpc() -> None:
-    from paramserver.proto import pb
+    from paramserver.wire.proto import pb
 
     service = pb.DESCRIPTOR.services_by_name["ParamServer"]
     assert pb.DESCRIPTOR.package == "pdparams.v1"
@@ -53,7 +53,7 @@ def test_contract_lists_every_rpc() -> None:
 
 
 def test_version_carries_vector_clock_and_read_info() -> None:
-    from paramserver.proto import pb
+    from paramserver.wire.proto import pb
 
     v = pb.Version(model="m", number=3, clock={"alice": 2, "bob": 1})
     assert not v.HasField("parent")

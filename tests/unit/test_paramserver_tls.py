@@ -9,9 +9,9 @@ import grpc
 import pytest
 
 from chunking.hashing import content_id
-from paramserver.client import ClientConfig, ParamServerClient, make_chunk
-from paramserver.config import ServerConfig
-from paramserver.service import start_server
+from paramserver.client.rpc import ClientConfig, ParamServerClient, make_chunk
+from paramserver.server.config import ServerConfig
+from paramserver.server.service import start_server
 
 ADMIN = "tls-admin-token"
 

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paramserver.proto import pb
-from paramserver.wire import ReplyBuilder, passthrough_serializer, varint
+from paramserver.wire.proto import pb
+from paramserver.wire.getchunks import ReplyBuilder, passthrough_serializer, varint
 
 chunks_strategy = st.lists(
     st.tuples(

@@ -5,8 +5,8 @@ import threading
 
 import pytest
 
-from paramserver.pushplan import AckLedger, Item, placement_of, plan_uploads, wanted_by_server
-from paramserver.ring import Ring
+from paramserver.client.push_plan import AckLedger, Item, placement_of, plan_uploads, wanted_by_server
+from paramserver.wire.ring import Ring
 
 PLACEMENT = {"a": ["s1", "s2", "s3"], "b": ["s2", "s3", "s1"], "c": ["s3", "s1", "s2"]}
 ITEMS = [Item("a", 10), Item("b", 20), Item("c", 30)]

@@ -1,13 +1,13 @@
-"""The pull's zero-copy GetChunksReply parser agrees with protobuf and with paramserver.wire."""
+"""The pull's zero-copy GetChunksReply parser agrees with protobuf and with paramserver.wire.getchunks."""
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paramserver.proto import pb
-from paramserver.rawchunks import parse_reply
-from paramserver.wire import ReplyBuilder
+from paramserver.wire.proto import pb
+from paramserver.client.getchunks_transport import parse_reply
+from paramserver.wire.getchunks import ReplyBuilder
 
 chunk = st.tuples(
     st.text(alphabet="0123456789abcdef", min_size=0, max_size=64),

@@ -7,10 +7,10 @@ from typing import Iterable
 import grpc
 import pytest
 
-from paramserver.client import ChunkData
-from paramserver.proto import pb
-from paramserver.pushplan import AckLedger
-from paramserver.sender import SendOptions, send_round
+from paramserver.client.rpc import ChunkData
+from paramserver.wire.proto import pb
+from paramserver.client.push_plan import AckLedger
+from paramserver.client.push_sender import SendOptions, send_round
 
 
 class FakeRpcError(grpc.RpcError):

@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 
-from paramserver.ring import Ring, RingConfig
+from paramserver.wire.ring import Ring, RingConfig
 
 N_KEYS = 20_000
 

@@ -1,4 +1,4 @@
-"""Writing a pull straight into a .safetensors file (paramserver.safetensors_out)."""
+"""Writing a pull straight into a .safetensors file (paramserver.client.safetensors_out)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from chunking.assembler import Assembler
 from chunking.config import ChunkingConfig
 from chunking.pack import pack
-from paramserver.safetensors_out import SafetensorsOut, header_bytes, supported
+from paramserver.client.safetensors_out import SafetensorsOut, header_bytes, supported
 
 
 def as_bytes(t: torch.Tensor) -> bytes:

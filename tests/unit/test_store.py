@@ -8,15 +8,15 @@ import pytest
 import zstandard
 
 from chunking.hashing import content_id, crc32c
-from paramserver.errors import (
+from paramserver.server.errors import (
     ChunkCorruptError,
     ChunkNotFoundError,
     ChunkTransferCorruptError,
     InvalidChunkError,
     UnknownCodecError,
 )
-from paramserver.repair import RepairQueue, Repairer, Scrubber
-from paramserver.store import HEADER_SIZE, ChunkStore, StoredChunk, decode_header
+from paramserver.server.repair import RepairQueue, Repairer, Scrubber
+from paramserver.server.store import HEADER_SIZE, ChunkStore, StoredChunk, decode_header
 
 KiB = 1024
 
@@ -254,7 +254,7 @@ def test_chunking_codecs_are_verified_on_ingest(store: ChunkStore) -> None:
 def test_periodic_runs_survives_errors_and_stops() -> None:
     import threading
 
-    from paramserver.background import Periodic
+    from paramserver.server.background import Periodic
 
     calls: list[int] = []
     errors: list[BaseException] = []
@@ -285,7 +285,7 @@ def test_a_claimed_old_orphan_survives_collection_and_an_unclaimed_one_does_not(
     # must not be collected before that push commits; an untouched one is.
     import time
 
-    from paramserver.gc import OrphanCollector
+    from paramserver.server.gc import OrphanCollector
 
     reused, forgotten = raw_chunk(seed=11), raw_chunk(seed=12)
     for c in (reused, forgotten):
@@ -318,7 +318,7 @@ def test_generation_changes_when_the_set_of_chunks_does(store: ChunkStore) -> No
 
 
 def test_anti_entropy_gate_skips_only_after_a_clean_pass_of_the_same_state() -> None:
-    from paramserver.replication import PassGate
+    from paramserver.server.replication import PassGate
 
     gate = PassGate(full_pass_every=3)
     assert gate.due("s1")  # never ran
@@ -337,7 +337,7 @@ def test_anti_entropy_gate_skips_only_after_a_clean_pass_of_the_same_state() -> 
 def test_resending_a_stored_orphan_claims_it_before_trusting_it(store: ChunkStore, monkeypatch: pytest.MonkeyPatch) -> None:
     # Orphan collection running between "an intact copy is here" and "answer ALREADY_PRESENT"
     # must not delete the copy the push is about to count.
-    from paramserver.gc import OrphanCollector
+    from paramserver.server.gc import OrphanCollector
 
     c = raw_chunk(seed=31)
     store.put(*c)

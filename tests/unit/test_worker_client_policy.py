@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from worker.errors import BadModelRef, StaleRead
-from worker.loader import ModelRef
-from worker.monotonic import MonotonicReads, Order, Resolution, compare_clocks, judge
-from worker.replicas import ReplicaSelector, Want, batches
+from paramserver.client.errors import StaleRead
+from paramserver.client.refs import BadModelRef
+from paramserver.client.refs import ModelRef
+from paramserver.client.monotonic import MonotonicReads, Order, Resolution, compare_clocks, judge
 
 
 def res(version: int, clock: dict[str, int], commit: int, server: str = "s") -> Resolution:
@@ -88,57 +88,15 @@ class FakeClock:
         return self.now
 
 
-class TestReplicaSelector:
-    def test_equal_servers_share_bytes_evenly(self) -> None:
-        sel = ReplicaSelector()
-        plan = sel.plan([Want(f"c{i}", 100, ["a", "b", "c"]) for i in range(300)])
-        assert sorted(len(v) for v in plan.values()) == [100, 100, 100]
-
-    def test_faster_server_gets_more(self) -> None:
-        sel = ReplicaSelector(alpha=1.0)
-        sel.observe("a", 300, 1.0)
-        sel.observe("b", 100, 1.0)
-        plan = sel.plan([Want(f"c{i}", 10, ["a", "b"]) for i in range(400)])
-        assert len(plan["a"]) == 300 and len(plan["b"]) == 100
-
-    def test_moving_average(self) -> None:
-        sel = ReplicaSelector(alpha=0.5)
-        sel.observe("a", 100, 1.0)
-        sel.observe("a", 300, 1.0)
-        assert sel.rate("a") == pytest.approx(200)
-
-    def test_down_server_avoided_unless_only_candidate(self) -> None:
-        clock = FakeClock()
-        sel = ReplicaSelector(down_backoff_s=5, clock=clock)
-        sel.mark_down("a")
-        plan = sel.plan([Want("x", 1, ["a", "b"]), Want("y", 1, ["a"])])
-        assert plan == {"b": ["x"], "a": ["y"]}
-        clock.now = 6.0  # backoff over: a is a candidate again
-        assert not sel.is_down("a")
-
-    def test_success_clears_down_mark(self) -> None:
-        sel = ReplicaSelector(down_backoff_s=100)
-        sel.mark_down("a")
-        sel.observe("a", 10, 0.1)
-        assert not sel.is_down("a")
-
-    def test_plan_keeps_order_and_skips_chunks_without_candidates(self) -> None:
-        sel = ReplicaSelector()
-        plan = sel.plan([Want("1", 1, ["a"]), Want("2", 1, []), Want("3", 1, ["a"])])
-        assert plan == {"a": ["1", "3"]}
-
-    def test_batches(self) -> None:
-        assert batches(list("abcde"), 2) == [["a", "b"], ["c", "d"], ["e"]]
-
-
 class TestModelRef:
     def test_parse(self) -> None:
         assert ModelRef.parse("resnet50:prod") == ModelRef("resnet50", "prod", None)
         assert ModelRef.parse("resnet50@3") == ModelRef("resnet50", None, 3)
         assert ModelRef.parse("m:v3") == ModelRef("m", "v3", None)
         assert str(ModelRef.parse("m@12")) == "m@12"
+        assert ModelRef.parse("resnet50") == ModelRef("resnet50", None, None)  # its latest version
 
-    @pytest.mark.parametrize("bad", ["", "m", "m:", "m@", "m@0", "m@x", "m:a:b", "a b:c", ":tag"])
+    @pytest.mark.parametrize("bad", ["", "m:", "m@", "m@0", "m@x", "m:a:b", "a b:c", ":tag"])
     def test_refuses_bad(self, bad: str) -> None:
         with pytest.raises(BadModelRef, match="MODEL:TAG"):
             ModelRef.parse(bad)
@@ -149,10 +107,11 @@ def test_client_ring_matches_the_servers_placement() -> None:
     import hashlib
 
     from consensus.records import MemberRecord
-    from paramserver.cluster import PeerSet
-    from paramserver.proto import pb
-    from paramserver.ring import RingConfig
-    from worker.client import ClusterClient
+    from paramserver.server.cluster import PeerSet
+    from paramserver.wire.proto import pb
+    from paramserver.wire.ring import RingConfig
+    from paramserver.client.cluster_view import ClusterOptions, ClusterView
+    from paramserver.client.rpc import ParamServerClient
 
     records = [MemberRecord(f"ps{i}", f"127.0.0.1:{7000 + i}", f"127.0.0.1:{7100 + i}", "up", f"z{i % 2}") for i in range(5)]
     records.append(MemberRecord("gone", "127.0.0.1:7999", "127.0.0.1:7998", "leaving", "z0"))
@@ -162,9 +121,8 @@ def test_client_ring_matches_the_servers_placement() -> None:
                            state=m.state, zone=m.zone) for m in records],
         ring=pb.RingParams(vnodes=128, replication_factor=3, write_quorum=2, hash="blake3"),
     )
-    client = ClusterClient("127.0.0.1:1")
+    client = ClusterView(ClusterOptions(("127.0.0.1:1",)), info, ParamServerClient("127.0.0.1:1"))
     try:
-        client._apply_info(info)
         peers = PeerSet("ps0", lambda: records, ring_config=RingConfig(vnodes=128), replication_factor=3)
         for i in range(300):
             cid = hashlib.sha256(str(i).encode()).hexdigest()

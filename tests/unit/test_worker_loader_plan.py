@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from chunking.codec import decode_chunk
 from chunking.diff import diff
 from chunking.manifest import ChunkRef
 from chunking.pack import pack
 from chunking.synthetic import finetune
-from worker.client import FetchStats
+from paramserver.client.fetch import ChunkSink, FetchEngine, FetchStats
+from paramserver.client.transport import MemoryTransport
+from paramserver.client.verify import Verifier
 from worker.config import CacheConfig, PrefetchConfig
 from worker.errors import TensorFailed
 from worker.heatmap import HeatReport
@@ -24,20 +25,18 @@ from worker.tiered_cache import TieredCache
 
 
 class FakeClient:
-    """Serves stored chunks from a dict, verifying them the way ClusterClient does."""
+    """The client's real fetch engine over an in-memory transport: one server holding ``stored``."""
 
     def __init__(self, stored: dict[str, bytes]) -> None:
         self.stored = stored
         self.asked: list[str] = []
 
-    def fetch(self, refs: Sequence[ChunkRef], on_chunk: Callable[..., None], *, algorithm: str = "blake3",
+    def fetch(self, refs: Sequence[ChunkRef], sink: ChunkSink, *, algorithm: str = "blake3",
               tensors_of: object = None) -> FetchStats:
-        stats = FetchStats()
-        for ref in refs:
-            self.asked.append(ref.id)
-            on_chunk(ref, decode_chunk(ref, self.stored[ref.id], algorithm=algorithm), "fake")
-            stats.chunks += 1
-        return stats
+        self.asked.extend(r.id for r in refs)
+        held = {r.id: (r.codec, r.crc32c, self.stored[r.id]) for r in refs}
+        engine = FetchEngine(MemoryTransport({"fake": held}), Verifier("crc", algorithm))
+        return engine.fetch(refs, lambda _cid: ["fake"], ["fake"], sink)
 
 
 def model(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -106,10 +105,10 @@ def test_tensor_ready_before_the_load_ends() -> None:
     gate = threading.Event()
 
     class Slow(FakeClient):
-        def fetch(self, refs, on_chunk, **kw):  # type: ignore[no-untyped-def]
-            on_chunk(refs[0], decode_chunk(refs[0], self.stored[refs[0].id]), "fake")
+        def fetch(self, refs, sink, **kw):  # type: ignore[no-untyped-def]
+            super().fetch(refs[:1], sink, **kw)
             gate.wait(5)
-            return super().fetch(refs[1:], on_chunk, **kw)
+            return super().fetch(refs[1:], sink, **kw)
 
     targets = empty_targets(packed.manifest, torch.device("cpu"))
     p = Prefetcher(packed.manifest, targets, client=Slow(packed.source()))

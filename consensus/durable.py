@@ -1,0 +1,718 @@
+"""Durable Raft state on pysyncobj 0.3.17: nothing is acknowledged before it is on disk.
+
+pysyncobj 0.3.17 keeps its Raft log in an mmap'd file that it never msyncs, stores term and
+vote with a rename but no fsync, and returns an empty vote when that file cannot be read. A
+power loss of a majority could therefore lose acknowledged commits, and a forgotten vote could
+let two leaders win one term. This module replaces those pieces, one SyncObj at a time:
+
+- ``DurableJournal`` implements pysyncobj's journal interface on the on-disk format of its
+  ``FileJournal`` (existing data dirs load, and pysyncobj can still read ours), written with
+  pwrite instead of mmap so that the order of writes is ours. Group commit: ``sync()`` moves
+  the header's end offset past every record appended since the last sync and fdatasyncs once.
+  A power loss during that sync can leave a torn tail, never a wrong record: past the durable
+  end there are only zeros and records appended since, and a sector that missed the disk
+  zeroes a length field that parsing checks (the class docstring has the argument); the torn
+  tail, never acknowledged, is cut off at the next start.
+- ``MetaFile`` holds term, vote and commit index (``raft.journal.meta``): written to a temporary
+  file, fsynced, renamed, folder fsynced, with a CRC; a damaged file stops start-up.
+- ``AckGate`` holds a follower's AppendEntries answers while its journal has unsynced records
+  and sends them right after the next sync, so one sync covers every entry that came meanwhile.
+- ``DurableSyncObj`` syncs at the start of every tick and before every poll, so the leader never
+  counts its own unsynced entries toward the commit quorum while its disk write still runs in
+  parallel with the followers'.
+
+Where pysyncobj offers no hook, two of its module globals are patched, once, and only on the
+version this was written against (``install()`` refuses any other): ``pysyncobj.syncobj.createJournal``
+(to hand a SyncObj the journal opened for it) and ``pysyncobj.serializer.atomicReplace`` (to fsync
+the full dump before and after its rename). Both fall through to pysyncobj's own code for every
+file this module was not told about.
+
+With ``fsync=False`` (``--no-fsync``: tests and drills only, unsafe for real data) the same code
+runs without any fsync and without holding answers: a kill -9 loses nothing, a power loss can.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import struct
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import pysyncobj.serializer as _pso_serializer
+import pysyncobj.syncobj as _pso_syncobj
+from pysyncobj import SyncObj
+from pysyncobj.journal import (APP_NAME, APP_VERSION, FIRST_RECORD_OFFSET, JOURNAL_FORMAT_VERSION,
+                               LAST_RECORD_OFFSET_OFFSET, NAME_SIZE, VERSION_SIZE, Journal)
+from pysyncobj.pickle import loads as _pso_loads
+from pysyncobj.pickle import to_bytes
+from pysyncobj.version import VERSION as PYSYNCOBJ_VERSION
+
+from .errors import DamagedState
+
+log = logging.getLogger(__name__)
+
+# The patches below rely on pysyncobj internals (module globals, tick order, message names);
+# re-read syncobj.py, journal.py and serializer.py of a new version before adding it here.
+SUPPORTED_PYSYNCOBJ = ("0.3.17",)
+
+Entry = tuple[bytes, int, int]  # (command, log index, term), as pysyncobj keeps them
+ACK_MESSAGE_TYPES = frozenset({"next_node_idx"})  # a follower's answer to AppendEntries
+
+# The journal grows by zero-filled steps. Records then always land on zeros (part of the
+# torn-tail argument, see DurableJournal), and an fdatasync of records written over
+# allocated blocks is one disk flush, while one that also extends the file commits the file
+# system's journal too, and the three servers' syncs then queue behind each other.
+GROW_MIN, GROW_MAX = 64 << 10, 1 << 20  # a step doubles the file, within these bounds
+_ZEROS = bytes(64 << 10)
+_HEADER = struct.Struct("<II")  # format version, end offset of the last record
+_END = struct.Struct("<I")
+# Power-fail atomicity of a disk is one sector, commonly 512 bytes.
+SECTOR = 512
+_RECORD_LEN = struct.Struct("<I")
+_RECORD_HEAD = struct.Struct("<QQ")  # index, term
+META_FORMAT = "pdparams-raft-meta/1"
+_META_TYPES: dict[str, tuple[type, ...]] = {
+    "currentTerm": (int,), "votedForNodeId": (str, type(None)), "raftCommitIndex": (int,),
+}
+
+
+class JournalFailure(RuntimeError):
+    """A write or sync of the Raft state failed; the node stops taking part in Raft until restarted.
+
+    After a failed fsync the kernel may have dropped the dirty pages and a retry could report
+    success for data that never reached the disk, so there is no retry.
+    """
+
+
+# ------------------------------------------------------------------ file system helpers
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_path_and_ancestors(path: str) -> None:
+    """Make ``path``'s own entry, and each ancestor's, durable.
+
+    Whoever created the folders (the operator, a launcher, mkdir -p) may never have synced them,
+    and a journal in a folder that a power loss takes away is lost with it. Folders above the
+    parent may sit on file systems that refuse a directory fsync; those are skipped.
+    """
+    path = os.path.abspath(path)
+    fsync_dir(path)
+    parent = os.path.dirname(path)
+    fsync_dir(parent)
+    while True:
+        above = os.path.dirname(parent)
+        if above == parent:
+            return
+        parent = above
+        try:
+            fsync_dir(parent)
+        except OSError as exc:
+            log.debug("cannot fsync folder %s (%s); skipped", parent, exc)
+
+
+def write_file_durably(path: str, data: bytes, *, fsync: bool) -> None:
+    """Temporary file, fsync, rename over ``path``, fsync of the folder: all or nothing, and durable."""
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _write_all(fd, data, 0)
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    if fsync:
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def replace_durably(src: str, dst: str) -> None:
+    """rename(src, dst) with src fsynced before and the folder after."""
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(src, dst)
+    fsync_dir(os.path.dirname(os.path.abspath(dst)))
+
+
+def _write_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n
+
+
+# ------------------------------------------------------------------ term / vote file
+def encode_meta(meta: Mapping[str, Any]) -> bytes:
+    state = {k: meta[k] for k in _META_TYPES if k in meta}
+    body = json.dumps(state, sort_keys=True, separators=(",", ":"))
+    return json.dumps({"format": META_FORMAT, "crc32": zlib.crc32(body.encode()), "state": state},
+                      sort_keys=True, separators=(",", ":")).encode() + b"\n"
+
+
+def decode_meta(raw: bytes, path: str) -> dict[str, Any]:
+    """The meta dict in ``raw``; DamagedState naming ``path`` if it is not exactly what was written.
+
+    Also reads the pickle that pysyncobj's own MetaStorer wrote, so that data dirs from before
+    this module keep their vote.
+    """
+    def damaged(why: str) -> DamagedState:
+        return DamagedState(
+            f"Raft term/vote file {path} is damaged ({why}); refusing to start, since starting without it "
+            "could forget this server's vote. Restore the file from a backup, or, if the other members are "
+            "healthy, move this server's raft folder away so that it rejoins empty and catches up"
+        )
+
+    if raw.startswith(b"{"):
+        try:
+            doc = json.loads(raw)
+            state = doc["state"]
+            crc = doc["crc32"]
+            fmt = doc["format"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise damaged(f"not valid JSON: {exc}") from None
+        if fmt != META_FORMAT:
+            raise damaged(f"unknown format {fmt!r}")
+        if not isinstance(state, dict):
+            raise damaged("no state object")
+        body = json.dumps(state, sort_keys=True, separators=(",", ":"))
+        if zlib.crc32(body.encode()) != crc:
+            raise damaged("checksum mismatch")
+    else:
+        try:
+            state = _pso_loads(raw)  # pysyncobj's own format: a pickled dict in our own data dir
+        except Exception as exc:  # noqa: BLE001 - any unpickling failure means the same thing here
+            raise damaged(f"neither pdparams' JSON meta format nor pysyncobj's pickle: {type(exc).__name__}") from None
+        if not isinstance(state, dict):
+            raise damaged(f"pysyncobj pickle holds a {type(state).__name__}, not a dict")
+    for key, types in _META_TYPES.items():
+        if key in state and (not isinstance(state[key], types) or isinstance(state[key], bool)):
+            raise damaged(f"{key} is {state[key]!r}")
+    if state.get("currentTerm", 0) < 0 or state.get("raftCommitIndex", 1) < 1:
+        raise damaged(f"impossible values {state!r}")
+    return {k: state[k] for k in _META_TYPES if k in state}
+
+
+class MetaFile:
+    """Term, vote and commit index of one node, stored the way pysyncobj's MetaStorer names them."""
+
+    def __init__(self, path: str, *, fsync: bool) -> None:
+        self.path = path
+        self.fsync = fsync
+
+    def load(self) -> dict[str, Any] | None:
+        """The stored meta; None if there is no file (a node that never stored a term)."""
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise DamagedState(
+                f"cannot read Raft term/vote file {self.path}: {exc.strerror or exc}; refusing to start without it"
+            ) from None
+        return decode_meta(raw, self.path)
+
+    def store(self, meta: Mapping[str, Any]) -> None:
+        write_file_durably(self.path, encode_meta(meta), fsync=self.fsync)
+
+
+# ------------------------------------------------------------------ journal format
+def journal_header(end: int) -> bytes:
+    name = bytes(APP_NAME) + b"\0" * (NAME_SIZE - len(APP_NAME))  # pysyncobj's constants are untyped
+    version = bytes(APP_VERSION) + b"\0" * (VERSION_SIZE - len(APP_VERSION))
+    header: bytes = name + version + _HEADER.pack(JOURNAL_FORMAT_VERSION, end)
+    return header
+
+
+def encode_record(command: bytes, idx: int, term: int) -> bytes:
+    body = _RECORD_HEAD.pack(idx, term) + bytes(to_bytes(command))
+    size = _RECORD_LEN.pack(len(body))
+    return size + body + size
+
+
+@dataclass
+class ParsedJournal:
+    entries: list[Entry] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # file offset of each entry's record
+    end: int = FIRST_RECORD_OFFSET  # offset just past the last good record
+    torn: str | None = None  # why parsing stopped before the header's end, if it did
+
+
+def parse_journal(data: bytes, path: str) -> ParsedJournal:
+    """Records up to the header's end offset; stops at the first incomplete or inconsistent one.
+
+    From this module that is the tail of a sync that a power loss interrupted (never
+    acknowledged); from an unsynced writer (pysyncobj's own, --no-fsync) it can also be a tail
+    that was acknowledged. The caller drops it and says so.
+    """
+    if len(data) < FIRST_RECORD_OFFSET:
+        raise DamagedState(f"Raft journal {path} is {len(data)} bytes, shorter than its header; refusing to start")
+    if data[:len(APP_NAME)] != APP_NAME:
+        raise DamagedState(f"{path} is not a pysyncobj journal (header {data[:NAME_SIZE]!r}); refusing to start")
+    fmt, last = _HEADER.unpack_from(data, NAME_SIZE + VERSION_SIZE)
+    if fmt != JOURNAL_FORMAT_VERSION:
+        raise DamagedState(
+            f"Raft journal {path} has format {fmt}, expected {JOURNAL_FORMAT_VERSION}; refusing to start")
+    if last < FIRST_RECORD_OFFSET:
+        raise DamagedState(f"Raft journal {path} header names end offset {last}; refusing to start")
+    parsed = ParsedJournal()
+    limit = min(last, len(data))
+    offset = FIRST_RECORD_OFFSET
+    while offset < limit:
+        why = None
+        if offset + 4 > limit:
+            why = "a record length is cut off"
+        else:
+            (size,) = _RECORD_LEN.unpack_from(data, offset)
+            if size < _RECORD_HEAD.size:
+                why = f"a record length of {size} (zeros: a sector that never reached the disk)"
+            elif offset + 8 + size > limit:
+                why = f"a record of {size} bytes runs past the end"
+            elif _RECORD_LEN.unpack_from(data, offset + 4 + size)[0] != size:
+                why = "a record's two lengths differ"
+            else:
+                idx, term = _RECORD_HEAD.unpack_from(data, offset + 4)
+                if parsed.entries and (idx != parsed.entries[-1][1] + 1 or term < parsed.entries[-1][2]):
+                    why = f"entry {idx} (term {term}) does not follow entry {parsed.entries[-1][1]}"
+        if why is not None:
+            parsed.torn = f"{why} at offset {offset}"
+            break
+        command = data[offset + 4 + _RECORD_HEAD.size:offset + 4 + size]
+        parsed.entries.append((command, idx, term))
+        parsed.starts.append(offset)
+        offset += size + 8
+    if parsed.torn is None and last > len(data):
+        parsed.torn = f"the header names {last} bytes but the file has {len(data)}"
+    parsed.end = offset
+    return parsed
+
+
+class DurableJournal(Journal):  # type: ignore[misc]
+    """pysyncobj's journal interface with group commit; see the module docstring.
+
+    Invariant that makes one fdatasync per group safe: every byte past the durable end of the
+    log is zero or belongs to a record appended since, at its final place. A power loss in
+    the middle of a sync can then leave only a torn tail, which parsing finds: each record
+    spans at most two disk sectors, so any sector that did not reach the disk zeroes its
+    leading or trailing length. A group with a longer record is synced in two steps
+    (records, then the header). Every method runs on the SyncObj's tick thread, as pysyncobj
+    calls them; only ``dirty`` and the counters are read from elsewhere.
+    """
+
+    def __init__(self, path: str, *, fsync: bool = True) -> None:
+        self.path = path
+        self.fsync = fsync
+        self.sync_count = 0
+        self.sync_seconds = 0.0  # time spent in group commits, for status and benchmarks
+        self._failure: str | None = None
+        self._meta_file = MetaFile(path + ".meta", fsync=fsync)
+        stored = self._meta_file.load()
+        self._meta: dict[str, Any] = dict(stored or {})
+        self._meta_saved = True
+        if not os.path.exists(path):
+            write_file_durably(path, journal_header(FIRST_RECORD_OFFSET), fsync=fsync)
+        with open(path, "rb") as f:
+            data = f.read()
+        parsed = parse_journal(data, path)
+        if stored is None and parsed.entries and parsed.entries[-1][2] >= 1:
+            # Every term >= 1 in the log was adopted, and stored, before its entries arrived.
+            raise DamagedState(
+                f"Raft term/vote file {self._meta_file.path} is missing, but the journal {path} holds entries of "
+                f"term {parsed.entries[-1][2]}; refusing to start, since the vote this server cast may be lost. "
+                "Restore the file, or, if the other members are healthy, move this server's raft folder away so "
+                "that it rejoins empty and catches up"
+            )
+        self._fd = os.open(path, os.O_RDWR)
+        self._entries = parsed.entries
+        self._starts = parsed.starts
+        self._end = parsed.end
+        self._disk_end = parsed.end
+        self._allocated = len(data)
+        self._barrier = False  # the pending group holds a record longer than two sectors
+        if parsed.torn is not None:
+            log.warning("Raft journal %s: torn tail dropped (%s); kept %d entries up to index %s. "
+                        "Entries after it were never acknowledged by a server running with fsync.",
+                        path, parsed.torn, len(self._entries), self._entries[-1][1] if self._entries else "-")
+        header_end = _HEADER.unpack_from(data, NAME_SIZE + VERSION_SIZE)[1]
+        if data.count(0, parsed.end) != len(data) - parsed.end or header_end != parsed.end:
+            # A torn tail, records of a sync that never finished, or pysyncobj's leftovers
+            # after a truncation: cut them off so that the invariant holds from here on.
+            self._cut_tail(parsed.end)
+
+    # ---------------------------------------------------------------- durability
+    @property
+    def dirty(self) -> bool:
+        """Records are appended that a power loss would still take away."""
+        return self._end != self._disk_end
+
+    @property
+    def failure(self) -> str | None:
+        return self._failure
+
+    def sync(self) -> None:
+        """Group commit: make every record appended since the last sync durable (no-op when clean)."""
+        if self._end == self._disk_end:
+            return
+        self._usable()
+        started = time.perf_counter()
+        try:
+            if self._barrier:
+                os.fdatasync(self._fd)  # a long record must be whole before the header names it
+            _write_all(self._fd, _END.pack(self._end), LAST_RECORD_OFFSET_OFFSET)
+            os.fdatasync(self._fd)
+        except OSError as exc:
+            self._fail(f"sync of Raft journal {self.path} failed: {exc}")
+        self._disk_end = self._end
+        self._barrier = False
+        self.sync_count += 1
+        self.sync_seconds += time.perf_counter() - started
+
+    def flush(self) -> None:  # FileJournal's name for it
+        self.sync()
+
+    # ---------------------------------------------------------------- pysyncobj's journal interface
+    def add(self, command: bytes, idx: int, term: int) -> None:
+        self._usable()
+        record = encode_record(command, idx, term)
+        try:
+            if self._end + len(record) > self._allocated:
+                self._grow(self._end + len(record))
+            _write_all(self._fd, record, self._end)
+        except OSError as exc:
+            self._fail(f"append to Raft journal {self.path} failed: {exc}")
+        self._entries.append((command, idx, term))
+        self._starts.append(self._end)
+        if (self._end + len(record) - 1) // SECTOR - self._end // SECTOR > 1:
+            self._barrier = True
+        self._end += len(record)
+        if not self.fsync:
+            self._set_disk_end(self._end)  # what a kill -9 must still find
+
+    def clear(self) -> None:
+        self._rewrite([])
+
+    def deleteEntriesFrom(self, entryFrom: int) -> None:  # noqa: N802 - pysyncobj's name
+        if entryFrom >= len(self._entries):
+            return
+        self._usable()
+        new_end = self._starts[entryFrom]
+        old_end = self._end
+        del self._entries[entryFrom:]
+        del self._starts[entryFrom:]
+        self._end = new_end
+        try:
+            if self.fsync:
+                # The dropped records may be on disk already (synced, or written back by the
+                # kernel); zeroed, they cannot pass for the records that will take their place.
+                _write_all(self._fd, bytes(old_end - new_end), new_end)
+        except OSError as exc:
+            self._fail(f"truncation of Raft journal {self.path} failed: {exc}")
+        self._set_disk_end(new_end)
+
+    def deleteEntriesTo(self, entryTo: int) -> None:  # noqa: N802 - pysyncobj's name
+        """Log compaction (the full dump is already durable): a new journal file, swapped in atomically."""
+        self._rewrite(self._entries[entryTo:])
+
+    def __getitem__(self, item: Any) -> Any:
+        return self._entries[item]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _destroy(self) -> None:
+        try:
+            if self._failure is None:
+                self.sync()
+                if not self._meta_saved:
+                    self._store_meta()
+        except (JournalFailure, OSError) as exc:
+            log.error("closing Raft journal %s: %s", self.path, exc)
+        finally:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+
+    def setRaftCommitIndex(self, raftCommitIndex: int) -> None:  # noqa: N802, N803
+        self._meta["raftCommitIndex"] = raftCommitIndex
+        self._meta_saved = False
+
+    def getRaftCommitIndex(self) -> int:  # noqa: N802
+        return int(self._meta.get("raftCommitIndex", 1))
+
+    def setCurrentTerm(self, term: int, votedForNodeId: Any) -> None:  # noqa: N802, N803
+        # pysyncobj sends the vote, or acts on the new term, right after this returns.
+        self._usable()
+        self._meta["currentTerm"] = term
+        self._meta["votedForNodeId"] = votedForNodeId
+        self._store_meta()
+
+    def getCurrentTerm(self) -> int:  # noqa: N802
+        return int(self._meta.get("currentTerm", 0))
+
+    def getVotedForNodeId(self) -> Any:  # noqa: N802
+        return self._meta.get("votedForNodeId")
+
+    def onOneSecondTimer(self) -> None:  # noqa: N802
+        if not self._meta_saved and self._failure is None:
+            self.sync()  # a stored commit index never runs ahead of this node's durable log
+            self._store_meta()
+
+    # ---------------------------------------------------------------- internals
+    def _rewrite(self, kept: list[Entry]) -> None:
+        """Replace the file by one holding just ``kept``: temporary file, fsync, rename, folder fsync."""
+        self._usable()
+        records = [encode_record(*e) for e in kept]
+        starts, offset = [], FIRST_RECORD_OFFSET
+        for r in records:
+            starts.append(offset)
+            offset += len(r)
+        try:
+            write_file_durably(self.path, journal_header(offset) + b"".join(records), fsync=self.fsync)
+            new_fd = os.open(self.path, os.O_RDWR)
+        except OSError as exc:
+            self._fail(f"rewrite of Raft journal {self.path} failed: {exc}")
+        os.close(self._fd)
+        self._fd = new_fd
+        self._allocated = offset
+        self._entries, self._starts = list(kept), starts
+        self._end = self._disk_end = offset
+        self._barrier = False
+
+    def _cut_tail(self, end: int) -> None:
+        try:
+            os.ftruncate(self._fd, end)
+            _write_all(self._fd, _END.pack(end), LAST_RECORD_OFFSET_OFFSET)
+            if self.fsync:
+                os.fsync(self._fd)  # fsync, not fdatasync: the size shrinks
+        except OSError as exc:
+            os.close(self._fd)
+            raise DamagedState(
+                f"cannot repair the tail of Raft journal {self.path}: {exc}; refusing to start") from None
+        self._allocated = self._disk_end = end
+
+    def _grow(self, needed: int) -> None:
+        """Zero-fill past ``needed`` by one growth step (made durable by the next sync).
+
+        Small after a compaction rewrite, which leaves a file of just its records."""
+        step = min(max(self._allocated, GROW_MIN), GROW_MAX)
+        new_size = (needed + step + 4095) // 4096 * 4096
+        offset = self._allocated
+        while offset < new_size:
+            chunk = _ZEROS[:min(len(_ZEROS), new_size - offset)]
+            _write_all(self._fd, chunk, offset)
+            offset += len(chunk)
+        self._allocated = new_size
+
+    def _store_meta(self) -> None:
+        try:
+            self._meta_file.store(self._meta)
+        except OSError as exc:
+            self._fail(f"storing Raft term/vote file {self._meta_file.path} failed: {exc}")
+        self._meta_saved = True
+
+    def _set_disk_end(self, end: int) -> None:
+        try:
+            _write_all(self._fd, _END.pack(end), LAST_RECORD_OFFSET_OFFSET)
+            if self.fsync:
+                os.fdatasync(self._fd)
+        except OSError as exc:
+            self._fail(f"header write of Raft journal {self.path} failed: {exc}")
+        self._disk_end = end
+
+    def _usable(self) -> None:
+        if self._failure is not None:
+            raise JournalFailure(self._failure)
+
+    def _fail(self, message: str) -> None:
+        self._failure = message + "; this server stops taking part in Raft until it is restarted"
+        log.critical("%s", self._failure)
+        raise JournalFailure(self._failure)
+
+
+def check_dump(path: str) -> None:
+    """Refuse to start on a full dump that cannot be read back (pysyncobj would log and start without it)."""
+    if not os.path.exists(path):
+        return
+    try:
+        size = 0
+        with gzip.open(path, "rb") as g:
+            while chunk := g.read(1 << 20):  # gzip checks its CRC32 and length at the end
+                size += len(chunk)
+        if size == 0:  # gzip reads an empty file as an empty stream; pysyncobj never writes one
+            raise EOFError("the file holds no state (a rename that reached the disk before the data did)")
+    except (OSError, EOFError, zlib.error) as exc:
+        raise DamagedState(
+            f"Raft full dump {path} is damaged ({exc}); refusing to start without the state it holds. Restore it, "
+            "or, if the other members are healthy, move this server's raft folder away so that it rejoins empty"
+        ) from None
+
+
+# ------------------------------------------------------------------ acknowledgement gate
+class AckGate:
+    """Holds AppendEntries answers until the journal records they acknowledge are durable."""
+
+    def __init__(self, journal: DurableJournal) -> None:
+        self.journal = journal
+        self._held: list[tuple[Any, Any]] = []
+        self._send: Callable[[Any, Any], Any] | None = None
+
+    def attach(self, send: Callable[[Any, Any], Any]) -> None:
+        self._send = send
+
+    def holds(self, message: Any) -> bool:
+        """Whether ``message`` must wait; later answers queue behind held ones to keep their order."""
+        if not self.journal.fsync:
+            return False
+        is_ack = isinstance(message, dict) and message.get("type") in ACK_MESSAGE_TYPES
+        return is_ack and (self.journal.dirty or bool(self._held))
+
+    def hold(self, node: Any, message: Any) -> None:
+        self._held.append((node, message))
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    def flush(self) -> None:
+        """Sync the journal, then send what was held (in order). Raises JournalFailure, holding on."""
+        self.journal.sync()
+        if not self._held or self._send is None:
+            return
+        held, self._held = self._held, []
+        for node, message in held:
+            self._send(node, message)  # a link that broke meanwhile drops it, like any lost message
+
+
+# ------------------------------------------------------------------ pysyncobj patches
+_lock = threading.Lock()
+_installed = False
+_pending_journals: dict[str, DurableJournal] = {}
+_durable_dumps: dict[str, int] = {}
+_original_create_journal: Callable[..., Any] | None = None
+_original_atomic_replace: Callable[[str, str], Any] | None = None
+
+
+def check_pysyncobj_version(version: str = PYSYNCOBJ_VERSION) -> None:
+    if version not in SUPPORTED_PYSYNCOBJ:
+        raise RuntimeError(
+            f"consensus/durable.py patches pysyncobj {', '.join(SUPPORTED_PYSYNCOBJ)} to make Raft state durable, "
+            f"but pysyncobj {version} is installed: pin pysyncobj==0.3.17, or re-check the patches against the "
+            "new version's syncobj.py, journal.py and serializer.py and add it to SUPPORTED_PYSYNCOBJ"
+        )
+
+
+def install() -> None:
+    """Patch pysyncobj's journal factory and dump rename (idempotent; refuses unknown versions)."""
+    global _installed, _original_create_journal, _original_atomic_replace
+    with _lock:
+        if _installed:
+            return
+        check_pysyncobj_version()
+        for module, name in ((_pso_syncobj, "createJournal"), (_pso_serializer, "atomicReplace")):
+            if not callable(getattr(module, name, None)):
+                raise RuntimeError(f"pysyncobj {PYSYNCOBJ_VERSION} has no {module.__name__}.{name} to patch")
+        for cls, name in ((SyncObj, "_onTick"), (SyncObj, "_doDestroy")):
+            if not callable(getattr(cls, name, None)):
+                raise RuntimeError(f"pysyncobj {PYSYNCOBJ_VERSION} has no SyncObj.{name} to extend")
+        _original_create_journal = _pso_syncobj.createJournal
+        _original_atomic_replace = _pso_serializer.atomicReplace
+        _pso_syncobj.createJournal = _create_journal
+        _pso_serializer.atomicReplace = _atomic_replace
+        _installed = True
+
+
+def _create_journal(journalFile: str | None = None) -> Any:  # noqa: N803 - pysyncobj's name
+    with _lock:
+        journal = _pending_journals.pop(journalFile, None) if journalFile is not None else None
+    if journal is not None:
+        return journal
+    assert _original_create_journal is not None
+    return _original_create_journal(journalFile)
+
+
+def _atomic_replace(oldPath: str, newPath: str) -> Any:  # noqa: N803 - pysyncobj's names
+    with _lock:
+        durable = newPath in _durable_dumps
+    if durable:
+        replace_durably(oldPath, newPath)
+        return True
+    assert _original_atomic_replace is not None
+    return _original_atomic_replace(oldPath, newPath)
+
+
+class DurableSyncObj(SyncObj):  # type: ignore[misc]
+    """A SyncObj whose journal is ``journal`` and whose ticks keep the Raft state durable."""
+
+    def __init__(self, self_node: str, other_nodes: list[str], conf: Any, *, journal: DurableJournal,
+                 gate: AckGate, **kwargs: Any) -> None:
+        install()
+        if conf.journalFile != journal.path:
+            raise ValueError(f"conf.journalFile {conf.journalFile!r} is not the journal's path {journal.path!r}")
+        # Set before SyncObj.__init__, whose tick thread starts inside it, and which leaves
+        # attributes that exist by then out of its full dumps.
+        self._pdparams_journal = journal
+        self._pdparams_gate = gate
+        self._pdparams_dump = conf.fullDumpFile if journal.fsync else None
+        self._pdparams_stopped_logged = False
+        with _lock:
+            _pending_journals[journal.path] = journal
+            if self._pdparams_dump is not None:
+                _durable_dumps[self._pdparams_dump] = _durable_dumps.get(self._pdparams_dump, 0) + 1
+        try:
+            super().__init__(self_node, other_nodes, conf, **kwargs)
+        except BaseException:
+            self._pdparams_release()
+            raise
+        finally:
+            with _lock:
+                _pending_journals.pop(journal.path, None)
+
+    def _onTick(self, timeToWait: float = 0.0) -> None:  # noqa: N802, N803 - overrides pysyncobj
+        journal = self._pdparams_journal
+        if journal.failure is None:
+            try:
+                # Entries added during the last poll (a new leader's no-op, a follower's appends)
+                # are durable before this tick's commit count includes this node.
+                self._pdparams_gate.flush()
+            except JournalFailure:
+                pass
+        if journal.failure is not None:
+            # Fail-stop: no votes, no acknowledgements, no heartbeats; the others elect without us.
+            if not self._pdparams_stopped_logged:
+                self._pdparams_stopped_logged = True
+                log.critical("Raft stopped on this server: %s", journal.failure)
+            time.sleep(timeToWait)
+            return
+        super()._onTick(timeToWait)
+
+    def _doDestroy(self) -> None:  # noqa: N802 - overrides pysyncobj
+        try:
+            super()._doDestroy()
+        finally:
+            self._pdparams_release()
+
+    def _pdparams_release(self) -> None:
+        dump = self._pdparams_dump
+        if dump is None:
+            return
+        self._pdparams_dump = None
+        with _lock:
+            left = _durable_dumps.get(dump, 0) - 1
+            if left > 0:
+                _durable_dumps[dump] = left
+            else:
+                _durable_dumps.pop(dump, None)

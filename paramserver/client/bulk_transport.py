@@ -1,0 +1,323 @@
+"""Client of the bulk chunk-read protocol (paramserver.wire.bulk_frames): recv_into straight into caller buffers.
+
+A ``BulkClient`` keeps a small pool of authenticated connections to one server's bulk
+port; ``fetch`` borrows one for a request and returns it when the reply has been read in
+full. Any failure raises a ``BulkError`` subclass and closes that connection; the caller
+falls back to gRPC GetChunks. Chunk bytes are *not* verified here: callers check them
+against the manifest before they reach a tensor.
+"""
+from __future__ import annotations
+
+import select
+import socket
+import threading
+import time
+from typing import Callable, Iterator, NamedTuple, Sequence
+
+from paramserver.wire.bulk_frames import (
+    BATCH,
+    HEADER,
+    MAX_BATCH_BYTES,
+    MAX_BATCH_ITEMS,
+    MAX_CHUNK_BYTES,
+    MAX_MESSAGE_BYTES,
+    MAGIC,
+    MAX_IDS,
+    OK,
+    ERROR,
+    SOCKET_BUFFER_BYTES,
+    STATUS_NAMES,
+    W_OK,
+    W_UNAUTHENTICATED,
+    WELCOME,
+    ProtocolError,
+    decode_header,
+    encode_hello,
+    encode_request,
+    recv_exact,
+    recv_into_all,
+)
+
+# Refuse a declared payload larger than this: chunking's largest chunk is 64 MiB.
+MAX_PAYLOAD_BYTES = MAX_CHUNK_BYTES
+
+Into = Callable[[str, str, int], "memoryview | None"]  # (chunk id, codec, stored size)
+
+
+class BulkError(Exception):
+    """The bulk path failed for this request; fall back to GetChunks."""
+
+    def __init__(self, address: str, message: str) -> None:
+        super().__init__(f"bulk {address}: {message}")
+        self.address = address
+
+
+class BulkUnavailable(BulkError):
+    """Cannot connect, the connection broke, or a timeout."""
+
+
+class BulkUnauthenticated(BulkError):
+    """The server refused the token; the message says which one it expects."""
+
+
+class BulkProtocolFailure(BulkError):
+    """The server sent bytes this client cannot accept, or refused the request."""
+
+
+class BulkItem(NamedTuple):
+    id: str
+    status: int  # bulk.OK / MISSING / CORRUPT
+    codec: str
+    raw_size: int
+    crc32c: int
+    data: memoryview  # OK: the stored bytes (caller's buffer or a reused one); else the reason, utf-8
+
+    @property
+    def status_name(self) -> str:
+        return STATUS_NAMES.get(self.status, str(self.status))
+
+    @property
+    def message(self) -> str:
+        return "" if self.status == OK else bytes(self.data).decode("utf-8", "replace")
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise BulkUnavailable(address, "address must be HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+class _Conn:
+    def __init__(self, address: str, token: str | None, connect_timeout_s: float, io_timeout_s: float) -> None:
+        self.address = address
+        host, port = split_address(address)
+        try:
+            sock = socket.create_connection((host, port), timeout=connect_timeout_s)
+        except OSError as exc:
+            raise BulkUnavailable(address, f"cannot connect: {exc}") from None
+        self.sock = sock
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
+            sock.settimeout(io_timeout_s)
+            sock.sendall(encode_hello(token))
+            head = bytearray(WELCOME.size)
+            recv_exact(sock, memoryview(head))
+            magic, status, n = WELCOME.unpack(head)
+            if magic != MAGIC:
+                raise BulkProtocolFailure(address, "the peer is not a bulk server (bad magic in its welcome)")
+            message = bytearray(n)
+            recv_exact(sock, memoryview(message))
+            if status == W_UNAUTHENTICATED:
+                raise BulkUnauthenticated(address, message.decode("utf-8", "replace"))
+            if status != W_OK:
+                raise BulkProtocolFailure(address, message.decode("utf-8", "replace") or f"welcome status {status}")
+        except (OSError, EOFError) as exc:
+            sock.close()
+            raise BulkUnavailable(address, f"handshake failed: {exc}") from None
+        except BaseException:
+            sock.close()
+            raise
+        self.scratch = bytearray(0)  # reused receive buffer when the caller gives none
+        self.header = bytearray(HEADER.size)
+
+    def buffer(self, n: int) -> memoryview:
+        if len(self.scratch) < n:
+            self.scratch = bytearray(max(n, 2 * len(self.scratch)))
+        return memoryview(self.scratch)[:n]
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class BulkClient:
+    """Pooled connections to one bulk address; thread-safe (one request per connection at a time)."""
+
+    def __init__(self, address: str, token: str | None = None, *, connect_timeout_s: float = 3.0,
+                 io_timeout_s: float = 30.0, max_idle: int = 8) -> None:
+        split_address(address)
+        self.address = address
+        self.token = token
+        self.connect_timeout_s = connect_timeout_s
+        self.io_timeout_s = io_timeout_s
+        self.max_idle = max_idle
+        self._idle: list[_Conn] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _take(self) -> _Conn:
+        while True:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                break
+            # An idle connection has nothing to read; readable means the server closed it
+            # (idle timeout, restart): drop it rather than fail the request on it.
+            if not select.select([conn.sock], [], [], 0)[0]:
+                return conn
+            conn.close()
+        return _Conn(self.address, self.token, self.connect_timeout_s, self.io_timeout_s)
+
+    def _give(self, conn: _Conn) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < self.max_idle:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def fetch(self, ids: Sequence[str], into: Into | None = None) -> Iterator[BulkItem]:
+        """Yield one BulkItem per id, in order.
+
+        ``into(id, codec, stored_size)`` may return a writable memoryview of exactly
+        ``stored_size`` bytes to receive an OK chunk into (``item.data`` is then that view);
+        it is called for a whole batch of ids before their bytes arrive. With None (or no
+        ``into``) the bytes land in a buffer that a later item may reuse, so consume each
+        item before asking for the next.
+        Raises BulkError; a generator closed early closes its connection.
+        """
+        for start in range(0, len(ids), MAX_IDS):
+            yield from self._fetch_batch(ids[start : start + MAX_IDS], into)
+
+    def _fetch_batch(self, ids: Sequence[str], into: Into | None) -> Iterator[BulkItem]:
+        if not ids:
+            return
+        try:
+            request = encode_request(ids)
+        except ValueError as exc:
+            raise BulkProtocolFailure(self.address, f"cannot encode the request: {exc}") from None
+        conn = self._take()
+        finished = False
+        try:
+            try:
+                conn.sock.sendall(request)
+            except OSError as exc:
+                # A pooled connection the server closed while idle: one fresh try.
+                conn.close()
+                conn = _Conn(self.address, self.token, self.connect_timeout_s, self.io_timeout_s)
+                try:
+                    conn.sock.sendall(request)
+                except OSError as exc2:
+                    raise BulkUnavailable(self.address, f"send failed: {exc2} (after {exc})") from None
+            done = 0
+            while done < len(ids):
+                for item in self._read_batch(conn, ids, done, into):
+                    done += 1
+                    yield item
+            finished = True
+        except (OSError, EOFError) as exc:
+            raise BulkUnavailable(self.address, f"connection failed: {exc}") from None
+        finally:
+            if finished:
+                self._give(conn)
+            else:
+                conn.close()  # mid-reply: the stream position is unknown
+
+
+    def _read_batch(self, conn: _Conn, ids: Sequence[str], first: int, into: Into | None) -> list[BulkItem]:
+        """Read one BATCH answering ``ids[first:first + count]``: its headers, then every payload
+        in one scatter read straight into its destination."""
+        head = memoryview(conn.header)[: BATCH.size]
+        recv_exact(conn.sock, head)
+        count, payload_bytes = BATCH.unpack(head)
+        if not 0 < count <= min(MAX_BATCH_ITEMS, len(ids) - first):
+            raise BulkProtocolFailure(self.address, f"a batch of {count} answers, but {len(ids) - first} ids are unanswered (at most {MAX_BATCH_ITEMS} per batch)")
+        if payload_bytes > MAX_BATCH_BYTES:
+            raise BulkProtocolFailure(self.address, f"a batch declares {payload_bytes} payload bytes, over {MAX_BATCH_BYTES}")
+        raw_headers = bytearray(count * HEADER.size)
+        recv_exact(conn.sock, memoryview(raw_headers))
+        parsed = []
+        total = 0
+        for k in range(count):
+            try:
+                status, codec, raw_size, stored_size, crc = decode_header(memoryview(raw_headers)[k * HEADER.size : (k + 1) * HEADER.size])
+            except ProtocolError as exc:
+                raise BulkProtocolFailure(self.address, str(exc)) from None
+            limit = MAX_PAYLOAD_BYTES if status == OK else MAX_MESSAGE_BYTES
+            if stored_size > limit:
+                what = f"chunk {ids[first + k]}" if status == OK else f"a {STATUS_NAMES[status]} message"
+                raise BulkProtocolFailure(self.address, f"{what} declares {stored_size} bytes, over {limit}")
+            total += stored_size
+            parsed.append((status, codec, raw_size, stored_size, crc))
+        if total != payload_bytes:
+            raise BulkProtocolFailure(self.address, f"batch declares {payload_bytes} payload bytes, its headers {total}")
+        # Where each payload goes: the caller's buffer (into) or a slice of the reused scratch.
+        scratch_need = 0
+        views: list[memoryview | None] = []
+        for k, (status, codec, _raw, stored_size, _crc) in enumerate(parsed):
+            view = into(ids[first + k], codec, stored_size) if into is not None and status == OK else None
+            if view is not None and len(view) != stored_size:
+                # The caller expected another size: the server's copy differs from what it asked for.
+                raise BulkProtocolFailure(self.address, f"into() gave {len(view)} bytes for chunk {ids[first + k]}, which has {stored_size}")
+            if view is None:
+                scratch_need += stored_size
+            views.append(view)
+        scratch = conn.buffer(scratch_need)
+        at = 0
+        for k, view in enumerate(views):
+            if view is None:
+                n = parsed[k][3]
+                views[k] = scratch[at : at + n]
+                at += n
+        filled = [v for v in views if v is not None]
+        recv_into_all(conn.sock, filled)
+        items: list[BulkItem] = []
+        for k, (status, codec, raw_size, _stored, crc) in enumerate(parsed):
+            data = filled[k]
+            if status == ERROR:
+                raise BulkProtocolFailure(self.address, "server refused the request: " + bytes(data).decode("utf-8", "replace"))
+            items.append(BulkItem(ids[first + k], status, codec, raw_size, crc, data))
+        return items
+
+
+class BulkPool:
+    """One BulkClient per address, and a memory of addresses that failed recently."""
+
+    def __init__(self, token: str | None = None, *, down_for_s: float = 30.0, io_timeout_s: float = 30.0) -> None:
+        self.token = token
+        self.down_for_s = down_for_s
+        self.io_timeout_s = io_timeout_s
+        self._clients: dict[str, BulkClient] = {}
+        self._down: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def client(self, address: str) -> BulkClient | None:
+        """The client for ``address``, or None when it is empty or failed less than down_for_s ago."""
+        if not address:
+            return None
+        with self._lock:
+            until = self._down.get(address)
+            if until is not None:
+                if time.monotonic() < until:
+                    return None
+                del self._down[address]
+            client = self._clients.get(address)
+            if client is None:
+                client = self._clients[address] = BulkClient(address, self.token, io_timeout_s=self.io_timeout_s)
+            return client
+
+    def mark_broken(self, address: str) -> None:
+        with self._lock:
+            self._down[address] = time.monotonic() + self.down_for_s
+            client = self._clients.pop(address, None)
+        if client is not None:
+            client.close()
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            client.close()
+
+
+__all__ = ["BulkClient", "BulkPool", "BulkItem", "BulkError", "BulkUnavailable", "BulkUnauthenticated", "BulkProtocolFailure", "Into"]

@@ -1,0 +1,363 @@
+"""The client's view of a cluster: members, ring, R/W, and one client per member.
+
+Built from ClusterInfo of any seed, so ``paramctl --cluster`` needs only one
+reachable member. The ring is built from the members whose state is "up",
+exactly as the servers build theirs (paramserver.server.cluster.PeerSet.ring), so the
+client places chunks where the servers' quorum check looks for them.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Generator, Mapping, Sequence
+from concurrent.futures import Future
+from contextlib import closing
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+
+from paramserver.client.rpc import ClientConfig, ParamServerClient
+from paramserver.wire.limits import DEFAULT_MAX_MESSAGE_BYTES
+from paramserver.client.errors import ConfigError
+from paramserver.client.failover import FailoverPolicy, LeaderFailover, best_answer
+from paramserver.wire.proto import pb
+from paramserver.wire.ring import Ring, RingConfig, replication_and_quorum
+from paramserver.client.errors import ClusterUnreachable, TransferError, rpc_code, rpc_details
+
+T = TypeVar("T")
+
+# Codes after which another seed (or a later try) may answer.
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+def parse_seeds(seeds: str | Sequence[str]) -> tuple[str, ...]:
+    """"a:1,b:2" or ["a:1", "b:2"] -> ("a:1", "b:2"), each checked as HOST:PORT."""
+    items = seeds.split(",") if isinstance(seeds, str) else [s for part in seeds for s in part.split(",")]
+    out = tuple(dict.fromkeys(s.strip() for s in items if s.strip()))
+    if not out:
+        raise ConfigError("no cluster address given: pass --cluster HOST:PORT (any member) or set PARAMS_CLUSTER")
+    for address in out:
+        ClientConfig(address).validate()
+    return out
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    seeds: tuple[str, ...]
+    token: str | None = None
+    timeout_s: float = 10.0  # unary calls; commits wait at most ~5 s for Raft
+    discovery_timeout_s: float = 3.0  # ClusterInfo from a seed: a silent (partitioned) seed must not stall a push
+    tls: bool = False  # TLS (system roots unless tls_ca); also implied by tls_ca or tls_cert
+    tls_ca: Path | None = None  # the cluster's CA: server certificates must chain to it
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    tls_cert: Path | None = None  # mutual TLS: the client certificate and its key
+    tls_key: Path | None = None
+
+    def validate(self) -> ClusterOptions:
+        if not self.seeds:
+            raise ConfigError("no cluster address given: pass --cluster HOST:PORT (any member) or set PARAMS_CLUSTER")
+        if self.timeout_s <= 0 or self.discovery_timeout_s <= 0:
+            raise ConfigError(f"timeouts must be > 0 seconds, got {self.timeout_s} and {self.discovery_timeout_s}")
+        for address in self.seeds:
+            ClientConfig(address).validate()
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("tls_cert and tls_key (the client certificate and its key) must be given together")
+        return self
+
+    def client_config(self, address: str) -> ClientConfig:
+        return ClientConfig(
+            address, token=self.token, timeout_s=self.timeout_s, tls=self.tls or self.tls_cert is not None, tls_ca=self.tls_ca,
+            client_cert=self.tls_cert, client_key=self.tls_key, max_message_bytes=self.max_message_bytes,
+        )  # fmt: skip
+
+
+class ClusterView:
+    """Members and placement as one seed reported them; clients are made lazily and reused."""
+
+    # How leader_call follows the leader through an election; set on an instance to tune one view.
+    failover: FailoverPolicy = FailoverPolicy()
+
+    def __init__(self, options: ClusterOptions, info: pb.ClusterInfoReply, first: ParamServerClient) -> None:
+        self.options = options
+        self._lock = threading.Lock()
+        self._clients: dict[str, ParamServerClient] = {first.address: first}
+        self._apply(info)
+
+    @classmethod
+    def connect(cls, options: ClusterOptions) -> ClusterView:
+        """ClusterInfo from the seeds, asked all at once; the first answer that names a leader wins
+        (the newest term among the answers in by then).
+
+        UNAUTHENTICATED and the like fail at once; a seed that is down or cut off costs nothing
+        once another has answered (at most ``failover.ask_timeout_s`` while the answers name no
+        leader yet), and ``discovery_timeout_s`` when none does.
+        """
+        options.validate()
+        clients = {a: ParamServerClient(replace(options.client_config(a), timeout_s=options.discovery_timeout_s)) for a in options.seeds}
+        errors: list[str] = []
+        answers: list[tuple[str, pb.ClusterInfoReply]] = []
+        try:
+            patience = cls.failover.ask_timeout_s  # leaderless answers only (an election): wait this much for a leader
+            with closing(_ask_cluster_info(clients, options.discovery_timeout_s, patience=patience)) as replies:
+                for address, got in replies:
+                    if isinstance(got, grpc.RpcError):
+                        # UNIMPLEMENTED: that address is no paramserver; another seed may be.
+                        if rpc_code(got) not in RETRYABLE and rpc_code(got) != grpc.StatusCode.UNIMPLEMENTED:
+                            raise TransferError(f"{address}: {rpc_details(got)}", rpc_code(got)) from None
+                        errors.append(f"{address} ({rpc_code(got).name.lower()})")
+                        continue
+                    answers.append((address, got))
+                    if got.leader_id:
+                        break
+        finally:
+            for c in clients.values():
+                c.close()  # also cancels the questions still out (silent seeds)
+        pick = best_answer((info.leader_grpc_address, info.term) for _address, info in answers)
+        if pick is None:
+            raise ClusterUnreachable(
+                f"no cluster member answered at {', '.join(errors)}; check --cluster (any member's gRPC address) and that the servers run"
+            )
+        address, info = answers[pick]
+        return cls(options, info, ParamServerClient(options.client_config(address)))
+
+    def leader_call(
+        self, fn: Callable[[ParamServerClient], T], deadline_s: float | None = None, *,
+        before_resend: Callable[[], T | None] | None = None, suspect: bool = False,
+    ) -> T:
+        """``fn(leader client)``, following the leader through an election.
+
+        ``fn`` runs on a helper thread while this one watches (``failover.LeaderFailover``
+        decides): unanswered for ``failover.ask_after_s``, or failed with UNAVAILABLE or
+        DEADLINE_EXCEEDED, the other members are asked who leads, and ``fn`` moves to a leader
+        named with a newer term as soon as one answers, so a silent (partitioned) leader costs
+        an election, not a deadline. A try that failed that way, or was abandoned by a move, may
+        still take effect: ``before_resend()``, when given, runs before ``fn`` is sent again, and
+        a value other than None ends the call with it (a write checks whether it landed).
+        ``suspect``: the caller has just seen the leader fail (a stream to it broke), so the others
+        are asked with the first try instead of after ``ask_after_s``. When the view names no
+        leader, ``fn`` waits until a member names one: a member without a leader (cut off with a
+        minority) would answer from state that may be stale.
+        Raises ``fn``'s error: a non-retryable one at once, the last retryable one at the
+        deadline (default 3 x ``timeout_s``); ClusterUnreachable when no try ended by then.
+        """
+        policy = self.failover
+        started = time.monotonic()
+        end = started + (deadline_s if deadline_s is not None else self.options.timeout_s * 3)
+        target, term = self._believed_leader()
+        watch = LeaderFailover(target, term, self._addresses(), policy, now=started, deadline=end, suspect=suspect)
+        events: queue.SimpleQueue[tuple[str, str, Future | grpc.Future]] = queue.SimpleQueue()
+        current: Future | None = None  # the try in flight to watch.target
+        unsure = False  # a try failed or was abandoned: it may still take effect
+        last_error: grpc.RpcError | None = None
+        while True:
+            plan = watch.poll(time.monotonic())
+            if plan.give_up:
+                break
+            for address in plan.ask:
+                self._ask(address, policy.ask_timeout_s, events)
+            if plan.call is not None:
+                if unsure and before_resend is not None:
+                    found = before_resend()
+                    if found is not None:
+                        return found
+                unsure = False
+                current = _in_thread(fn, self.client(plan.call))
+                current.add_done_callback(_put_on(events, "call", plan.call))
+            try:
+                kind, address, f = events.get(timeout=max(0.0, min(plan.wake_at, end) - time.monotonic()))
+            except queue.Empty:
+                continue
+            if kind == "call":
+                if current is None or f is not current:
+                    continue  # a try abandoned after a move ended late: not this call's outcome
+                current = None
+                try:
+                    return f.result()
+                except grpc.RpcError as exc:
+                    if rpc_code(exc) not in RETRYABLE:
+                        raise
+                    last_error, unsure = exc, True
+                    watch.call_failed(time.monotonic())
+                continue
+            try:
+                info = f.result()
+            except Exception:  # noqa: BLE001 - a member that cannot answer now (cut off, closed, cancelled)
+                watch.ask_failed(address, time.monotonic())
+                continue
+            if watch.answered(address, info.leader_grpc_address, info.term, time.monotonic()):
+                if current is not None:
+                    current, unsure = None, True  # abandoned on the old leader, outcome unknown
+                try:
+                    self._apply(info)
+                except TransferError:
+                    pass  # it lists no server up: keep the ring, follow the new leader all the same
+        if last_error is not None:
+            raise last_error
+        if watch.target is None:
+            raise ClusterUnreachable(f"no cluster member named a leader within {end - started:.1f}s (an election, or a partition)")
+        raise ClusterUnreachable(
+            f"the leader ({watch.target}) did not answer within {end - started:.1f}s and no member named a newer one"
+        )
+
+    def _believed_leader(self) -> tuple[str | None, int | None]:
+        """(the leader's address, its term) as the view knows them; (None, None) when it names none."""
+        if self.info.leader_grpc_address:
+            return self.info.leader_grpc_address, self.info.term
+        return None, None
+
+    def _addresses(self) -> list[str]:
+        """Every member's and seed's gRPC address, members first."""
+        return list(dict.fromkeys([*(m.grpc_address for m in self.members.values()), *self.options.seeds]))
+
+    def _ask(self, address: str, timeout: float, events: queue.SimpleQueue) -> None:
+        """ClusterInfo to ``address`` without waiting; its end is put on ``events`` as ("ask", address, future)."""
+        try:
+            f = self.client(address).stub.ClusterInfo.future(pb.ClusterInfoRequest(), timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - a closed view, a bad address: this member just does not answer
+            f = Future()
+            f.set_exception(exc)
+        f.add_done_callback(_put_on(events, "ask", address))
+
+    def _apply(self, info: pb.ClusterInfoReply) -> None:
+        self.info = info
+        self.members: dict[str, pb.Member] = {m.server_id: m for m in info.members}
+        up = {m.server_id: m.zone for m in info.members if m.state == "up"}
+        if not up:
+            raise TransferError(f"the cluster reports no member in state 'up' (server {info.server_id}); wait for it to form", grpc.StatusCode.UNAVAILABLE)
+        self.ring = Ring(up, RingConfig(vnodes=info.ring.vnodes or RingConfig().vnodes))
+        self.replication, self.write_quorum = replication_and_quorum(
+            info.ring.replication_factor or 3, info.ring.write_quorum or None, len(self.ring)
+        )
+
+    def refresh(self, deadline_s: float = 10.0) -> None:
+        """Fetch ClusterInfo again (leader changes), from every member and seed at once.
+
+        The first answer that names a leader in the view's term or a newer one wins; else the best
+        there is (an older term, or no leader yet) once all have answered or ``failover.ask_timeout_s``
+        after the first answer (members cut off never answer; they must not hold the refresh up).
+        """
+        end = time.monotonic() + deadline_s
+        last = ""
+        while True:
+            known = self.info.term if self.info.leader_id else -1
+            clients = {a: self.client(a) for a in self._addresses()}
+            answers: list[pb.ClusterInfoReply] = []
+            timeout = max(0.05, min(self.options.discovery_timeout_s, end - time.monotonic()))
+            with closing(_ask_cluster_info(clients, timeout, patience=self.failover.ask_timeout_s)) as replies:
+                for address, got in replies:
+                    if isinstance(got, grpc.RpcError):
+                        if rpc_code(got) not in RETRYABLE:
+                            raise TransferError(f"{address}: {rpc_details(got)}", rpc_code(got)) from None
+                        last = f"{address}: {rpc_details(got)}"
+                        continue
+                    answers.append(got)
+                    if got.leader_id and got.term >= known:
+                        break
+            pick = best_answer((info.leader_grpc_address, info.term) for info in answers)
+            if pick is not None:
+                self._apply(answers[pick])
+                return
+            if time.monotonic() >= end:
+                raise ClusterUnreachable(f"no cluster member answered ClusterInfo within {deadline_s:.0f}s (last: {last})")
+            time.sleep(min(0.1, max(0.0, end - time.monotonic())))
+
+    def replicas(self, chunk_id: str) -> list[str]:
+        return self.ring.replicas(chunk_id, self.replication)
+
+    def client(self, address: str) -> ParamServerClient:
+        with self._lock:
+            found = self._clients.get(address)
+            if found is None:
+                found = self._clients[address] = ParamServerClient(self.options.client_config(address))
+            return found
+
+    def server_client(self, server_id: str) -> ParamServerClient:
+        member = self.members.get(server_id)
+        if member is None:
+            raise TransferError(f"server {server_id!r} is not a member of the cluster", grpc.StatusCode.NOT_FOUND)
+        return self.client(member.grpc_address)
+
+    def any_client(self) -> ParamServerClient:
+        """The member that answered ClusterInfo last (reads go there)."""
+        answered = self.members.get(self.info.server_id)
+        if answered is not None:
+            return self.client(answered.grpc_address)
+        return self.client(self.options.seeds[0])
+
+    def leader_client(self) -> ParamServerClient:
+        """The leader's client when known; writes are forwarded by followers anyway."""
+        address = self.info.leader_grpc_address
+        return self.client(address) if address else self.any_client()
+
+    def close(self) -> None:
+        with self._lock:
+            for c in self._clients.values():
+                c.close()
+            self._clients.clear()
+
+    def __enter__(self) -> ClusterView:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _in_thread(fn: Callable[[ParamServerClient], T], client: ParamServerClient) -> Future:
+    """Run ``fn(client)`` on a daemon thread; its outcome lands in the returned future."""
+    f: Future = Future()
+
+    def run() -> None:
+        if not f.set_running_or_notify_cancel():
+            return
+        try:
+            f.set_result(fn(client))
+        except BaseException as exc:  # noqa: BLE001 - the watching thread re-raises it
+            f.set_exception(exc)
+
+    threading.Thread(target=run, name=f"leader-call-{client.address}", daemon=True).start()
+    return f
+
+
+def _put_on(events: queue.SimpleQueue, kind: str, address: str) -> Callable[[Future | grpc.Future], None]:
+    """A done-callback that reports (kind, address, future) to the leader_call loop."""
+    return lambda f: events.put((kind, address, f))
+
+
+def _ask_cluster_info(
+    clients: Mapping[str, ParamServerClient], timeout: float, patience: float | None = None
+) -> Generator[tuple[str, pb.ClusterInfoReply | grpc.RpcError], None, None]:
+    """ClusterInfo to every client at once; yields (address, reply or error) as each ends, fastest
+    first; with ``patience``, stops that long after the first reply instead of waiting for silent
+    members to time out. Questions still out when the caller stops reading are cancelled."""
+    done: queue.SimpleQueue[tuple[str, grpc.Future]] = queue.SimpleQueue()
+    futures: list[grpc.Future] = []
+    for address, c in clients.items():
+        f = c.stub.ClusterInfo.future(pb.ClusterInfoRequest(), timeout=timeout)
+        futures.append(f)
+        f.add_done_callback(lambda f, a=address: done.put((a, f)))
+    end = time.monotonic() + timeout + 1.0  # each ends by its deadline; this only bounds a lost callback
+    try:
+        for _ in futures:
+            try:
+                address, f = done.get(timeout=max(0.0, end - time.monotonic()))
+            except queue.Empty:
+                return
+            try:
+                reply = f.result()
+            except grpc.RpcError as exc:
+                yield address, exc
+                continue
+            except grpc.FutureCancelledError:
+                continue
+            if patience is not None:
+                end = min(end, time.monotonic() + patience)
+            yield address, reply
+    finally:
+        for f in futures:
+            f.cancel()
+
+
+__all__ = ["ClusterOptions", "ClusterView", "parse_seeds", "RETRYABLE"]

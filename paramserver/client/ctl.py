@@ -1,0 +1,384 @@
+"""``paramctl``: the admin CLI of a parameter-server cluster.
+
+Every expected failure ends as one line on stderr and a non-zero exit code
+(``paramserver.client.exit_codes``, shared with ``paramworker``); tracebacks are only for bugs.
+Where the cluster is and which credentials to use come from ``paramserver.client.config``
+(flags > environment > client config file).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Sequence
+
+import grpc
+from rich.console import Console
+from rich.table import Table
+
+from chunking.config import ChunkingConfig
+from chunking.errors import ChunkingError
+
+from paramserver.client.cluster_view import ClusterOptions, ClusterView
+from paramserver.client.config import ClientSettings, add_client_arguments, settings_from_args
+from paramserver.client.errors import ClientError
+from paramserver.client.exit_codes import EXIT_CODES  # noqa: F401 - re-exported: paramctl's table is the shared one
+from paramserver.client.exit_codes import BAD_ARGUMENTS, CLIENT_ENV_HELP, EXIT_CODES_HELP, INTERRUPTED, describe_failure
+from paramserver.client.progress import RichProgress
+from paramserver.wire.proto import pb
+from paramserver.client.pull import PullOptions, pull
+from paramserver.client.push import PushOptions, PushReport, push
+from paramserver.client.errors import TransferError, rpc_code
+
+DEFAULT_CLUSTER = "127.0.0.1:7000"
+DEFAULT_TIMEOUT_S = 30.0
+DEFAULTS = ClientSettings(cluster=(DEFAULT_CLUSTER,), timeout_s=DEFAULT_TIMEOUT_S)
+
+EPILOG = f"""\
+{EXIT_CODES_HELP}
+
+{CLIENT_ENV_HELP}
+Writes (push, tag, rollback, untag) send the admin token; reads (pull, ls, status) the read token.
+"""
+
+KiB, MiB = 1024, 1 << 20
+
+
+class UsageError(Exception):
+    """Bad command-line input found after parsing (exit code 2)."""
+
+
+def parse_size(text: str) -> int:
+    """"262144", "256K", "256KiB", "1M" -> bytes."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": KiB, "M": MiB, "G": 1 << 30}.get(t[-1:], 1)
+    digits = t[:-1] if t[-1:] in "KMG" else t
+    if not digits.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 262144, 256K, 1M)")
+    return int(digits) * mult
+
+
+def parse_parent(text: str) -> int | str | None:
+    low = text.strip().lower()
+    if low in ("head", "none"):
+        return "head" if low == "head" else None
+    if not low.isdigit() or int(low) < 1:
+        raise argparse.ArgumentTypeError(f"--parent must be a version number >= 1, 'head' or 'none', got {text!r}")
+    return int(low)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(
+        prog="paramctl", description="Admin CLI of a parameter-server cluster: push, pull, tag and inspect model versions.",
+        epilog=EPILOG, formatter_class=fmt,
+    )  # fmt: skip
+    add_client_arguments(p, write=True, cluster_default=DEFAULT_CLUSTER)
+    p.add_argument("--timeout", type=float, default=None,
+                   help=f"seconds for each unary call (config file: timeout_s; default {DEFAULT_TIMEOUT_S:g})")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    sp = sub.add_parser("push", help="push a .safetensors or torch weights file as a new version", formatter_class=fmt, epilog=EPILOG)
+    sp.add_argument("file", type=Path, help="weights file: .safetensors, .pt, .pth or .bin (tensors only)")
+    sp.add_argument("--model", required=True, help="model name (letters, digits, '.', '_', '-')")
+    sp.add_argument("--tag", default=None, help="tag to point at the new version, e.g. prod (default: no tag)")
+    sp.add_argument(
+        "--parent", type=parse_parent, default="head",
+        help="version the new one derives from: a number, 'head' (the latest version; default) or 'none' (first version). "
+        "If it is not the head the push is refused as concurrent (exit 4)",
+    )  # fmt: skip
+    sp.add_argument(
+        "--codec", choices=("off", "auto", "on"), default="off",
+        help="zstd per chunk: off (default; fastest to load on a fast link), auto (only where it saves >= 10%%), on (always)",
+    )  # fmt: skip
+    sp.add_argument("--chunk-size", type=parse_size, default=ChunkingConfig().chunk_size, help="chunk size, a power of two from 4K to 64M (default 256K)")
+    sp.add_argument("--publisher", default=None, help="name recorded in the version's vector clock (default: user.host)")
+    sp.add_argument("--no-progress", action="store_true", help="do not draw the progress bar (default: drawn on a terminal)")
+
+    sp = sub.add_parser("pull", help="pull a version into a .safetensors file, verified chunk by chunk", formatter_class=fmt, epilog=EPILOG)
+    sp.add_argument("ref", metavar="MODEL:TAG", help="MODEL:TAG, MODEL@VERSION or MODEL (its latest version)")
+    sp.add_argument("--out", "-o", type=Path, required=True, help="output .safetensors file (written atomically)")
+    sp.add_argument("--streams", type=int, default=PullOptions().streams_per_server, help=f"parallel GetChunks streams per server (default {PullOptions().streams_per_server})")
+    sp.add_argument(
+        "--verify", choices=("content", "crc"), default=None,
+        help="crc: every chunk's size and CRC32C from the manifest, itself verified by its content id; "
+        "content: also every chunk's BLAKE3 content id (safe even against a replica that forges CRCs; ~0.4 ns/byte more) "
+        "(env PARAMS_VERIFY, config file: verify; default crc)",
+    )  # fmt: skip
+    sp.add_argument("--no-bulk", action="store_true", help="read chunk bytes over gRPC GetChunks only, not the servers' bulk ports")
+    sp.add_argument("--no-progress", action="store_true", help="do not draw the progress bar (default: drawn on a terminal)")
+
+    sp = sub.add_parser("tag", help="point TAG of MODEL at VERSION (history kept for rollback)", epilog=EPILOG, formatter_class=fmt)
+    sp.add_argument("model", help="model name")
+    sp.add_argument("tag", help="tag name, e.g. prod")
+    sp.add_argument("version", type=int, help="version number")
+
+    sp = sub.add_parser("rollback", help="move TAG of MODEL back to the version it pointed at before", epilog=EPILOG, formatter_class=fmt)
+    sp.add_argument("model", help="model name")
+    sp.add_argument("tag", help="tag name")
+
+    sp = sub.add_parser("untag", help="delete TAG of MODEL (its versions stay)", epilog=EPILOG, formatter_class=fmt)
+    sp.add_argument("model", help="model name")
+    sp.add_argument("tag", help="tag name")
+
+    sp = sub.add_parser("ls", help="list models; with MODEL, its versions and tags", epilog=EPILOG, formatter_class=fmt)
+    sp.add_argument("model", nargs="?", default=None, help="model name (default: list every model)")
+
+    sub.add_parser("status", help="members, leader, term, and per-server chunk counts and disk use", epilog=EPILOG, formatter_class=fmt)
+
+    sp = sub.add_parser(
+        "drill", add_help=False, formatter_class=fmt,
+        help="fault-injection drills: kill-leader, partition, corrupt-chunk, restart-server, restart-cluster "
+        "('paramctl drill --help' for their options)",
+    )  # fmt: skip
+    sp.add_argument("drill_args", nargs=argparse.REMAINDER, help="the drill and its options")
+    return p
+
+
+WRITES = frozenset({"push", "tag", "rollback", "untag"})
+
+
+def client_settings(args: argparse.Namespace) -> ClientSettings:
+    """Flags > environment > client config file (--config / PARAMS_CONFIG) > paramctl's defaults."""
+    return settings_from_args(args, write=args.command in WRITES, defaults=DEFAULTS)
+
+
+def cluster_options(args: argparse.Namespace, settings: ClientSettings | None = None) -> ClusterOptions:
+    settings = settings or client_settings(args)
+    return settings.cluster_options(write=args.command in WRITES)
+
+
+def _who() -> str:
+    from paramserver.client.push import default_publisher
+
+    return default_publisher()
+
+
+# ------------------------------------------------------------------ commands
+
+
+def cmd_push(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> int:
+    config = ChunkingConfig(chunk_size=args.chunk_size, codec=args.codec)
+    try:
+        config.validate()
+    except ChunkingError as exc:
+        raise UsageError(str(exc)) from None
+    if not args.file.is_file():
+        raise UsageError(f"weights file {args.file} does not exist")
+    show = not args.no_progress and sys.stderr.isatty()
+    with RichProgress(enabled=show) as bar:
+        report = push(
+            opts.seeds, str(args.file), model=args.model, tag=args.tag, parent=args.parent, publisher=args.publisher,
+            config=config, progress=bar, options=PushOptions(), cluster=opts,
+        )  # fmt: skip
+    out.print(push_summary(report))
+    return 0
+
+
+def push_summary(r: PushReport) -> str:
+    tag = f" tag {r.tag} ->" if r.tag else ""
+    parent = f"parent v{r.parent}" if r.parent is not None else "first version"
+    down = f"; unreachable: {', '.join(r.unreachable)}" if r.unreachable else ""
+    return (
+        f"pushed {r.model}{tag} v{r.version} ({parent}, manifest {r.manifest_id[:16]})\n"
+        f"  bytes {human_bytes(r.bytes_total)}  sent {human_bytes(r.bytes_sent)} ({100 * r.bytes_sent / max(1, r.bytes_stored):.1f}% of stored)"
+        f"  over the wire {human_bytes(r.wire_bytes)} (R={r.replication}, W={r.write_quorum}{down})\n"
+        f"  chunks {r.chunks_total} ({r.chunks_unique} distinct)  deduplicated {r.chunks_deduplicated}  sent {r.chunks_sent}\n"
+        f"  {r.seconds:.2f} s  {r.gbps:.2f} GB/s (pack {r.pack_seconds:.2f} s, upload {r.upload_seconds:.2f} s at {r.upload_gbps:.2f} GB/s on the wire)"
+    )
+
+
+def cmd_pull(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> int:
+    if args.out.suffix != ".safetensors":
+        raise UsageError(f"--out {args.out} must end in .safetensors")
+    if not 1 <= args.streams <= 16:
+        raise UsageError(f"--streams must be between 1 and 16, got {args.streams}")
+    show = not args.no_progress and sys.stderr.isatty()
+    try:
+        with RichProgress(enabled=show) as bar:
+            r = pull(opts.seeds, args.ref, args.out, progress=bar, options=PullOptions(streams_per_server=args.streams, verify=args.settings.verify, bulk=args.settings.bulk), cluster=opts)
+    except ClientError as exc:
+        if isinstance(exc, TransferError):
+            raise
+        raise UsageError(str(exc)) from None
+    ref = f"{r.model}:{r.tag}" if r.tag else r.model
+    out.print(
+        f"pulled {ref} v{r.version} -> {r.path}\n"
+        f"  bytes {human_bytes(r.bytes_total)}  chunks {r.chunks_total} ({r.chunks_unique} distinct, all verified by {args.settings.verify})"
+        f"  from {', '.join(f'{s} {human_bytes(n)}' for s, n in sorted(r.per_server.items()))}"
+        f"{f'  retried {r.retried}' if r.retried else ''}\n"
+        f"  {r.seconds:.2f} s  {r.gbps:.2f} GB/s (fetch + verify {r.fetch_seconds:.2f} s at {r.fetch_gbps:.2f} GB/s, save {r.save_seconds:.2f} s)"
+    )
+    return 0
+
+
+def _write_call(opts: ClusterOptions, call: Callable[[ClusterView], object]) -> object:
+    with ClusterView.connect(opts) as view:
+        return call(view)
+
+
+def cmd_tag(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> int:
+    reply = _write_call(opts, lambda v: v.leader_client().set_tag(args.model, args.tag, args.version, who=_who()))
+    assert isinstance(reply, pb.TagReply)
+    out.print(f"{args.model}:{args.tag} -> v{reply.tag.version}")
+    return 0
+
+
+def cmd_rollback(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> int:
+    reply = _write_call(opts, lambda v: v.leader_client().rollback_tag(args.model, args.tag, who=_who()))
+    assert isinstance(reply, pb.TagReply)
+    out.print(f"{args.model}:{args.tag} rolled back -> v{reply.tag.version}")
+    return 0
+
+
+def cmd_untag(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> int:
+    _write_call(opts, lambda v: v.leader_client().delete_tag(args.model, args.tag, who=_who()))
+    out.print(f"{args.model}:{args.tag} deleted")
+    return 0
+
+
+def _when(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
+
+
+def cmd_ls(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> int:
+    with ClusterView.connect(opts) as view:
+        client = view.leader_client()  # the leader's view: a push that just returned is listed
+        if args.model is None:
+            models = client.list_models().models
+            table = Table(title="models")
+            for col in ("model", "versions", "latest", "size", "tags"):
+                table.add_column(col, justify="right" if col in ("versions", "latest", "size") else "left")
+            for name in models:
+                versions = client.list_versions(name).versions
+                tags = client.list_tags(name).tags
+                latest = max(versions, key=lambda v: v.number) if versions else None
+                table.add_row(
+                    name, str(len(versions)), f"v{latest.number}" if latest else "-", human_bytes(latest.nbytes) if latest else "-",
+                    ", ".join(f"{t.tag}=v{t.version}" for t in tags) or "-",
+                )  # fmt: skip
+            if not models:
+                out.print("no models yet; push one with: paramctl push FILE --model NAME --tag prod")
+                return 0
+            out.print(table)
+            return 0
+        versions = client.list_versions(args.model).versions
+        tags = client.list_tags(args.model).tags
+        by_version: dict[int, list[str]] = {}
+        for t in tags:
+            by_version.setdefault(t.version, []).append(t.tag)
+        vt = Table(title=f"{args.model}: versions")
+        for col in ("version", "parent", "created", "size", "chunks", "publisher", "clock", "tags", "manifest"):
+            vt.add_column(col)
+        for v in versions:
+            vt.add_row(
+                f"v{v.number}{' (forced)' if v.forced else ''}", f"v{v.parent}" if v.HasField("parent") else "-", _when(v.created_at),
+                human_bytes(v.nbytes), str(v.chunk_count), v.publisher, ", ".join(f"{k}:{n}" for k, n in sorted(v.clock.items())),
+                ", ".join(by_version.get(v.number, [])), v.manifest_id[:16],
+            )  # fmt: skip
+        out.print(vt)
+        tt = Table(title=f"{args.model}: tags")
+        for col in ("tag", "version", "previous", "moves", "last moved by", "when"):
+            tt.add_column(col)
+        for t in tags:
+            last = t.history[-1] if t.history else None
+            prev = f"v{last.from_version}" if last is not None and last.HasField("from_version") else "-"
+            tt.add_row(t.tag, f"v{t.version}", prev, str(len(t.history)), last.who if last else "-", _when(last.when) if last else "-")
+        out.print(tt)
+        return 0
+
+
+def cmd_status(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> int:
+    with ClusterView.connect(opts) as view:
+        info = view.info
+        members = list(info.members)
+
+        def status(m: pb.Member) -> pb.ServerStatusReply | str:
+            try:
+                return view.client(m.grpc_address).server_status()
+            except grpc.RpcError as exc:
+                return rpc_code(exc).name.lower()
+
+        with ThreadPoolExecutor(max_workers=max(1, len(members))) as pool:
+            statuses = list(pool.map(status, members))
+        table = Table(title=f"cluster: leader {info.leader_id or '(none)'}  term {info.term}  commit index {info.commit_index}  "
+                            f"R={info.ring.replication_factor} W={info.ring.write_quorum} vnodes={info.ring.vnodes}")  # fmt: skip
+        for col in ("server", "grpc", "raft", "state", "zone", "role", "chunks", "disk", "repair queue", "quarantined", "cache"):
+            table.add_column(col, justify="right" if col in ("chunks", "disk", "repair queue", "quarantined") else "left")
+        for m, st in zip(members, statuses):
+            if isinstance(st, str):
+                table.add_row(m.server_id, m.grpc_address, m.raft_address, m.state, m.zone or "-", f"[red]{st}[/red]", "-", "-", "-", "-", "-")
+                continue
+            role = "leader" if st.is_leader else "follower"
+            cache = f"{human_bytes(st.cache.used_bytes)}/{human_bytes(st.cache.capacity_bytes)}"
+            table.add_row(
+                m.server_id, m.grpc_address, m.raft_address, m.state, m.zone or "-", role, str(st.chunk_count), human_bytes(st.bytes_on_disk),
+                str(st.repair_queue), str(st.quarantined), cache,
+            )  # fmt: skip
+        out.print(table)
+        return 0
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace, ClusterOptions, Console], int]] = {
+    "push": cmd_push,
+    "pull": cmd_pull,
+    "tag": cmd_tag,
+    "rollback": cmd_rollback,
+    "untag": cmd_untag,
+    "ls": cmd_ls,
+    "status": cmd_status,
+}
+
+
+def _fail(err: Console, code: int, message: str) -> int:
+    err.print(f"paramctl: error: {message}", markup=False, highlight=False, soft_wrap=True)
+    return code
+
+
+def _drill(argv: Sequence[str]) -> int:
+    # The drills live in deploy/, a layer above this one (they start, kill and partition servers):
+    # paramctl is their front door, running them as their own program rather than importing them.
+    env = {**os.environ, "PARAMS_DRILL_PROG": "paramctl drill"}
+    try:
+        return subprocess.call([sys.executable, "-m", "deploy.drills", *argv], env=env)
+    except KeyboardInterrupt:
+        return 130
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, extra = build_parser().parse_known_args(argv)
+    if args.command == "drill":
+        return _drill([*args.drill_args, *extra])
+    if extra:
+        build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
+    # Piped output (scripts, CI logs) gets wide tables instead of rich's 80-column fallback.
+    out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+    err = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else 400)
+    settings: ClientSettings | None = None
+    try:
+        settings = args.settings = client_settings(args)
+        opts = cluster_options(args, settings)
+        return COMMANDS[args.command](args, opts, out)
+    except UsageError as exc:
+        return _fail(err, BAD_ARGUMENTS, str(exc))
+    except (ClientError, ChunkingError, grpc.RpcError) as exc:
+        failure = describe_failure(exc, settings)
+        return _fail(err, failure.code, failure.message)
+    except KeyboardInterrupt:
+        return _fail(err, INTERRUPTED, "interrupted; nothing was committed unless a summary was printed")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,299 @@
+"""The chunk-fetch planner: which replica to read which chunks from, and what to do when one fails.
+
+A pure state machine in the manner of etcd's raft: no sockets, no threads, no clock. The caller
+(``paramserver.client.fetch.FetchEngine``) feeds it events -- a chunk landed, a replica refused
+or served bad bytes, a read broke or ran past its deadline, a read ended -- and carries out the
+decisions it returns: read these ids from that replica, report that replica's bad copies, give
+up naming the chunk. Every chunk lands once, from a replica whose bytes verified, or the fetch
+gives up naming it.
+
+Placement: each chunk goes to the least-loaded (by bytes assigned) of its ring replicas not yet
+tried; when every ring replica has failed, to any other member not yet tried (repair or a
+rebalance may have moved a copy there). A replica whose read broke, or ran past its deadline,
+is taken out of this fetch, so its leftovers, and later re-plans, go to the others at once; it
+is asked again only for a chunk no other replica could serve.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+# --------------------------------------------------------------------------- events in
+
+
+@dataclass(frozen=True)
+class Landed:
+    """``chunk_id`` arrived on read ``read`` and verified."""
+
+    read: int
+    chunk_id: str
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Read ``read`` could not deliver ``chunk_id``: the replica answered MISSING or CORRUPT, or
+    the bytes it sent failed verification (``corrupt``: the copy there is bad, report it)."""
+
+    read: int
+    chunk_id: str
+    reason: str
+    corrupt: bool = False
+    report: bool = False  # the client saw the bad bytes itself: tell the server
+
+
+@dataclass(frozen=True)
+class ReadFailed:
+    """Read ``read`` broke (connection lost, deadline passed, replica unreachable); the ids it
+    still owed go elsewhere. ``replica_down``: avoid that replica for the rest of this fetch."""
+
+    read: int
+    reason: str
+    replica_down: bool = True
+
+
+@dataclass(frozen=True)
+class ReadEnded:
+    """Read ``read`` finished; ids it neither delivered nor refused were not sent."""
+
+    read: int
+
+
+Event = Landed | Refused | ReadFailed | ReadEnded
+
+# --------------------------------------------------------------------------- decisions out
+
+
+@dataclass(frozen=True)
+class Read:
+    read: int
+    server: str
+    ids: tuple[str, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class ReportCorrupt:
+    server: str
+    ids: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    chunk_id: str
+    attempts: dict[str, str]
+    data_loss: bool  # every replica that answered had a bad copy
+
+
+Decision = Read | ReportCorrupt | GiveUp
+
+
+@dataclass(frozen=True)
+class Want:
+    """A chunk to fetch: its id, its stored size and its ring replicas (primary first)."""
+
+    id: str
+    size: int
+    replicas: tuple[str, ...]
+
+
+@dataclass
+class _ReadState:
+    server: str
+    owed: dict[str, None]  # ordered set
+
+
+@dataclass
+class FetchPlanner:
+    """Plan one fetch of ``wants`` over ``members`` (every server id, for the last-resort pass).
+
+    ``reads_per_server(server)`` says how many reads may share one replica's ids (e.g. one bulk
+    connection, or a few gRPC streams); ``max_read_bytes`` caps one read so a late failure costs
+    little and the earliest-wanted chunks go first.
+    """
+
+    wants: Sequence[Want]
+    members: Sequence[str]
+    reads_per_server: Callable[[str], int] = lambda _server: 1
+    max_read_bytes: int = 64 << 20
+    _want: dict[str, Want] = field(init=False)
+    _order: dict[str, int] = field(init=False)
+    _pending: dict[str, None] = field(init=False)  # not landed, not given up
+    _attempts: dict[str, dict[str, str]] = field(init=False)
+    _corrupt: dict[str, set[str]] = field(init=False)
+    _reads: dict[int, _ReadState] = field(init=False)
+    _down: set[str] = field(init=False)
+    _broken: dict[str, set[str]] = field(init=False)  # chunk -> replicas whose read broke while owing it
+    _retried: set[tuple[str, str]] = field(init=False)
+    _next_read: int = field(init=False, default=0)
+    failovers: int = field(init=False, default=0)
+    given_up: list[GiveUp] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._want = {w.id: w for w in self.wants}
+        self._order = {w.id: i for i, w in enumerate(self.wants)}
+        self._pending = dict.fromkeys(self._want)
+        self._attempts = {}
+        self._corrupt = {}
+        self._reads = {}
+        self._down = set()
+        self._broken = {}
+        self._retried = set()
+        self.given_up = []
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def done(self) -> bool:
+        """Nothing in flight and nothing left to plan (every chunk landed, or the fetch gave up)."""
+        return not self._reads and (not self._pending or bool(self.given_up))
+
+    @property
+    def landed_all(self) -> bool:
+        return not self._pending and not self.given_up
+
+    def pending(self) -> tuple[str, ...]:
+        return tuple(self._pending)
+
+    def attempts(self, chunk_id: str) -> dict[str, str]:
+        return dict(self._attempts.get(chunk_id, {}))
+
+    def down(self) -> frozenset[str]:
+        return frozenset(self._down)
+
+    def in_flight(self) -> int:
+        return len(self._reads)
+
+    # ------------------------------------------------------------------ transitions
+
+    def start(self) -> list[Decision]:
+        return self._plan(list(self._pending))
+
+    def step(self, event: Event) -> list[Decision]:
+        state = self._reads.get(event.read)
+        if state is None:
+            return []  # a read already closed (late event after a failure): never trusted
+        if isinstance(event, Landed):
+            if event.chunk_id in state.owed:
+                del state.owed[event.chunk_id]
+                self._pending.pop(event.chunk_id, None)
+            return self._close_if_empty(event.read, state)
+        if isinstance(event, Refused):
+            if event.chunk_id not in state.owed:
+                return []
+            del state.owed[event.chunk_id]
+            self._note(event.chunk_id, state.server, event.reason, event.corrupt)
+            out: list[Decision] = []
+            if event.report:
+                out.append(ReportCorrupt(state.server, (event.chunk_id,), event.reason))
+            out += self._close_if_empty(event.read, state)
+            out += self._plan([event.chunk_id])
+            return out
+        if isinstance(event, ReadFailed):
+            if event.replica_down:
+                self._down.add(state.server)
+            for cid in state.owed:
+                self._note(cid, state.server, event.reason, False)
+                self._broken.setdefault(cid, set()).add(state.server)
+            leftovers = list(state.owed)
+            del self._reads[event.read]
+            return self._plan(leftovers)
+        # ReadEnded
+        for cid in state.owed:
+            self._note(cid, state.server, "not sent", False)
+        leftovers = list(state.owed)
+        del self._reads[event.read]
+        return self._plan(leftovers)
+
+    # ------------------------------------------------------------------ internals
+
+    def _close_if_empty(self, read: int, state: _ReadState) -> list[Decision]:
+        if not state.owed:
+            del self._reads[read]
+        return []
+
+    def _note(self, cid: str, server: str, reason: str, corrupt: bool) -> None:
+        self._attempts.setdefault(cid, {})[server] = reason
+        if corrupt:
+            self._corrupt.setdefault(cid, set()).add(server)
+
+    def _candidates(self, cid: str) -> list[str]:
+        tried = self._attempts.get(cid, {})
+        ring = [s for s in self._want[cid].replicas if s not in tried and s not in self._down]
+        if ring:
+            return ring
+        others = [s for s in self.members if s not in tried and s not in self._down]
+        if others:
+            return others
+        # Last resort before giving up: a replica whose read broke earlier (it may be back), once
+        # more; never one that refused the chunk or served bad bytes.
+        again = [s for s in (*self._want[cid].replicas, *self.members) if s not in tried]
+        if again:
+            return again
+        retry = [s for s in self._broken.get(cid, ()) if (cid, s) not in self._retried]
+        for s in retry[:1]:
+            self._retried.add((cid, s))
+            del self._attempts[cid][s]
+        return retry[:1]
+
+    def _plan(self, ids: Iterable[str]) -> list[Decision]:
+        todo = sorted((cid for cid in ids if cid in self._pending), key=self._order.__getitem__)
+        if not todo:
+            return []
+        if todo and any(cid in self._attempts for cid in todo):
+            self.failovers += sum(1 for cid in todo if cid in self._attempts)
+        load: dict[str, int] = {}
+        by_server: dict[str, list[str]] = {}
+        out: list[Decision] = []
+        for cid in todo:
+            candidates = self._candidates(cid)
+            if not candidates:
+                attempts = self._attempts.get(cid, {})
+                bad = self._corrupt.get(cid, set())
+                give_up = GiveUp(cid, dict(attempts), bool(attempts) and set(attempts) <= bad)
+                self.given_up.append(give_up)
+                del self._pending[cid]
+                out.append(give_up)
+                continue
+            # Least loaded; ties go to the earliest in ring order (the primary).
+            best = min(candidates, key=lambda s: (load.get(s, 0), candidates.index(s)))
+            self._down.discard(best)  # a last-resort pick gets its chance
+            load[best] = load.get(best, 0) + self._want[cid].size
+            by_server.setdefault(best, []).append(cid)
+        if self.given_up:
+            return out  # the fetch has failed: start nothing new
+        for server, sids in by_server.items():
+            out += self._reads_for(server, sids)
+        out.sort(key=lambda d: self._order[d.ids[0]] if isinstance(d, Read) else -1)
+        return out
+
+    def _reads_for(self, server: str, ids: list[str]) -> list[Read]:
+        streams = max(1, self.reads_per_server(server))
+        total = sum(self._want[c].size for c in ids)
+        # Split in ``streams`` contiguous runs, each cut again at max_read_bytes.
+        per_stream = max(1, -(-total // streams))
+        cap = max(1, min(per_stream, self.max_read_bytes))
+        reads: list[Read] = []
+        run: list[str] = []
+        size = 0
+        for cid in ids:
+            run.append(cid)
+            size += self._want[cid].size
+            if size >= cap:
+                reads.append(self._open(server, run, size))
+                run, size = [], 0
+        if run:
+            reads.append(self._open(server, run, size))
+        return reads
+
+    def _open(self, server: str, ids: list[str], nbytes: int) -> Read:
+        number = self._next_read
+        self._next_read += 1
+        self._reads[number] = _ReadState(server, dict.fromkeys(ids))
+        return Read(number, server, tuple(ids), nbytes)
+
+
+__all__ = [
+    "Decision", "Event", "FetchPlanner", "GiveUp", "Landed", "Read", "ReadEnded", "ReadFailed", "Refused", "ReportCorrupt",
+    "Want",
+]

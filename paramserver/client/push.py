@@ -1,0 +1,435 @@
+"""Push a model into the cluster: pack, dedup, replicate with W acks, commit.
+
+Protocol (invariant 2: a version is committed only after every chunk it names
+reached its write quorum):
+
+1. pack the weights into chunks + manifest, with the parent's manifest as
+   ``previous`` so unchanged chunks keep their ``introduced_in``;
+2. ClusterInfo -> the ring, R and W, exactly as the servers compute them;
+3. HasChunks on every replica for the ids the ring puts there -> dedup;
+4. stream the missing chunks and the manifest blob to their replicas, one
+   PutChunks stream per server in parallel; count acks per chunk; chunks short
+   of W after a failed stream are checked again and re-sent (bounded rounds);
+5. CommitVersion at the leader, following it through an election (a silent
+   leader is left as soon as a member names a newer one); sent again only after
+   checking that an earlier try did not land.
+
+Nothing is committed unless step 5 runs, so a failed or interrupted push
+leaves only orphan chunks, which the servers collect later.
+"""
+from __future__ import annotations
+
+import getpass
+import re
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Collection, Literal, Mapping, Sequence
+
+import grpc
+
+from chunking.config import ChunkingConfig
+from chunking.errors import ChunkingError, ManifestError
+from chunking.hashing import crc32c
+from chunking.manifest import Manifest
+from chunking.pack import PackResult, pack
+from chunking.sources import Source
+from consensus.errors import Invalid
+from consensus.validation import check_name
+
+from paramserver.client.rpc import ChunkData, ParamServerClient
+from paramserver.client.cluster_view import RETRYABLE, ClusterOptions, ClusterView, parse_seeds
+from paramserver.client.errors import ConfigError
+from paramserver.client.progress import ProgressFn, no_progress
+from paramserver.wire.proto import pb
+from paramserver.client.push_plan import AckLedger, Item, placement_of, plan_uploads, wanted_by_server
+from paramserver.client.push_sender import SendOptions, send_round
+from paramserver.client.errors import ClusterUnreachable, PushConflict, PushError, TransferError, rpc_code, rpc_details
+
+Parent = int | None | Literal["head"]
+
+# PutChunks failures another round would only repeat (bad token, refused bytes, a message over
+# the server's limit): the push stops at once. Others (a server dying, DATA_LOSS in transit) are retried.
+FATAL_STREAM_CODES = frozenset({
+    grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNIMPLEMENTED,
+})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class PushOptions:
+    queue_bytes: int = 32 << 20  # per-server send queue
+    stream_bytes: int = 512 << 20  # one PutChunks call is closed (and acked) after about this much
+    batch_bytes: int = 4 << 20  # one PutChunks message
+    has_batch: int = 16384  # ids per HasChunks call
+    rounds: int = 3  # send rounds: the first sends everything missing, later ones what is still short of W
+    commit_deadline_s: float = 60.0  # keep retrying CommitVersion on UNAVAILABLE this long
+    force: bool = False  # commit even when concurrent with the head (kept as a forced version)
+
+    def validate(self) -> PushOptions:
+        if self.queue_bytes < 1 << 20:
+            raise ConfigError(f"queue_bytes must be at least 1 MiB, got {self.queue_bytes}")
+        if self.stream_bytes < self.batch_bytes or self.batch_bytes < 64 << 10:
+            raise ConfigError("batch_bytes must be >= 64 KiB and stream_bytes >= batch_bytes")
+        if not 1 <= self.has_batch <= 1 << 20:
+            raise ConfigError(f"has_batch must be between 1 and {1 << 20}, got {self.has_batch}")
+        if self.rounds < 1:
+            raise ConfigError(f"rounds must be >= 1, got {self.rounds}")
+        if self.commit_deadline_s <= 0:
+            raise ConfigError(f"commit_deadline_s must be > 0, got {self.commit_deadline_s}")
+        return self
+
+
+@dataclass(frozen=True)
+class PushReport:
+    model: str
+    version: int
+    manifest_id: str
+    parent: int | None
+    tag: str | None
+    clock: Mapping[str, int]
+    bytes_total: int  # raw tensor bytes of the version
+    bytes_stored: int  # stored (encoded) bytes of its distinct chunks
+    bytes_sent: int  # stored bytes of the distinct chunks uploaded (each counted once)
+    wire_bytes: int  # bytes over all streams (a chunk counts once per replica it went to)
+    chunks_total: int
+    chunks_unique: int
+    chunks_deduplicated: int  # distinct chunks no reachable replica lacked
+    chunks_sent: int
+    seconds: float
+    pack_seconds: float
+    upload_seconds: float
+    replication: int
+    write_quorum: int
+    unreachable: tuple[str, ...] = ()  # servers that took no part (down or failing)
+    forced: bool = False
+    servers: tuple[str, ...] = field(default=())
+
+    @property
+    def gbps(self) -> float:
+        """Model bytes per second, end to end (pack + dedup + upload + commit)."""
+        return self.bytes_total / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    @property
+    def upload_gbps(self) -> float:
+        return self.wire_bytes / self.upload_seconds / 1e9 if self.upload_seconds > 0 else 0.0
+
+
+def default_publisher() -> str:
+    """user.host, reduced to the characters metadata names allow."""
+    try:
+        user = getpass.getuser()
+    except Exception:
+        user = "user"
+    raw = f"{user}.{socket.gethostname()}"
+    clean = re.sub(r"[^A-Za-z0-9._-]", "-", raw)
+    clean = re.sub(r"\.{2,}", ".", clean).lstrip("._-")[:128]
+    return clean or "paramctl"
+
+
+def _checked_name(kind: str, value: str) -> str:
+    try:
+        return check_name(kind, value)
+    except Invalid as exc:
+        raise PushError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
+
+
+def head_version(view: ClusterView, model: str) -> int | None:
+    """The latest version number of ``model`` (asked of the leader), None for a new model."""
+    try:
+        versions = view.leader_call(lambda c: c.list_versions(model)).versions
+    except ClusterUnreachable as exc:
+        raise TransferError(f"cannot list the versions of {model}: {exc}", grpc.StatusCode.UNAVAILABLE) from None
+    except grpc.RpcError as exc:
+        if rpc_code(exc) == grpc.StatusCode.NOT_FOUND:
+            return None
+        raise TransferError(f"cannot list the versions of {model}: {rpc_details(exc)}", rpc_code(exc)) from None
+    return max((v.number for v in versions), default=None)
+
+
+def fetch_manifest(view: ClusterView, model: str, version: int) -> Manifest:
+    try:
+        reply = view.leader_call(lambda c: c.get_manifest(model=model, version=version))
+    except grpc.RpcError as exc:
+        raise TransferError(f"cannot read the manifest of {model} v{version}: {rpc_details(exc)}", rpc_code(exc)) from None
+    try:
+        return Manifest.from_bytes(reply.data, expected_id=reply.manifest_id)
+    except ManifestError as exc:
+        raise TransferError(f"manifest of {model} v{version} from {view.info.server_id}: {exc}", grpc.StatusCode.DATA_LOSS) from None
+
+
+class _Push:
+    def __init__(self, view: ClusterView, packed: PackResult, options: PushOptions, progress: ProgressFn) -> None:
+        self.view = view
+        self.packed = packed
+        self.options = options
+        self.progress = progress
+        manifest = packed.manifest
+        self.manifest_bytes = manifest.to_bytes()
+        self.manifest_id = manifest.id
+        self.refs = {ref.id: ref for ref in manifest.unique_chunks()}
+        self.items = [Item(ref.id, ref.stored_size) for ref in self.refs.values()]
+        self.items.append(Item(self.manifest_id, len(self.manifest_bytes)))
+        self.placement = placement_of(self.items, view.replicas)
+        self.ledger = AckLedger(self.placement, view.write_quorum)
+        self.unreachable: set[str] = set()
+        self.failed: dict[str, tuple[grpc.StatusCode | None, str]] = {}
+
+    def fetch(self, cid: str) -> ChunkData:
+        if cid == self.manifest_id:
+            return ChunkData(cid, "raw", len(self.manifest_bytes), crc32c(self.manifest_bytes), self.manifest_bytes)
+        ref = self.refs[cid]
+        chunk = self.packed.chunk(ref.index)
+        return ChunkData(cid, ref.codec, ref.raw_size, ref.crc32c, chunk.data)
+
+    def has(self, ids: Sequence[str]) -> dict[str, set[str] | None]:
+        """HasChunks on each replica for its share of ``ids``; None for a server that did not answer."""
+        wanted = wanted_by_server({cid: self.placement[cid] for cid in ids})
+        batch = self.options.has_batch
+
+        def ask(server: str) -> set[str] | None:
+            try:
+                client = self.view.server_client(server)
+                ids_here = wanted[server]
+                found: set[str] = set()
+                for i in range(0, len(ids_here), batch):
+                    part = ids_here[i : i + batch]
+                    # A replica cut off by a partition must cost seconds, not the whole call deadline.
+                    deadline = min(self.view.options.timeout_s, 3.0 + len(part) / 2000)
+                    found.update(cid for cid, ok in zip(part, client.has_chunks(part, claim=True, timeout=deadline)) if ok)
+                return found
+            except grpc.RpcError as exc:
+                if rpc_code(exc) in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    raise TransferError(f"{server}: {rpc_details(exc)}", rpc_code(exc)) from None
+                return None
+
+        if not wanted:
+            return {}
+        with ThreadPoolExecutor(max_workers=min(16, len(wanted))) as pool:
+            result = dict(zip(wanted, pool.map(ask, list(wanted))))
+        self.unreachable.update(s for s, v in result.items() if v is None)
+        return result
+
+    def upload(self) -> tuple[int, int, int, int]:
+        """Returns (chunks deduplicated, chunks sent, bytes sent once, wire bytes)."""
+        ids = [item.id for item in self.items]
+        by_id = {item.id: item for item in self.items}
+        sent_ids: set[str] = set()
+        wire = dedup = 0
+        send_options = SendOptions(
+            queue_items=max(2, self.options.queue_bytes // max(1, self.packed.manifest.chunk_size)),
+            stream_bytes=self.options.stream_bytes,
+            batch_bytes=self.options.batch_bytes,
+        )
+        wire_done = 0
+        for round_no in range(self.options.rounds):
+            present = self.has(ids)
+            self.ledger.record_present(present)
+            if round_no > 0:
+                ids = self.ledger.short(ids)
+                if not ids:
+                    break
+            plan = plan_uploads([by_id[c] for c in ids], self.placement, present)
+            if round_no == 0:
+                dedup = sum(1 for c in plan.deduplicated if c != self.manifest_id)
+            if not plan.sends:
+                break
+            sent_ids.update(plan.targets)
+            total_wire = wire_done + plan.wire_bytes
+            base = wire_done
+
+            def report(done: int, base: int = base, total: int = total_wire) -> None:
+                self.progress("upload", base + done, total)
+
+            failed = send_round(plan.sends, plan.targets, ids, self.fetch, self.view.server_client, self.ledger, send_options, report)
+            wire_done += plan.wire_bytes
+            wire += plan.wire_bytes
+            self.failed.update(failed)
+            for server, (code, message) in failed.items():
+                if code in FATAL_STREAM_CODES:
+                    # Another round would fail the same way: this is the caller's to fix.
+                    raise PushError(f"PutChunks to {server} refused: {message}; nothing was committed", code)
+            ids = self.ledger.short([item.id for item in self.items])
+            if not ids:
+                break
+        data_sent = [c for c in sent_ids if c != self.manifest_id]
+        return dedup, len(data_sent), sum(by_id[c].stored_size for c in data_sent), wire
+
+    def check_quorum(self) -> None:
+        short = self.ledger.short()
+        if not short:
+            return
+        w, r = self.view.write_quorum, self.view.replication
+        example = short[0]
+        why = "; ".join(f"{s}: {msg}" for s, (_c, msg) in sorted(self.failed.items())) or "no reachable replica took them"
+        down = ", ".join(sorted(self.unreachable)) or "none"
+        raise PushError(
+            f"{len(short)} of {len(self.items)} blobs reached fewer than W={w} of their R={r} replicas "
+            f"(e.g. {example} is on {self.ledger.count(example)}); unreachable servers: {down}; stream errors: {why}. "
+            "Nothing was committed; bring the servers back and push again (chunks already stored are not re-sent)",
+            grpc.StatusCode.UNAVAILABLE,
+        )
+
+
+def _find_committed(view: ClusterView, model: str, manifest_id: str, parent: int | None, publisher: str) -> pb.Version | None:
+    """A version an earlier CommitVersion try committed before its reply was lost."""
+    try:
+        versions = view.leader_call(lambda c: c.list_versions(model)).versions
+    except (grpc.RpcError, TransferError):
+        return None
+    for v in versions:
+        same_parent = (v.parent if v.HasField("parent") else None) == parent
+        if v.manifest_id == manifest_id and v.publisher == publisher and same_parent:
+            return v
+    return None
+
+
+def commit(
+    view: ClusterView,
+    *,
+    model: str,
+    manifest_id: str,
+    parent: int | None,
+    publisher: str,
+    tag: str | None,
+    nbytes: int,
+    chunk_count: int,
+    force: bool,
+    deadline_s: float,
+    suspects: Collection[str] = (),
+) -> pb.Version:
+    """CommitVersion at the leader, following it through an election (``ClusterView.leader_call``):
+    a leader that went silent costs the election, not a deadline.
+
+    Never commits twice: a try whose reply was lost, whose deadline passed, or that was abandoned
+    because a member named a newer leader may still have committed, so before sending again (and
+    before reporting a failure) the leader's versions are checked for it (``_find_committed``). A
+    try that cannot be checked is sent again only under the same parent, which the state machine
+    refuses once a first try landed (ABORTED, resolved by the same check). ``suspects``: server ids
+    that just failed this push (a broken stream); when the leader is one, the other members are
+    asked who leads with the first try.
+    """
+    sent = 0
+
+    def send(c: ParamServerClient) -> pb.Version:
+        nonlocal sent
+        sent += 1
+        return c.commit_version(
+            model, manifest_id, parent=parent, publisher=publisher, tag=tag or "", force=force, nbytes=nbytes, chunk_count=chunk_count
+        ).version
+
+    def landed() -> pb.Version | None:
+        return _find_committed(view, model, manifest_id, parent, publisher)
+
+    try:
+        return view.leader_call(send, deadline_s, before_resend=landed, suspect=view.info.leader_id in suspects)
+    except ClusterUnreachable as exc:
+        code, details = grpc.StatusCode.UNAVAILABLE, str(exc)
+    except grpc.RpcError as exc:
+        code, details = rpc_code(exc), rpc_details(exc)
+    if code == grpc.StatusCode.ABORTED:
+        if sent > 1:  # an earlier try may have landed after all, making our parent stale
+            found = landed()
+            if found is not None:
+                return found
+        head = head_version(view, model)
+        raise PushConflict(
+            f"push of {model} was based on version {parent if parent is not None else '(none)'} but version {head} "
+            f"was committed first; pull {model} v{head}, apply the change on it and push again with --parent {head} "
+            f"(or without --parent to push on the head). Server: {details}",
+            model=model, parent=parent, head=head,
+        ) from None  # fmt: skip
+    if code in RETRYABLE:
+        # A commit that timed out may still have landed (Raft applied it, the reply was lost).
+        found = landed()
+        if found is not None:
+            return found
+    outcome = "nothing was committed" if code not in RETRYABLE else (
+        "no committed version was found for it, but the outcome is unknown until the cluster answers again: "
+        "check with 'paramctl ls " + model + "' before pushing again")  # fmt: skip
+    raise PushError(f"CommitVersion of {model} failed ({code.name}): {details}; {outcome}", code) from None
+
+
+def push(
+    seeds: str | Sequence[str],
+    source: Source,
+    *,
+    model: str,
+    tag: str | None = None,
+    parent: Parent = "head",
+    publisher: str | None = None,
+    token: str | None = None,
+    config: ChunkingConfig = ChunkingConfig(),
+    progress: ProgressFn | None = None,
+    options: PushOptions = PushOptions(),
+    cluster: ClusterOptions | None = None,
+) -> PushReport:
+    """Push ``source`` (a state dict or a .safetensors / torch file) as a new version of ``model``.
+
+    ``parent``: "head" (default) commits on the model's latest version, so a
+    normal push never conflicts; an int commits on that version (ABORTED ->
+    PushConflict if it is not the head); None starts a model's history.
+    Raises TransferError (with a gRPC status ``code``) when nothing was committed.
+    """
+    t0 = time.perf_counter()
+    options.validate()
+    config.validate()
+    progress = progress or no_progress
+    _checked_name("model name", model)
+    if tag is not None:
+        _checked_name("tag", tag)
+    publisher = _checked_name("publisher", publisher or default_publisher())
+    cluster = cluster or ClusterOptions(parse_seeds(seeds), token=token)
+    with ClusterView.connect(cluster) as view:
+        head = head_version(view, model)
+        base: int | None = head if parent == "head" else parent  # type: ignore[assignment]
+        previous = fetch_manifest(view, model, base) if base is not None else None
+        progress("pack", 0, 0)
+        t_pack = time.perf_counter()
+        try:
+            packed = pack(source, model=model, version=(head or 0) + 1, config=config, previous=previous, created_at=time.time())
+        except ChunkingError as exc:
+            raise PushError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
+        manifest = packed.manifest
+        pack_s = time.perf_counter() - t_pack
+        progress("pack", manifest.raw_bytes, manifest.raw_bytes)
+        job = _Push(view, packed, options, progress)
+        t_up = time.perf_counter()
+        dedup, sent, bytes_sent, wire = job.upload()
+        job.check_quorum()
+        upload_s = time.perf_counter() - t_up
+        progress("commit", 0, 1)
+        version = commit(
+            view, model=model, manifest_id=job.manifest_id, parent=base, publisher=publisher, tag=tag,
+            nbytes=manifest.raw_bytes, chunk_count=len(manifest.chunks), force=options.force, deadline_s=options.commit_deadline_s,
+            suspects=job.unreachable | set(job.failed),
+        )  # fmt: skip
+        progress("commit", 1, 1)
+        return PushReport(
+            model=model,
+            version=version.number,
+            manifest_id=job.manifest_id,
+            parent=base,
+            tag=tag,
+            clock=dict(version.clock),
+            bytes_total=manifest.raw_bytes,
+            bytes_stored=sum(r.stored_size for r in job.refs.values()),
+            bytes_sent=bytes_sent,
+            wire_bytes=wire,
+            chunks_total=len(manifest.chunks),
+            chunks_unique=len(job.refs),
+            chunks_deduplicated=dedup,
+            chunks_sent=sent,
+            seconds=time.perf_counter() - t0,
+            pack_seconds=pack_s,
+            upload_seconds=upload_s,
+            replication=view.replication,
+            write_quorum=view.write_quorum,
+            unreachable=tuple(sorted(job.unreachable)),
+            forced=version.forced,
+            servers=tuple(sorted(view.members)),
+        )
+
+
+__all__ = ["push", "PushOptions", "PushReport", "Parent", "default_publisher", "head_version", "fetch_manifest", "commit"]

@@ -1,0 +1,132 @@
+"""Pull straight into a .safetensors file: the pulled tensors live in the file's own pages.
+
+Why: pulling into memory and then saving copies every byte once more and needs the whole
+model in RAM twice over (tensors, then the file's page cache). Here the output file is laid
+out first (header, then every tensor's bytes, no holes, as the format requires), sized and
+mapped; the tensors handed to the fetcher are views of that mapping, so chunks land in the
+file directly. The file is written under a temporary name and renamed only once every chunk
+is in and verified, then flushed and fsynced: a failed pull leaves no file behind.
+
+Tensors are laid out in decreasing element size (stable in manifest order), so each one
+starts at a multiple of its own element size and can be viewed with its real dtype, as
+safetensors' own writer does.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import tempfile
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from chunking.dtypes import torch_dtype
+from chunking.manifest import Manifest
+
+from paramserver.client.hostmem import PAGE_ALIGNED_BYTES, Targets
+
+# torch dtype -> safetensors dtype code, for the codes safetensors.torch reads back.
+_CODES: dict[str, str] = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3", "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2": "F8_E5M2",
+    "float8_e5m2fnuz": "F8_E5M2FNUZ", "complex64": "C64", "uint16": "U16", "uint32": "U32", "uint64": "U64",
+}
+
+
+def supported(manifest: Manifest) -> bool:
+    """True when every dtype of ``manifest`` has a safetensors code."""
+    return all(t.dtype in _CODES for t in manifest.tensors)
+
+
+def header_bytes(manifest: Manifest, metadata: Mapping[str, str]) -> tuple[bytes, dict[str, int]]:
+    """The file's first bytes (length prefix and JSON header, padded to 8) and each tensor's data offset."""
+    order = sorted(manifest.tensors, key=lambda t: -torch_dtype(t.dtype).itemsize)  # sorted() is stable
+    offsets: dict[str, int] = {}
+    doc: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    at = 0
+    for t in order:
+        offsets[t.name] = at
+        doc[t.name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + t.nbytes]}
+        at += t.nbytes
+    raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, offsets
+
+
+class SafetensorsOut:
+    """A .safetensors file being filled in place; ``commit`` or ``abort`` it."""
+
+    def __init__(self, path: str | os.PathLike[str], manifest: Manifest, metadata: Mapping[str, str]) -> None:
+        if not supported(manifest):
+            bad = sorted({t.dtype for t in manifest.tensors if t.dtype not in _CODES})
+            raise ValueError(f"safetensors cannot store dtype {', '.join(bad)}")
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        head, offsets = header_bytes(manifest, metadata)
+        size = len(head) + sum(t.nbytes for t in manifest.tensors)
+        fd, self.tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
+        self._fd: int | None = fd
+        self._area: mmap.mmap | None = None
+        try:
+            os.ftruncate(fd, size)
+            os.pwrite(fd, head, 0)
+            self._area = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            tensors: dict[str, torch.Tensor] = {}
+            large: list[torch.Tensor] = []
+            for t in manifest.tensors:
+                dtype = torch_dtype(t.dtype)
+                if not t.nbytes:
+                    tensors[t.name] = torch.empty(t.shape, dtype=dtype)
+                    continue
+                view = torch.frombuffer(self._area, dtype=torch.uint8, count=t.nbytes, offset=len(head) + offsets[t.name])
+                tensors[t.name] = view.view(dtype).reshape(t.shape)
+                if t.nbytes >= PAGE_ALIGNED_BYTES:
+                    large.append(tensors[t.name])
+        except BaseException:
+            self.abort()
+            raise
+        self.targets = Targets(tensors, large)
+
+    def commit(self) -> None:
+        """Flush, fsync and rename into place. Drop every tensor of ``targets`` first."""
+        assert self._area is not None and self._fd is not None
+        self.targets = Targets({}, [])
+        self._area.flush()
+        os.fsync(self._fd)
+        os.replace(self.tmp, self.path)
+        try:
+            dir_fd = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError:
+            pass  # some filesystems cannot fsync a folder; the file itself is durable
+        self._release()
+
+    def abort(self) -> None:
+        """Remove the temporary file (a failed pull leaves nothing behind)."""
+        self.targets = Targets({}, [])
+        self._release()
+        try:
+            os.unlink(self.tmp)
+        except FileNotFoundError:
+            pass
+
+    def _release(self) -> None:
+        if self._area is not None:
+            try:
+                self._area.close()
+            except BufferError:
+                pass  # a tensor view is still referenced somewhere: the mapping goes with it
+            self._area = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+__all__ = ["SafetensorsOut", "supported", "header_bytes"]

@@ -1,0 +1,484 @@
+"""``ClusterClient``: the one client session every user path goes through.
+
+``paramctl pull``, ``paramworker load`` and ``serve``, the demo, the drills and the benchmarks
+all read a cluster through this: one cluster view (seeds, ClusterInfo, ring, leader, refresh:
+``paramserver.client.cluster_view``), one tag resolution with monotonic reads, one manifest
+fetch and cache (manifests are immutable and named by their content id, so the cache is shared
+by every client of the process), and one chunk-fetch engine (``paramserver.client.fetch``)
+over the bulk and gRPC transports, verifying each chunk as the mode asks.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import grpc
+
+from chunking.errors import ManifestError
+from chunking.manifest import ChunkRef, Manifest
+from paramserver.client.cluster_view import ClusterOptions, ClusterView, parse_seeds
+from paramserver.client.errors import (
+    ClientError,
+    ClusterUnreachable,
+    ConfigError,
+    NotFound,
+    StaleRead,
+    TransferError,
+    from_rpc,
+    rpc_code,
+)
+from paramserver.client.fetch import ChunkSink, EngineOptions, FetchEngine, FetchStats
+from paramserver.client.monotonic import MonotonicReads, Resolution
+from paramserver.client.refs import ModelRef
+from paramserver.client.rpc import ParamServerClient
+from paramserver.client.transport import ClusterTransport
+from paramserver.client.verify import VERIFY_MODES, Verifier
+from paramserver.wire.limits import DEFAULT_MAX_MESSAGE_BYTES
+from paramserver.wire.proto import pb
+
+if TYPE_CHECKING:
+    from paramserver.client.config import ClientSettings
+
+T = TypeVar("T")
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """How a client talks to the cluster.
+
+    ``call_timeout_s`` bounds unary calls; a chunk read gets ``call_timeout_s`` plus the time its
+    bytes take at ``min_stream_bytes_per_s``, so a hung replica is left for another one.
+    """
+
+    call_timeout_s: float = 10.0
+    min_stream_bytes_per_s: float = 20e6
+    grpc_streams_per_server: int = 3  # GetChunks reads in parallel per replica
+    bulk_streams_per_server: int = 1  # one bulk connection already fills the link here
+    max_read_bytes: int = 64 * MIB
+    get_message_bytes: int = 2 * MIB
+    refresh_interval_s: float = 5.0
+    bulk_down_s: float = 30.0
+    monotonic_path: str | None = None
+    allow_rollback: bool = True
+    worker_id: str = ""
+
+    def validate(self) -> SessionConfig:
+        if self.call_timeout_s <= 0 or self.min_stream_bytes_per_s <= 0:
+            raise ConfigError("call_timeout_s and min_stream_bytes_per_s must be > 0")
+        if not 1 <= self.grpc_streams_per_server <= 16 or not 1 <= self.bulk_streams_per_server <= 16:
+            raise ConfigError("grpc_streams_per_server and bulk_streams_per_server must be between 1 and 16")
+        if not 64 << 10 <= self.get_message_bytes <= 64 * MIB:
+            raise ConfigError(f"get_message_bytes must be between 64 KiB and 64 MiB, got {self.get_message_bytes}")
+        if self.max_read_bytes < 1 * MIB:
+            raise ConfigError(f"max_read_bytes must be >= 1 MiB, got {self.max_read_bytes}")
+        if self.refresh_interval_s <= 0 or self.bulk_down_s < 0:
+            raise ConfigError("refresh_interval_s must be > 0 and bulk_down_s >= 0")
+        return self
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    """A resolved model version (the wire's Version plus where it came from)."""
+
+    model: str
+    number: int
+    manifest_id: str
+    clock: dict[str, int]
+    commit_index: int = 0
+    server: str = ""
+    tag: str = ""
+
+
+# Manifests are immutable and named by their content id: a process that loads a version again
+# (a reload, a rollback, a rolling restart) reuses the parsed one.
+_MANIFESTS: OrderedDict[str, Manifest] = OrderedDict()
+_MANIFESTS_KEPT = 8
+_MANIFESTS_LOCK = threading.Lock()
+
+
+def _default_worker_id() -> str:
+    return f"client-{socket.gethostname()}-{os.getpid()}"
+
+
+class ClusterClient:
+    """Thread-safe; one per process is enough. Close it (or use ``with``) to free channels.
+
+    ``seeds``: any members' gRPC addresses. ``verify``: "crc" (size and CRC32C from the manifest,
+    no BLAKE3) or "content" (also each chunk's content id, once). ``bulk``: read chunk bytes over
+    the servers' bulk ports when they advertise one (never with TLS), GetChunks otherwise.
+    ``settings`` (``paramserver.client.config.ClientSettings``) gives all of these, and TLS.
+    """
+
+    def __init__(self, seeds: str | Sequence[str] | None = None, token: str | None = None,
+                 config: SessionConfig | None = None, *, bulk: bool = True, verify: str = "crc",
+                 settings: ClientSettings | None = None, cluster: ClusterOptions | None = None) -> None:
+        config = (config or SessionConfig()).validate()
+        if verify not in VERIFY_MODES:
+            raise ConfigError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
+        if cluster is None:
+            if settings is not None:
+                cluster = settings.cluster_options(write=False)
+                token = token if token is not None else cluster.token
+                bulk = bulk and settings.bulk
+                verify = settings.verify
+            else:
+                if seeds is None:
+                    raise ConfigError("no cluster address given: pass --cluster HOST:PORT (any member) or set PARAMS_CLUSTER")
+                cluster = ClusterOptions(parse_seeds(seeds), token=token)
+        if token is not None and cluster.token != token:
+            cluster = replace(cluster, token=token)
+        cluster = replace(cluster, timeout_s=config.call_timeout_s).validate()
+        self.options = cluster
+        self.config = config
+        self.seeds = cluster.seeds
+        self.verify = verify
+        self.worker_id = config.worker_id or _default_worker_id()
+        self.monotonic = MonotonicReads(config.monotonic_path, allow_rollback=config.allow_rollback)
+        self.stats = FetchStats()
+        self.corrupt_reports_sent = 0
+        self._lock = threading.Lock()
+        self._view: ClusterView | None = None
+        self._spare: dict[str, ParamServerClient] = {}
+        self._refreshed_at = -1e9
+        self.transport = ClusterTransport(
+            self._members, token=cluster.token, tls=cluster.tls, tls_ca=cluster.tls_ca,
+            tls_cert=getattr(cluster, "tls_cert", None), tls_key=getattr(cluster, "tls_key", None), bulk=bulk,
+            bulk_down_s=config.bulk_down_s, max_message_bytes=cluster.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES,
+            get_message_bytes=config.get_message_bytes, io_timeout_s=config.call_timeout_s,
+        )
+        self.engine = FetchEngine(
+            self.transport, Verifier(verify),
+            options=EngineOptions(max_read_bytes=config.max_read_bytes, call_timeout_s=config.call_timeout_s,
+                                  min_bytes_per_s=config.min_stream_bytes_per_s),
+            reads_per_server=self._lanes, report=self._report_bad,
+        )
+        self._closed = False
+
+    # ------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.transport.close()
+        with self._lock:
+            view, self._view = self._view, None
+        if view is not None:
+            view.close()
+        for spare in self._spare.values():
+            spare.close()
+
+    def __enter__(self) -> ClusterClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ membership
+
+    def view(self) -> ClusterView:
+        """The cluster view, connected on first use and refreshed every ``refresh_interval_s``."""
+        with self._lock:
+            view = self._view
+            stale = time.monotonic() - self._refreshed_at >= self.config.refresh_interval_s
+        if view is None:
+            view = ClusterView.connect(self.options)
+            with self._lock:
+                if self._view is None:
+                    self._view, self._refreshed_at = view, time.monotonic()
+                else:
+                    view.close()
+                    view = self._view
+            return view
+        if stale:
+            try:
+                view.refresh(deadline_s=self.options.discovery_timeout_s)
+            except TransferError:
+                pass  # keep the last view; calls fail over on their own
+            with self._lock:
+                self._refreshed_at = time.monotonic()
+        return view
+
+    def refresh(self, force: bool = True) -> None:
+        if force:
+            with self._lock:
+                self._refreshed_at = -1e9
+        self.view()
+
+    def _members(self) -> dict[str, pb.Member]:
+        return self.view().members
+
+    def members(self) -> dict[str, pb.Member]:
+        return dict(self._members())
+
+    @property
+    def leader(self) -> str:
+        return self.view().info.leader_id
+
+    def replicas(self, chunk_id: str) -> list[str]:
+        return self.view().replicas(chunk_id)
+
+    def server(self, address: str) -> ParamServerClient:
+        with self._lock:
+            view = self._view
+        if view is not None:
+            return view.client(address)
+        with self._lock:  # no view yet (no seed answered ClusterInfo): a client of our own
+            found = self._spare.get(address)
+            if found is None:
+                found = self._spare[address] = ParamServerClient(self.options.client_config(address))
+            return found
+
+    def _lanes(self, server: str) -> int:
+        if self.transport.uses_bulk(server):
+            return self.config.bulk_streams_per_server
+        return self.config.grpc_streams_per_server
+
+    def _metadata_order(self) -> list[str]:
+        """Addresses to ask for metadata: the seeds in the order given (a worker's nearby
+        servers), then the other members that are up. With no view (no seed answered
+        ClusterInfo) the seeds alone: each call then fails or succeeds on its own."""
+        try:
+            view = self.view()
+        except ClientError:
+            return list(self.seeds)
+        members = [m.grpc_address for m in view.members.values() if m.state == "up"]
+        return list(dict.fromkeys([*self.seeds, *members]))
+
+    def _leader_address(self) -> str | None:
+        try:
+            view = self.view()
+        except ClientError:
+            return None
+        return view.info.leader_grpc_address or None
+
+    # ------------------------------------------------------------ metadata
+
+    def _ask(self, what: str, call: Callable[[ParamServerClient], T], order: Iterable[str] | None = None) -> tuple[T, str]:
+        """``call`` on the first server that answers; NOT_FOUND, a bad token and bad input end it."""
+        errors: list[str] = []
+        for address in order if order is not None else self._metadata_order():
+            try:
+                return call(self.server(address)), address
+            except grpc.RpcError as exc:
+                code = rpc_code(exc)
+                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
+                                grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED):
+                    raise from_rpc(exc, what) from None
+                errors.append(f"{address}: {code.name}")
+        raise ClusterUnreachable(f"{what}: no server answered ({'; '.join(errors)}); check that the cluster is up")
+
+    def resolve(self, model: str, tag: str, *, linearizable: bool = False) -> VersionInfo:
+        """The version ``model:tag`` points at, never older than one resolved before (monotonic reads).
+
+        ``linearizable`` asks the leader first (a pull right after a push sees it). Otherwise a
+        stale answer is refused and the next server asked, then the leader; if that is stale too,
+        ``StaleRead`` is raised.
+        """
+        stale: list[str] = []
+        errors: list[str] = []
+        missing: TransferError | None = None
+        order = self._metadata_order()
+        leader = self._leader_address() or (order[0] if order else None)
+        attempts = [(a, False) for a in order]
+        if leader:
+            attempts = [(leader, True), *attempts] if linearizable else [*attempts, (leader, True)]
+        for address, linear in attempts:
+            try:
+                reply = self.server(address).resolve_tag(model, tag, linearizable=linear)
+            except grpc.RpcError as exc:
+                code = rpc_code(exc)
+                if code == grpc.StatusCode.NOT_FOUND and not linear:
+                    # A lagging member (one restarting, or cut off) may not have the tag yet:
+                    # only the leader's linearizable answer says it does not exist.
+                    missing = from_rpc(exc, f"{model}:{tag}")
+                    continue
+                if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                            grpc.StatusCode.INVALID_ARGUMENT):
+                    raise from_rpc(exc, f"{model}:{tag}") from None
+                errors.append(f"{address}: {code.name}")
+                continue
+            v = reply.version
+            res = Resolution(model, tag, int(v.number), v.manifest_id, dict(v.clock), int(reply.read.commit_index),
+                             reply.read.server_id or address)
+            verdict = self.monotonic.check(res)
+            if verdict.accepted:
+                try:
+                    self.monotonic.accept(res)
+                except StaleRead as exc:  # another thread recorded something newer meanwhile
+                    stale.append(str(exc))
+                    continue
+                return VersionInfo(model, int(v.number), v.manifest_id, dict(v.clock), int(reply.read.commit_index), address, tag)
+            stale.append(verdict.reason)
+        if missing is not None and not stale:
+            raise missing
+        if stale:
+            raise StaleRead(
+                f"every server answered {model}:{tag} with an older version than this client already saw: "
+                + " | ".join(stale[:3]) + ". A partitioned or lagging server cannot roll it back; retry once the cluster heals"
+            )
+        raise ClusterUnreachable(f"resolving {model}:{tag}: no server answered ({'; '.join(errors)}); check that the cluster is up")
+
+    def version(self, model: str, number: int, *, linearizable: bool = False) -> VersionInfo:
+        order = self._metadata_order()
+        leader = self._leader_address()
+        if linearizable and leader:
+            order = [leader, *[a for a in order if a != leader]]
+        try:
+            reply, address = self._ask(f"{model}@{number}", lambda c: c.get_version(model, number, linearizable=linearizable), order)
+        except NotFound:
+            if linearizable or not leader:
+                raise
+            # A lagging member may not have applied it yet: the leader's linearizable answer decides.
+            reply, address = self._ask(f"{model}@{number}", lambda c: c.get_version(model, number, linearizable=True), [leader])
+        v = reply.version
+        return VersionInfo(model, int(v.number), v.manifest_id, dict(v.clock), int(reply.read.commit_index), address)
+
+    def latest(self, model: str) -> VersionInfo:
+        order = self._metadata_order()
+        leader = self._leader_address()
+        if leader:  # the leader has applied every committed version; a follower may lag
+            order = [leader, *[a for a in order if a != leader]]
+        reply, address = self._ask(model, lambda c: c.list_versions(model), order)
+        if not reply.versions:
+            raise NotFound(f"model {model} has no versions; push one first")
+        v = max(reply.versions, key=lambda x: x.number)
+        return VersionInfo(model, int(v.number), v.manifest_id, dict(v.clock), int(reply.read.commit_index), address)
+
+    def resolve_ref(self, ref: ModelRef | str, *, linearizable: bool = False) -> VersionInfo:
+        """``MODEL:TAG`` (monotonic), ``MODEL@N`` or ``MODEL`` (its latest version)."""
+        mref = ModelRef.parse(ref) if isinstance(ref, str) else ref
+        if mref.tag is not None:
+            return self.resolve(mref.model, mref.tag, linearizable=linearizable)
+        if mref.version is not None:
+            return self.version(mref.model, mref.version, linearizable=linearizable)
+        return self.latest(mref.model)
+
+    def manifest(self, manifest_id: str) -> Manifest:
+        """The manifest named ``manifest_id``, proven by its content id; tries every server."""
+        with _MANIFESTS_LOCK:
+            cached = _MANIFESTS.get(manifest_id)
+            if cached is not None:
+                _MANIFESTS.move_to_end(manifest_id)
+                return cached
+        errors: list[str] = []
+        order = self._metadata_order()
+        leader = self._leader_address()
+        if leader:
+            order = [leader, *[a for a in order if a != leader]]
+        for address in order:
+            try:
+                reply = self.server(address).get_manifest(manifest_id=manifest_id)
+                manifest = Manifest.from_bytes(reply.data, expected_id=manifest_id)
+            except grpc.RpcError as exc:
+                code = rpc_code(exc)
+                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    raise from_rpc(exc, f"manifest {manifest_id}") from None
+                errors.append(f"{address}: {code.name}")
+                continue
+            except ManifestError as exc:
+                errors.append(f"{address}: {exc}")
+                continue
+            manifest.plan  # noqa: B018 - plan once, here, rather than on every load
+            with _MANIFESTS_LOCK:
+                _MANIFESTS[manifest_id] = manifest
+                while len(_MANIFESTS) > _MANIFESTS_KEPT:
+                    _MANIFESTS.popitem(last=False)
+            return manifest
+        raise ClusterUnreachable(
+            f"manifest {manifest_id} could not be read intact from any server ({'; '.join(errors)}); "
+            "check the servers or re-push the version"
+        )
+
+    # ------------------------------------------------------------ heat and corruption
+
+    def get_heat(self, model: str, version: int) -> list[tuple[int, int, int]] | None:
+        """Aggregated heat entries ``(index, count, first_access_order)`` from the first server that has any."""
+        for address in self._metadata_order():
+            try:
+                reply = self.server(address).get_heat(model, version)
+            except grpc.RpcError:
+                continue
+            if reply.reports and reply.entries:
+                return [(e.chunk_index, e.count, e.first_access_order) for e in reply.entries]
+        return None
+
+    def report_heat(self, model: str, version: int, entries: Sequence[tuple[int, int, int]]) -> int:
+        """Send a heat report to every up member (each aggregates on its own). Best effort."""
+        if not entries:
+            return 0
+        ok = 0
+        for m in self.members().values():
+            if m.state != "up":
+                continue
+            try:
+                self.server(m.grpc_address).report_heat(model, version, self.worker_id, entries)
+                ok += 1
+            except grpc.RpcError:
+                continue
+        return ok
+
+    def report_corrupt(self, chunk_ids: Sequence[str], server_id: str, reason: str) -> bool:
+        """Tell the replica that served bad bytes, so it re-verifies and queues a repair."""
+        member = self._members().get(server_id)
+        order = [member.grpc_address] if member is not None else []
+        order += [a for a in self._metadata_order() if a not in order]
+        for address in order:
+            try:
+                self.server(address).report_corrupt(list(chunk_ids), server_id, self.worker_id, reason[:500])
+                with self._lock:
+                    self.corrupt_reports_sent += 1
+                return True
+            except grpc.RpcError:
+                continue
+        return False
+
+    def _report_bad(self, server: str, ids: tuple[str, ...], reason: str) -> None:
+        if not self._closed:
+            self.report_corrupt(ids, server, f"client verification failed: {reason}")
+
+    # ------------------------------------------------------------ chunks
+
+    def fetch(self, refs: Sequence[ChunkRef], sink: ChunkSink, *, algorithm: str = "blake3",
+              tensors_of: Callable[[ChunkRef], Sequence[str]] | None = None) -> FetchStats:
+        """Fetch and verify ``refs`` (distinct ids from a proven manifest) into ``sink``.
+
+        Raises ChunkDataLoss / ChunkUnavailable naming the first chunk that no replica could serve
+        intact; an exception from the sink aborts the fetch and is re-raised.
+        """
+        view = self.view()
+        members = sorted(sid for sid, m in view.members.items() if m.state == "up")
+        others = sorted(sid for sid in view.members if sid not in members)
+        verifier = Verifier(self.verify, algorithm)
+        stats = self.engine.fetch(refs, view.replicas, members + others, sink, verifier=verifier, tensors_of=tensors_of)
+        with self._lock:
+            s = self.stats
+            s.chunks += stats.chunks
+            s.stored_bytes += stats.stored_bytes
+            s.reads += stats.reads
+            s.failovers += stats.failovers
+            s.corrupt_reports += stats.corrupt_reports
+            s.in_place += stats.in_place
+            for k, v in stats.by_server.items():
+                s.by_server[k] = s.by_server.get(k, 0) + v
+        return stats
+
+
+def client_for(cluster: ClusterClient | str | Sequence[str] | Any, token: str | None = None) -> tuple[ClusterClient, bool]:
+    """``(client, owned)``: an existing client, or a new one for seed addresses or settings (to be closed)."""
+    if isinstance(cluster, ClusterClient):
+        return cluster, False
+    if hasattr(cluster, "cluster_options"):
+        return ClusterClient(settings=cluster, token=token), True
+    return ClusterClient(cluster, token=token), True
+
+
+__all__ = ["ClientError", "ClusterClient", "SessionConfig", "VersionInfo", "client_for"]

@@ -1,0 +1,108 @@
+"""Optional bearer tokens and TLS.
+
+Server side, :class:`TokenAuthInterceptor` checks the ``authorization:
+Bearer <token>`` metadata: writes need the admin token, reads the read token
+or the admin token; the gRPC health service is always open so probes work
+without secrets. A token that is not configured leaves its class of RPC open.
+Clients: paramserver.client.channel.
+"""
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import grpc
+
+from paramserver.server.errors import ConfigError
+from paramserver.wire.auth import ADMIN_TOKEN_ENV, AUTH_HEADER, OPEN_PREFIXES, READ_TOKEN_ENV, WRITE_METHODS, read_tls_file
+
+@dataclass(frozen=True)
+class AuthConfig:
+    admin_token: str | None = None
+    read_token: str | None = None
+
+    def validate(self) -> AuthConfig:
+        if self.read_token and not self.admin_token:
+            raise ConfigError("a read token without an admin token would leave writes open; set an admin token too")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.admin_token or self.read_token)
+
+
+def _bearer(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
+    for key, value in metadata or ():
+        if key == AUTH_HEADER:
+            text = value.decode() if isinstance(value, bytes) else str(value)
+            scheme, _, token = text.partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else None
+    return None
+
+
+def _matches(given: str | None, expected: str | None) -> bool:
+    return given is not None and expected is not None and hmac.compare_digest(given.encode(), expected.encode())
+
+
+def check_call(method: str, metadata: Iterable[tuple[str, Any]] | None, config: AuthConfig) -> str | None:
+    """None when the call may proceed, else the UNAUTHENTICATED message (never echoing the token)."""
+    if method.startswith(OPEN_PREFIXES):
+        return None
+    token = _bearer(metadata)
+    is_write = method in WRITE_METHODS
+    if is_write:
+        if config.admin_token is None or _matches(token, config.admin_token):
+            return None
+        expected = f"the admin token (paramctl --token or ${ADMIN_TOKEN_ENV})"
+    else:
+        if config.read_token is None:
+            return None  # only writes are protected
+        if _matches(token, config.read_token) or _matches(token, config.admin_token):
+            return None
+        expected = f"the read token or the admin token (--token, ${READ_TOKEN_ENV} or ${ADMIN_TOKEN_ENV})"
+    name = method.rsplit("/", 1)[-1]
+    problem = "no token was sent" if token is None else "the token sent is wrong"
+    return f"{name} needs {expected} as 'authorization: Bearer <token>' metadata; {problem}"
+
+
+def _abort_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    def abort(_request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    kwargs = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(abort, **kwargs)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(abort, **kwargs)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(abort, **kwargs)
+    return grpc.unary_unary_rpc_method_handler(abort, **kwargs)
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    def __init__(self, config: AuthConfig) -> None:
+        self.config = config.validate()
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if handler is None or not self.config.enabled:
+            return handler
+        message = check_call(handler_call_details.method, handler_call_details.invocation_metadata, self.config)
+        return handler if message is None else _abort_handler(handler, message)
+
+
+def server_credentials(cert: str | Path, key: str | Path, client_ca: str | Path | None = None) -> grpc.ServerCredentials:
+    """TLS server credentials; with ``client_ca`` clients must present a certificate it signed."""
+    cert_bytes, key_bytes = read_tls_file(cert), read_tls_file(key)
+    assert cert_bytes is not None and key_bytes is not None
+    ca = read_tls_file(client_ca)
+    return grpc.ssl_server_credentials([(key_bytes, cert_bytes)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+__all__ = ["AuthConfig", "TokenAuthInterceptor", "check_call", "server_credentials"]

@@ -1,0 +1,131 @@
+"""``paramserver``: run one parameter server.
+
+    paramserver serve --id ps1 --data-dir /var/lib/ps1 --listen 127.0.0.1:7000 \
+        --raft 127.0.0.1:7100 --peer 127.0.0.1:7101 --peer 127.0.0.1:7102
+
+Options given on the command line override those in ``--config FILE``.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from paramserver.server.config import DEFAULT_GET_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES, MiB, ServerConfig
+from paramserver.server.errors import ConfigError
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = ServerConfig.__dataclass_fields__  # defaults are shown from the one place they live
+    p = argparse.ArgumentParser(
+        prog="paramserver",
+        description="Parameter server for model weights: content-addressed chunks on disk, metadata in Raft (pysyncobj), served over gRPC.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="run a server until SIGTERM/SIGINT", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                       description="Run one parameter server. The Raft port must be reachable only by cluster members: "
+                                   "pysyncobj unpickles peer messages. Set --cluster-secret to encrypt Raft traffic.")
+    s.add_argument("--config", type=Path, help="TOML or JSON file with the same keys as these options (flags win)")
+    s.add_argument("--id", dest="server_id", help="server id, unique in the cluster (required here or in --config)")
+    s.add_argument("--data-dir", type=Path, help="chunk store, Raft journal and dump (required here or in --config)")
+    s.add_argument("--listen", help=f"gRPC listen address HOST:PORT (default {d['listen'].default})")
+    s.add_argument("--advertise", help="gRPC address other servers and clients use (default: --listen)")
+    s.add_argument("--raft", help=f"Raft listen address HOST:PORT, private to the cluster (default {d['raft'].default})")
+    s.add_argument("--peer", action="append", dest="peers", metavar="HOST:PORT",
+                   help="Raft address of another initial member; repeat for each (default: none, a one-server cluster)")
+    s.add_argument("--zone", help="zone label; replicas of a chunk are spread over zones first")
+    s.add_argument("--replication", type=int, dest="replication_factor",
+                   help=f"replicas per chunk R, capped by the cluster size (default {d['replication_factor'].default})")
+    s.add_argument("--write-quorum", type=int, dest="write_quorum", help="acks per chunk W before a commit (default: majority of R)")
+    s.add_argument("--vnodes", type=int, help=f"virtual nodes per server on the hash ring (default {d['vnodes'].default})")
+    s.add_argument("--admin-token", default=os.environ.get("PARAMS_ADMIN_TOKEN"),
+                   help="token required for writes (env PARAMS_ADMIN_TOKEN; default: none, writes open)")
+    s.add_argument("--read-token", default=os.environ.get("PARAMS_READ_TOKEN"),
+                   help="token required for reads, admin token also accepted (env PARAMS_READ_TOKEN; default: none)")
+    s.add_argument("--cluster-secret", dest="raft_secret", default=os.environ.get("PARAMS_CLUSTER_SECRET"),
+                   help="shared secret that encrypts and authenticates Raft traffic; same on every member (env PARAMS_CLUSTER_SECRET)")
+    s.add_argument("--tls-cert", type=Path, help="server certificate (PEM) to serve gRPC over TLS; also the client certificate "
+                                                 "this server presents when it calls its peers, so it needs clientAuth as well "
+                                                 "as serverAuth usage (deploy/certs.py issues such)")
+    s.add_argument("--tls-key", type=Path, help="private key (PEM) of --tls-cert")
+    s.add_argument("--tls-ca", type=Path, help="CA (PEM) that client certificates must chain to (mutual TLS); peers' server "
+                                               "certificates are checked against it too (default: system roots for peers)")
+    s.add_argument("--cache-mb", type=int, help=f"hot-chunk memory cache in MiB (default {d['cache_bytes'].default // MiB})")
+    s.add_argument("--max-message-mb", type=int, help=f"largest gRPC message in MiB (default {DEFAULT_MAX_MESSAGE_BYTES // MiB})")
+    s.add_argument("--get-message-kb", type=int, help=f"GetChunks coalesces chunks into messages of about this size (default {DEFAULT_GET_MESSAGE_BYTES // 1024})")
+    s.add_argument("--no-fsync", action="store_true", help="skip fsync on chunk writes and on the Raft state (tests and drills only: a power loss can lose chunks and acknowledged commits)")
+    s.add_argument("--scrub-mb-per-s", type=int, help=f"background verification rate, 0 disables (default {d['scrub_bytes_per_s'].default // MiB})")
+    s.add_argument("--repair-interval", type=float, dest="repair_interval_s", help=f"seconds between repair passes (default {d['repair_interval_s'].default})")
+    s.add_argument("--anti-entropy-interval", type=float, dest="anti_entropy_interval_s",
+                   help=f"seconds between re-replication passes (default {d['anti_entropy_interval_s'].default})")
+    s.add_argument("--gc-interval", type=float, dest="gc_interval_s", help=f"seconds between orphan-chunk collections, 0 disables (default {d['gc_interval_s'].default})")
+    s.add_argument("--orphan-grace", type=float, dest="orphan_grace_s",
+                   help=f"an unreferenced chunk is deleted only when older than this many seconds (default {d['orphan_grace_s'].default})")
+    s.add_argument("--workers", type=int, help=f"gRPC server threads (default {d['workers'].default})")
+    s.add_argument("--bulk-listen", help="plain-TCP bulk chunk-read address HOST:PORT (default: the --listen host, a free port); "
+                                         "advertised to clients, off when TLS is on")
+    s.add_argument("--no-bulk", action="store_true", help="serve chunk bytes over gRPC GetChunks only (no bulk port)")
+    s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default: off)")
+    s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level")
+    return p
+
+
+def _overrides(a: argparse.Namespace) -> dict[str, Any]:
+    o: dict[str, Any] = {k: getattr(a, k) for k in (
+        "server_id", "data_dir", "listen", "advertise", "raft", "zone", "replication_factor", "write_quorum", "vnodes",
+        "admin_token", "read_token", "raft_secret", "tls_cert", "tls_key", "tls_ca", "repair_interval_s",
+        "anti_entropy_interval_s", "gc_interval_s", "orphan_grace_s", "workers", "bulk_listen")}
+    o["peers"] = tuple(a.peers) if a.peers else None
+    if a.cache_mb is not None:
+        o["cache_bytes"] = a.cache_mb * MiB
+    if a.max_message_mb is not None:
+        o["max_message_bytes"] = a.max_message_mb * MiB
+    if a.get_message_kb is not None:
+        o["get_message_bytes"] = a.get_message_kb * 1024
+    if a.scrub_mb_per_s is not None:
+        o["scrub_bytes_per_s"] = a.scrub_mb_per_s * MiB
+    if a.no_fsync:
+        o["fsync"] = False
+    if a.no_bulk:
+        o["bulk"] = False
+    return o
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.config is not None:
+            config = ServerConfig.from_file(args.config, **_overrides(args))
+        else:
+            config = ServerConfig.from_mapping({}, **_overrides(args))
+    except ConfigError as exc:
+        print(f"paramserver: {exc}", file=sys.stderr)
+        return 2
+    from paramserver.server.process import ParamServer  # after argument checks: --help stays fast
+
+    server = ParamServer(config, metrics_port=args.metrics_port)
+
+    def stop(signum: int, frame: object) -> None:
+        server._stopped.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        server.start()
+    except Exception as exc:  # noqa: BLE001 - start-up failures end the process with a readable line
+        logging.getLogger("paramserver").error("start-up failed: %s", exc)
+        server.stop()
+        return 1
+    server.serve_forever()
+    server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

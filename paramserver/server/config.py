@@ -1,0 +1,167 @@
+"""Server configuration: one frozen dataclass, validated, loadable from TOML or JSON.
+
+A config file holds the same keys as the dataclass fields, either at top level
+or under a ``[server]`` table; command-line flags (paramserver CLI) override it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from paramserver.server.errors import ConfigError
+from paramserver.wire.ring import replication_and_quorum
+
+from paramserver.wire.limits import DEFAULT_GET_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES, MiB
+
+
+def _check_hostport(name: str, value: str) -> None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{name} must be HOST:PORT (for example 127.0.0.1:7000), got {value!r}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    server_id: str
+    data_dir: Path
+    listen: str = "127.0.0.1:7000"  # gRPC listen address
+    raft: str = "127.0.0.1:7100"  # pysyncobj address of this server
+    peers: tuple[str, ...] = ()  # Raft addresses of the other initial members
+    advertise: str = ""  # gRPC address others use to reach us; default = listen
+    zone: str = ""
+    replication_factor: int = 3
+    write_quorum: int | None = None  # None -> majority of the effective R
+    vnodes: int = 128
+    admin_token: str | None = None  # required for writes when set
+    read_token: str | None = None  # required for reads when set (admin also accepted)
+    raft_secret: str | None = None  # pysyncobj password: encrypts Raft traffic
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_ca: Path | None = None  # when set, clients must present a certificate signed by it
+    cache_bytes: int = 256 * MiB
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    get_message_bytes: int = DEFAULT_GET_MESSAGE_BYTES
+    fsync: bool = True
+    scrub_bytes_per_s: int = 64 * MiB
+    repair_interval_s: float = 5.0
+    anti_entropy_interval_s: float = 10.0  # how often each server re-checks that its chunks have all R replicas
+    gc_interval_s: float = 600.0  # orphan-chunk collection period; 0 disables it
+    orphan_grace_s: float = 3600.0  # an unreferenced chunk is deleted only when older than this (longer than any push)
+    workers: int = 16  # gRPC server thread pool
+    # Plain-TCP bulk read port (paramserver/bulk.py): chunk bytes without gRPC's per-byte cost.
+    # None -> the host of ``listen`` with a free port. Off when TLS is configured (it has no encryption).
+    bulk_listen: str | None = None
+    bulk: bool = True
+    extra: Mapping[str, Any] = field(default_factory=dict)  # unknown keys from a file, for other components
+
+    @property
+    def advertise_address(self) -> str:
+        return self.advertise or self.listen
+
+    @property
+    def bulk_enabled(self) -> bool:
+        return self.bulk and self.tls_cert is None
+
+    @property
+    def bulk_listen_address(self) -> str:
+        return self.bulk_listen or f"{self.listen.rpartition(':')[0]}:0"
+
+    def effective_write_quorum(self, cluster_size: int) -> int:
+        return replication_and_quorum(self.replication_factor, self.write_quorum, cluster_size)[1]
+
+    def validate(self) -> ServerConfig:
+        if not self.server_id or not self.server_id.replace("-", "").replace("_", "").replace(".", "").isalnum():
+            raise ConfigError(f"server_id must be a non-empty name of letters, digits, '-', '_' or '.', got {self.server_id!r}")
+        _check_hostport("listen", self.listen)
+        _check_hostport("raft", self.raft)
+        for peer in self.peers:
+            _check_hostport("peer", peer)
+        if self.raft in self.peers:
+            raise ConfigError(f"peers must not include this server's own raft address {self.raft}")
+        if self.advertise:
+            _check_hostport("advertise", self.advertise)
+        if self.replication_factor < 1:
+            raise ConfigError(f"replication_factor must be >= 1, got {self.replication_factor}")
+        if self.write_quorum is not None and not 1 <= self.write_quorum <= self.replication_factor:
+            raise ConfigError(
+                f"write_quorum must be between 1 and replication_factor ({self.replication_factor}), got {self.write_quorum}; omit it for a majority"
+            )
+        if not 1 <= self.vnodes <= 4096:
+            raise ConfigError(f"vnodes must be between 1 and 4096, got {self.vnodes}")
+        if self.read_token and not self.admin_token:
+            raise ConfigError("read_token is set but admin_token is not: writes would be open while reads are protected; set admin_token too")
+        for name in ("admin_token", "read_token"):
+            token = getattr(self, name)
+            if token is not None and (len(token) < 8 or any(c.isspace() for c in token)):
+                raise ConfigError(f"{name} must be at least 8 characters without whitespace")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("tls_cert and tls_key must be given together")
+        if self.tls_ca is not None and self.tls_cert is None:
+            raise ConfigError("tls_ca (client certificate check) needs tls_cert and tls_key")
+        for name in ("tls_cert", "tls_key", "tls_ca"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(f"{name} file {path} does not exist")
+        if self.cache_bytes < 0:
+            raise ConfigError(f"cache_bytes must be >= 0, got {self.cache_bytes}")
+        if not 4 * MiB <= self.max_message_bytes <= 2047 * MiB:
+            raise ConfigError(f"max_message_bytes must be between 4 MiB and 2047 MiB, got {self.max_message_bytes}")
+        if not 64 * 1024 <= self.get_message_bytes <= self.max_message_bytes // 2:
+            raise ConfigError(f"get_message_bytes must be between 64 KiB and max_message_bytes/2, got {self.get_message_bytes}")
+        if self.scrub_bytes_per_s < 0:
+            raise ConfigError(f"scrub_bytes_per_s must be >= 0 (0 disables the scrubber), got {self.scrub_bytes_per_s}")
+        if self.repair_interval_s <= 0:
+            raise ConfigError(f"repair_interval_s must be > 0, got {self.repair_interval_s}")
+        if self.anti_entropy_interval_s <= 0:
+            raise ConfigError(f"anti_entropy_interval_s must be > 0, got {self.anti_entropy_interval_s}")
+        if self.gc_interval_s < 0 or self.orphan_grace_s < 0:
+            raise ConfigError("gc_interval_s and orphan_grace_s must be >= 0 (gc_interval_s 0 disables orphan collection)")
+        if self.bulk_listen is not None:
+            _check_hostport("bulk_listen", self.bulk_listen)
+        if not 1 <= self.workers <= 1024:
+            raise ConfigError(f"workers must be between 1 and 1024, got {self.workers}")
+        return self
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], **overrides: Any) -> ServerConfig:
+        data = dict(values.get("server", values))
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        known = {f.name for f in dataclasses.fields(cls)}
+        extra = {k: v for k, v in data.items() if k not in known}
+        kwargs = {k: v for k, v in data.items() if k in known}
+        for key in ("data_dir", "tls_cert", "tls_key", "tls_ca"):
+            if kwargs.get(key) is not None:
+                kwargs[key] = Path(kwargs[key])
+        if "peers" in kwargs:
+            peers = kwargs["peers"]
+            kwargs["peers"] = tuple(peers.split(",") if isinstance(peers, str) else peers)
+        for key in ("server_id", "data_dir"):
+            if key not in kwargs:
+                raise ConfigError(f"config is missing {key!r}")
+        extra_in = dict(kwargs.pop("extra", None) or {})
+        try:
+            config = cls(**kwargs, extra={**extra_in, **extra})
+        except TypeError as exc:
+            raise ConfigError(f"bad config: {exc}") from exc
+        return config.validate()
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides: Any) -> ServerConfig:
+        """Load a ``.toml`` or ``.json`` file; keyword overrides win (None is ignored)."""
+        p = Path(path)
+        try:
+            raw = p.read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {p}: {exc.strerror}") from exc
+        try:
+            values = json.loads(raw) if p.suffix == ".json" else tomllib.loads(raw.decode())
+        except (ValueError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"config file {p} is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {exc}") from exc
+        return cls.from_mapping(values, **overrides)
+
+
+__all__ = ["ServerConfig", "DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_GET_MESSAGE_BYTES", "MiB"]

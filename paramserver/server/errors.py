@@ -1,0 +1,65 @@
+"""Typed errors of the parameter server. Inner modules raise these; only the
+gRPC service modules map them to status codes. Messages say what to do next."""
+from __future__ import annotations
+
+from paramserver.wire.errors import ConfigError as WireConfigError
+
+
+class ParamServerError(Exception):
+    """Base class for every error raised by ``paramserver``."""
+
+
+class ConfigError(ParamServerError, WireConfigError):
+    """A server or client option is invalid."""
+
+
+class ChunkError(ParamServerError):
+    """A problem with one chunk; ``chunk_id`` names it."""
+
+    def __init__(self, chunk_id: str, message: str) -> None:
+        super().__init__(message)
+        self.chunk_id = chunk_id
+
+
+class InvalidChunkError(ChunkError, ValueError):
+    """A chunk offered for ingest is malformed or its bytes do not match its id.
+
+    The sender is at fault; nothing was stored. Maps to INVALID_ARGUMENT.
+    """
+
+
+class ChunkTransferCorruptError(InvalidChunkError):
+    """A chunk offered for ingest failed its CRC32C: damaged in transit. Maps to DATA_LOSS."""
+
+
+class ChunkNotFoundError(ChunkError, KeyError):
+    """The chunk is not stored on this server. Maps to NOT_FOUND."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class ChunkCorruptError(ChunkError):
+    """This server's stored copy failed verification; it was quarantined and
+    will never be returned. Maps to DATA_LOSS; the chunk is queued for repair."""
+
+
+class UnknownCodecError(InvalidChunkError):
+    """The chunk's codec is not one this server can verify."""
+
+
+class AuthError(ParamServerError):
+    """A call carried a missing or wrong token. Maps to UNAUTHENTICATED."""
+
+
+__all__ = [
+    "ParamServerError",
+    "ConfigError",
+    "ChunkError",
+    "InvalidChunkError",
+    "ChunkTransferCorruptError",
+    "ChunkNotFoundError",
+    "ChunkCorruptError",
+    "UnknownCodecError",
+    "AuthError",
+]

@@ -1,0 +1,97 @@
+"""Orphan collection: delete chunks no committed version refers to.
+
+A failed or interrupted push leaves chunks that no manifest names. They are
+deleted once older than a grace period, which must exceed the longest push
+(a push in flight has uploaded chunks it has not committed yet). "Older" counts from
+the last write or claim: a push that finds a chunk already stored (HasChunks, or a
+PutChunks of it) refreshes its mtime, so an old orphan that a new push reuses is not
+collected between the dedup check and the commit. When any
+manifest cannot be read, the step deletes nothing: never delete when unsure.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from chunking.errors import ManifestError
+from chunking.manifest import Manifest
+from consensus.api import MetadataPlane
+
+from paramserver.server.errors import ParamServerError
+from paramserver.server.store import ChunkStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GcReport:
+    scanned: int = 0
+    referenced: int = 0
+    deleted: int = 0
+    skipped_reason: str = ""
+
+
+class References:
+    """The chunk ids (manifests included) that committed versions refer to."""
+
+    def __init__(self, metadata: MetadataPlane, fetch_blob: Callable[[str], bytes]) -> None:
+        self.metadata = metadata
+        self.fetch_blob = fetch_blob
+        self._chunks_of: dict[str, frozenset[str]] = {}  # manifests are immutable: parse each once
+
+    def __call__(self) -> set[str] | None:
+        """The referenced ids, or None when some manifest cannot be read right now."""
+        refs: set[str] = set()
+        for model in self.metadata.list_models().value:
+            for version in self.metadata.list_versions(model).value:
+                mid = version.manifest_id
+                if mid not in self._chunks_of:
+                    try:
+                        manifest = Manifest.from_bytes(self.fetch_blob(mid), expected_id=mid)
+                    except (ParamServerError, ManifestError) as exc:
+                        log.warning("orphan collection skipped: manifest %s of %s v%d unreadable (%s)", mid, model, version.number, exc)
+                        return None
+                    self._chunks_of[mid] = frozenset(manifest.chunk_ids())
+                refs.add(mid)
+                refs |= self._chunks_of[mid]
+        return refs
+
+
+class OrphanCollector:
+    def __init__(
+        self,
+        references: References,
+        store: ChunkStore,
+        *,
+        grace_s: float = 3600.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.references = references
+        self.store = store
+        self.grace_s = grace_s
+        self.clock = clock
+
+    def step(self) -> GcReport:
+        report = GcReport()
+        refs = self.references()
+        if refs is None:
+            report.skipped_reason = "a manifest could not be read"
+            return report
+        report.referenced = len(refs)
+        cutoff = self.clock() - self.grace_s
+        for chunk_id in list(self.store.iter_ids()):
+            report.scanned += 1
+            if chunk_id in refs:
+                continue
+            # The mtime is re-read under the store's claim lock: a push that has just found this
+            # chunk here (HasChunks, or a PutChunks of it) claimed it and it stays.
+            if self.store.delete_if_unclaimed(chunk_id, cutoff):
+                report.deleted += 1
+        if report.deleted:
+            log.info("orphan collection deleted %d unreferenced chunks", report.deleted)
+        return report
+
+
+__all__ = ["GcReport", "OrphanCollector", "References"]

@@ -1,0 +1,295 @@
+"""gRPC metadata plane: versions, tags, members, manifests, over a MetadataPlane.
+
+Consensus errors are mapped to status codes here (rpc_errors): NotFound ->
+NOT_FOUND, Conflict -> ABORTED, Invalid -> INVALID_ARGUMENT, NotLeader /
+NoQuorum / CommitTimeout -> UNAVAILABLE (NotLeader adds the leader's address
+as trailing metadata ``pdparams-leader``).
+
+Before a commit, ``version_check`` (a hook the cluster layer provides) must
+prove invariant 2: every chunk of the manifest reached its write quorum. The
+default only proves that the manifest itself is readable here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import grpc
+
+from chunking.hashing import content_id, is_content_id
+from consensus.api import MetadataPlane
+from consensus.records import MemberRecord, ReadResult, TagRecord, VersionRecord
+
+from paramserver.server import codecs
+from paramserver.server.errors import InvalidChunkError, ParamServerError
+from paramserver.wire.proto import pb
+from paramserver.wire.ring import replication_and_quorum
+from paramserver.server.rpc_errors import MAPPED, PreconditionFailed, abort_with, invalid
+from paramserver.server.store import ChunkStore
+
+
+@dataclass(frozen=True)
+class VersionFacts:
+    nbytes: int
+    chunk_count: int
+
+
+class VersionCheck(Protocol):
+    def __call__(self, manifest_id: str, manifest: bytes) -> VersionFacts | None:
+        """Raise PreconditionFailed when some chunk lacks its quorum; may return sizes."""
+
+
+# Manifest bytes by id (decoded, content-verified); raise a ChunkError when unavailable.
+BlobFetcher = Callable[[str], bytes]
+
+
+@dataclass(frozen=True)
+class RingInfo:
+    vnodes: int
+    replication_factor: int
+    write_quorum: int | None  # None -> majority of R capped by cluster size
+    hash: str = "blake3"
+
+
+def local_blob_fetcher(store: ChunkStore) -> BlobFetcher:
+    def fetch(blob_id: str) -> bytes:
+        chunk = store.get(blob_id)
+        raw = codecs.decode(chunk.codec, chunk.data, chunk.raw_size)
+        if content_id(raw) != blob_id:
+            raise InvalidChunkError(blob_id, f"blob {blob_id} does not decode to its id")
+        return bytes(raw)
+
+    return fetch
+
+
+def _version_pb(v: VersionRecord) -> pb.Version:
+    msg = pb.Version(
+        model=v.model,
+        number=v.number,
+        manifest_id=v.manifest_id,
+        clock=dict(v.clock),
+        created_at=v.created_at,
+        nbytes=v.nbytes,
+        chunk_count=v.chunk_count,
+        publisher=v.publisher,
+        forced=v.forced,
+    )
+    if v.parent is not None:
+        msg.parent = v.parent
+    return msg
+
+
+def _tag_pb(t: TagRecord) -> pb.Tag:
+    msg = pb.Tag(model=t.model, tag=t.tag, version=t.version)
+    for move in t.history:
+        m = msg.history.add(who=move.who, when=move.when)
+        if move.from_version is not None:
+            m.from_version = move.from_version
+        if move.to_version is not None:
+            m.to_version = move.to_version
+    return msg
+
+
+def _member_pb(m: MemberRecord) -> pb.Member:
+    return pb.Member(server_id=m.server_id, grpc_address=m.grpc_address, raft_address=m.raft_address, state=m.state, zone=m.zone,
+                     bulk_address=m.bulk_address)
+
+
+def _read_pb(r: ReadResult[object]) -> pb.ReadInfo:
+    return pb.ReadInfo(commit_index=r.commit_index, server_id=r.server_id, linearizable=r.linearizable)
+
+
+def _need(context: grpc.ServicerContext, **fields: str) -> None:
+    for name, value in fields.items():
+        if not value:
+            invalid(context, f"{name} must not be empty")
+
+
+class MetadataService:
+    def __init__(
+        self,
+        metadata: MetadataPlane,
+        store: ChunkStore,
+        ring: RingInfo,
+        *,
+        fetch_blob: BlobFetcher | None = None,
+        version_check: VersionCheck | None = None,
+    ) -> None:
+        self.metadata = metadata
+        self.store = store
+        self.ring = ring
+        self.fetch_blob = fetch_blob or local_blob_fetcher(store)
+        self.version_check = version_check
+
+    def _ring_pb(self, cluster_size: int) -> pb.RingParams:
+        r, w = replication_and_quorum(self.ring.replication_factor, self.ring.write_quorum, cluster_size)
+        return pb.RingParams(vnodes=self.ring.vnodes, replication_factor=r, write_quorum=w, hash=self.ring.hash)
+
+    def ClusterInfo(self, request: pb.ClusterInfoRequest, context: grpc.ServicerContext) -> pb.ClusterInfoReply:
+        try:
+            members = self.metadata.members()
+            leader_raft = self.metadata.leader_raft_address() or ""
+            reply = pb.ClusterInfoReply(
+                server_id=self.metadata.server_id,
+                members=[_member_pb(m) for m in members.value],
+                leader_raft_address=leader_raft,
+                term=self.metadata.term(),
+                commit_index=members.commit_index,
+                ring=self._ring_pb(len([m for m in members.value if m.state == "up"])),
+                is_leader=self.metadata.is_leader(),
+            )
+        except MAPPED as exc:
+            abort_with(context, exc)
+        for m in members.value:
+            if leader_raft and m.raft_address == leader_raft:
+                reply.leader_id, reply.leader_grpc_address = m.server_id, m.grpc_address
+        return reply
+
+    # ------------------------------------------------------------ writes
+
+    def CommitVersion(self, request: pb.CommitVersionRequest, context: grpc.ServicerContext) -> pb.VersionReply:
+        _need(context, model=request.model, publisher=request.publisher)
+        if not is_content_id(request.manifest_id):
+            invalid(context, f"manifest_id {request.manifest_id[:80]!r} is not a content id (64 lowercase hex digits)")
+        try:
+            manifest = self.fetch_blob(request.manifest_id)
+        except (ParamServerError, ValueError) as exc:
+            missing = PreconditionFailed(
+                f"manifest {request.manifest_id} is not readable ({exc}); push the manifest and its chunks with PutChunks before CommitVersion"
+            )
+            abort_with(context, missing)
+        nbytes, chunk_count = request.nbytes, request.chunk_count
+        try:
+            if self.version_check is not None:
+                facts = self.version_check(request.manifest_id, manifest)
+                if facts is not None:
+                    nbytes, chunk_count = facts.nbytes, facts.chunk_count
+            record = self.metadata.commit_version(
+                request.model,
+                request.manifest_id,
+                request.parent if request.HasField("parent") else None,
+                request.publisher,
+                nbytes,
+                chunk_count,
+                force=request.force,
+                tag=request.tag or None,
+            )
+        except MAPPED as exc:
+            abort_with(context, exc)
+        return pb.VersionReply(
+            version=_version_pb(record), read=pb.ReadInfo(commit_index=self.metadata.commit_index(), server_id=self.metadata.server_id), tag=request.tag
+        )
+
+    def SetTag(self, request: pb.SetTagRequest, context: grpc.ServicerContext) -> pb.TagReply:
+        _need(context, model=request.model, tag=request.tag)
+        try:
+            record = self.metadata.set_tag(request.model, request.tag, request.version, request.who or "unknown")
+        except MAPPED as exc:
+            abort_with(context, exc)
+        return pb.TagReply(tag=_tag_pb(record), read=self._write_read())
+
+    def RollbackTag(self, request: pb.RollbackTagRequest, context: grpc.ServicerContext) -> pb.TagReply:
+        _need(context, model=request.model, tag=request.tag)
+        try:
+            record = self.metadata.rollback_tag(request.model, request.tag, request.who or "unknown")
+        except MAPPED as exc:
+            abort_with(context, exc)
+        return pb.TagReply(tag=_tag_pb(record), read=self._write_read())
+
+    def DeleteTag(self, request: pb.DeleteTagRequest, context: grpc.ServicerContext) -> pb.DeleteTagReply:
+        _need(context, model=request.model, tag=request.tag)
+        try:
+            self.metadata.delete_tag(request.model, request.tag, request.who or "unknown")
+        except MAPPED as exc:
+            abort_with(context, exc)
+        return pb.DeleteTagReply(read=self._write_read())
+
+    def AddMember(self, request: pb.AddMemberRequest, context: grpc.ServicerContext) -> pb.MembershipReply:
+        m = request.member
+        _need(context, server_id=m.server_id, grpc_address=m.grpc_address, raft_address=m.raft_address)
+        try:
+            self.metadata.add_member(MemberRecord(m.server_id, m.grpc_address, m.raft_address, m.state or "up", m.zone,
+                                                     m.bulk_address))
+            members = self.metadata.members()
+        except MAPPED as exc:
+            abort_with(context, exc)
+        return pb.MembershipReply(members=[_member_pb(x) for x in members.value], read=_read_pb(members))
+
+    def RemoveMember(self, request: pb.RemoveMemberRequest, context: grpc.ServicerContext) -> pb.MembershipReply:
+        _need(context, server_id=request.server_id)
+        try:
+            self.metadata.remove_member(request.server_id)
+            members = self.metadata.members()
+        except MAPPED as exc:
+            abort_with(context, exc)
+        return pb.MembershipReply(members=[_member_pb(x) for x in members.value], read=_read_pb(members))
+
+    def _write_read(self) -> pb.ReadInfo:
+        return pb.ReadInfo(commit_index=self.metadata.commit_index(), server_id=self.metadata.server_id, linearizable=True)
+
+    # ------------------------------------------------------------ reads
+
+    def ResolveTag(self, request: pb.ResolveTagRequest, context: grpc.ServicerContext) -> pb.VersionReply:
+        _need(context, model=request.model, tag=request.tag)
+        try:
+            result = self.metadata.resolve_tag(request.model, request.tag, linearizable=request.linearizable)
+        except MAPPED as exc:
+            abort_with(context, exc)
+        return pb.VersionReply(version=_version_pb(result.value), read=_read_pb(result), tag=request.tag)
+
+    def GetVersion(self, request: pb.GetVersionRequest, context: grpc.ServicerContext) -> pb.VersionReply:
+        _need(context, model=request.model)
+        try:
+            result = self.metadata.get_version(request.model, request.number, linearizable=request.linearizable)
+        except MAPPED as exc:
+            abort_with(context, exc)
+        return pb.VersionReply(version=_version_pb(result.value), read=_read_pb(result))
+
+    def GetManifest(self, request: pb.GetManifestRequest, context: grpc.ServicerContext) -> pb.GetManifestReply:
+        reply = pb.GetManifestReply()
+        try:
+            manifest_id = request.manifest_id
+            if not manifest_id:
+                _need(context, model=request.model)
+                if request.version:
+                    result = self.metadata.get_version(request.model, request.version, linearizable=request.linearizable)
+                elif request.tag:
+                    result = self.metadata.resolve_tag(request.model, request.tag, linearizable=request.linearizable)
+                else:
+                    invalid(context, "GetManifest needs manifest_id, or model with version or tag")
+                manifest_id = result.value.manifest_id
+                reply.version.CopyFrom(_version_pb(result.value))
+                reply.read.CopyFrom(_read_pb(result))
+            elif not is_content_id(manifest_id):
+                invalid(context, f"manifest_id {manifest_id[:80]!r} is not a content id (64 lowercase hex digits)")
+            reply.manifest_id = manifest_id
+            reply.data = self.fetch_blob(manifest_id)
+        except MAPPED as exc:
+            abort_with(context, exc)
+        return reply
+
+    def ListModels(self, request: pb.ListModelsRequest, context: grpc.ServicerContext) -> pb.ListModelsReply:
+        try:
+            result = self.metadata.list_models()
+        except MAPPED as exc:
+            abort_with(context, exc)
+        return pb.ListModelsReply(models=list(result.value), read=_read_pb(result))
+
+    def ListVersions(self, request: pb.ListVersionsRequest, context: grpc.ServicerContext) -> pb.ListVersionsReply:
+        _need(context, model=request.model)
+        try:
+            result = self.metadata.list_versions(request.model)
+        except MAPPED as exc:
+            abort_with(context, exc)
+        return pb.ListVersionsReply(versions=[_version_pb(v) for v in result.value], read=_read_pb(result))
+
+    def ListTags(self, request: pb.ListTagsRequest, context: grpc.ServicerContext) -> pb.ListTagsReply:
+        _need(context, model=request.model)
+        try:
+            result = self.metadata.list_tags(request.model)
+        except MAPPED as exc:
+            abort_with(context, exc)
+        return pb.ListTagsReply(tags=[_tag_pb(t) for t in result.value], read=_read_pb(result))
+
+
+__all__ = ["MetadataService", "RingInfo", "VersionFacts", "VersionCheck", "BlobFetcher", "local_blob_fetcher"]

@@ -1,0 +1,139 @@
+"""The paramserver process: chunk store + metadata node + gRPC service + the
+background tasks (self-registration, repair, scrub, re-replication, orphan GC).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from consensus.config import RaftConfig
+from consensus.errors import MetadataError
+from consensus.node import MetadataNode
+from consensus.records import MemberRecord
+
+from paramserver.server.auth import AuthConfig
+from paramserver.server.background import Periodic
+from paramserver.server.bulk_port import BulkServer
+from paramserver.server.cluster import PeerSet, QuorumVersionCheck, ReplicaFetcher, cluster_blob_fetcher
+from paramserver.server.config import ServerConfig
+from paramserver.server.gc import OrphanCollector, References
+from paramserver.server.metrics import ServerCollector, serve_metrics
+from paramserver.server.repair import RepairQueue, Repairer, Scrubber
+from paramserver.server.replication import ReReplicator
+from paramserver.wire.ring import RingConfig
+from paramserver.server.service import RunningServer, start_server
+from paramserver.server.store import ChunkStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ParamServer:
+    config: ServerConfig
+    metrics_port: int | None = None
+    node: MetadataNode | None = None
+    store: ChunkStore | None = None
+    running: RunningServer | None = None
+    bulk: BulkServer | None = None
+    peers: PeerSet | None = None
+    _tasks: list[Periodic] = field(default_factory=list)
+    _stopped: threading.Event = field(default_factory=threading.Event)
+    _registered: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> None:
+        cfg = self.config.validate()
+        queue = RepairQueue()
+        self.store = store = ChunkStore(cfg.data_dir, cache_bytes=cfg.cache_bytes, fsync=cfg.fsync, on_corrupt=queue.add)
+        self.node = node = MetadataNode(RaftConfig(
+            server_id=cfg.server_id, raft_address=cfg.raft, peers=tuple(cfg.peers),
+            data_dir=cfg.data_dir / "raft", secret=cfg.raft_secret, fsync=cfg.fsync,
+        ))
+        node.start()
+
+        def members() -> list[MemberRecord]:
+            try:
+                return list(node.members().value)
+            except MetadataError:
+                return []
+
+        peers = PeerSet(cfg.server_id, members, ring_config=RingConfig(vnodes=cfg.vnodes),
+                        replication_factor=cfg.replication_factor, write_quorum=cfg.write_quorum, token=cfg.admin_token,
+                        tls_cert=cfg.tls_cert, tls_key=cfg.tls_key, tls_ca=cfg.tls_ca)
+        self.peers = peers
+        fetcher = ReplicaFetcher(peers, store)
+        fetch_blob = cluster_blob_fetcher(store, fetcher)
+        self.running = start_server(cfg, store, metadata=node, repair_queue=queue, fetch_blob=fetch_blob,
+                                    version_check=QuorumVersionCheck(peers, store))
+        log.info("%s serving gRPC on %s, Raft on %s", cfg.server_id, self.running.address, cfg.raft)
+        if cfg.bulk_enabled:
+            self.bulk = BulkServer(store, AuthConfig(cfg.admin_token, cfg.read_token), cfg.bulk_listen_address).start()
+            log.info("%s serving bulk chunk reads on %s", cfg.server_id, self.bulk.address)
+
+        references = References(node, fetch_blob)
+        threading.Thread(target=self._register_loop, name="register", daemon=True).start()
+        self._tasks = [
+            Periodic("repair", cfg.repair_interval_s, Repairer(store, queue, fetcher).step),
+            Periodic("re-replicate", cfg.anti_entropy_interval_s, ReReplicator(peers, store, references=references).step),
+        ]
+        if cfg.scrub_bytes_per_s:
+            scrubber = Scrubber(store, queue)
+            self._tasks.append(Periodic("scrub", 1.0, lambda: scrubber.step(cfg.scrub_bytes_per_s)))
+        if cfg.gc_interval_s:
+            gc = OrphanCollector(references, store, grace_s=cfg.orphan_grace_s)
+            self._tasks.append(Periodic("orphan-gc", cfg.gc_interval_s, gc.step))
+        for task in self._tasks:
+            task.start()
+        if self.metrics_port is not None:
+            host = cfg.listen.rpartition(":")[0]
+            serve_metrics(self.metrics_port, host, ServerCollector(cfg.server_id, store, node, queue, lambda: len(members())))
+
+    def _register_loop(self) -> None:
+        """Publish this server's member record once a leader exists; retry until it sticks."""
+        assert self.node is not None
+        cfg = self.config
+        me = MemberRecord(cfg.server_id, cfg.advertise_address, cfg.raft, "up", cfg.zone, self.bulk_advertise_address)
+        delay = 0.1
+        while not self._stopped.is_set():
+            try:
+                if self.node.wait_ready(1.0):
+                    current = {m.server_id: m for m in self.node.members().value}.get(cfg.server_id)
+                    if current == me:
+                        self._registered.set()
+                        return
+                    self.node.add_member(me)
+                    log.info("%s registered as a member (%s)", cfg.server_id, cfg.advertise_address)
+            except MetadataError as exc:
+                log.info("registration of %s not done yet: %s", cfg.server_id, exc)
+            self._stopped.wait(delay)
+            delay = min(2.0, delay * 2)
+
+    @property
+    def bulk_advertise_address(self) -> str:
+        """Host of the advertised gRPC address + the bound bulk port; "" without a bulk port."""
+        if self.bulk is None:
+            return ""
+        return f"{self.config.advertise_address.rpartition(':')[0]}:{self.bulk.port}"
+
+    def wait_registered(self, timeout: float) -> bool:
+        return self._registered.wait(timeout)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        for task in self._tasks:
+            task.stop(timeout=5.0)
+        if self.bulk is not None:
+            self.bulk.stop()
+        if self.running is not None:
+            self.running.stop(grace=1.0)
+        if self.node is not None:
+            self.node.close()
+        if self.peers is not None:
+            self.peers.close()
+
+    def serve_forever(self) -> None:
+        while not self._stopped.wait(1.0):
+            pass
+
+
+__all__ = ["ParamServer"]

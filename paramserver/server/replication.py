@@ -1,0 +1,144 @@
+"""Anti-entropy: every server makes sure each chunk it holds is on all of that
+chunk's ring replicas, pushing copies to the ones that lack it.
+
+This is what restores R copies after a server comes back (a push made while it
+was down reached only W replicas), and what moves about 1/N of the chunks when
+a member joins or leaves: the ring changes, and the new owners get copies.
+Driven by explicit ``step()`` calls so tests control when it runs. A push in
+flight needs no help: the client writes every replica itself.
+
+A pass costs a walk of the whole store and a HasChunks of every chunk on every peer, so
+after a clean pass (every replica complete, every peer reached) the next ones are skipped
+while nothing that could leave a replica missing has changed: the members, R, this store's
+contents and the set of committed chunks. Every ``full_pass_every`` steps a pass runs
+anyway, for what this server cannot see (a peer that lost files while it stayed up).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Iterator
+
+import grpc
+
+from consensus.records import MemberRecord
+
+from paramserver.server.cluster import ChunkData, PeerSet
+from paramserver.server.errors import ParamServerError
+from paramserver.wire.ring import Ring
+from paramserver.server.store import ChunkStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReplicationReport:
+    scanned: int = 0
+    checked: int = 0  # (chunk, replica) pairs asked about
+    copied: int = 0
+    bytes_copied: int = 0
+    missing: int = 0  # (chunk, replica) pairs found missing (and sent)
+    unreachable: list[str] = field(default_factory=list)
+    skipped: bool = False  # nothing changed since the last clean pass
+
+
+class PassGate:
+    """Whether an anti-entropy pass is due: always, unless the last pass was clean and the
+    state it saw is unchanged; and at least every ``full_pass_every`` steps. Pure logic."""
+
+    def __init__(self, full_pass_every: int = 10) -> None:
+        if full_pass_every < 1:
+            raise ValueError(f"full_pass_every must be >= 1, got {full_pass_every}")
+        self.full_pass_every = full_pass_every
+        self._clean: Hashable | None = None
+        self._skipped = 0
+
+    def due(self, state: Hashable) -> bool:
+        if self._clean is None or state != self._clean or self._skipped + 1 >= self.full_pass_every:
+            return True
+        self._skipped += 1
+        return False
+
+    def record(self, state: Hashable, *, clean: bool) -> None:
+        self._clean = state if clean else None
+        self._skipped = 0
+
+
+class ReReplicator:
+    def __init__(
+        self,
+        peers: PeerSet,
+        store: ChunkStore,
+        *,
+        references: Callable[[], set[str] | None] | None = None,
+        batch: int = 1024,
+        push_batch_bytes: int = 4 << 20,
+        full_pass_every: int = 10,
+    ) -> None:
+        self.peers = peers
+        # Only chunks of committed versions are copied: copying orphans would hand
+        # them back to servers that just collected them, and they would never die.
+        self.references = references
+        self.store = store
+        self.batch = batch
+        self.push_batch_bytes = push_batch_bytes
+        self.gate = PassGate(full_pass_every)
+
+    def step(self) -> ReplicationReport:
+        report = ReplicationReport()
+        ring = self.peers.ring()
+        if len(ring) <= 1:
+            return report
+        r = min(self.peers.replication_factor, len(ring))
+        members = self.peers.members()
+        refs = self.references() if self.references is not None else None
+        state = (self.store.generation, r, frozenset(members.values()), None if refs is None else frozenset(refs))
+        if not self.gate.due(state):
+            report.skipped = True
+            return report
+        report = self._pass(report, ring, r, members, refs)
+        self.gate.record(state, clean=not report.unreachable and not report.missing)
+        return report
+
+    def _pass(self, report: ReplicationReport, ring: Ring, r: int, members: dict[str, MemberRecord], refs: set[str] | None) -> ReplicationReport:
+        wanted: dict[str, list[str]] = {}
+        for chunk_id in self.store.iter_ids():
+            report.scanned += 1
+            if refs is not None and chunk_id not in refs:
+                continue
+            for server in ring.replicas(chunk_id, r):
+                if server != self.peers.self_id:
+                    wanted.setdefault(server, []).append(chunk_id)
+        for server, ids in wanted.items():
+            member = members.get(server)
+            if member is None:
+                continue
+            client = self.peers.client(member)
+            try:
+                for start in range(0, len(ids), self.batch):
+                    part = ids[start:start + self.batch]
+                    report.checked += len(part)
+                    missing = [cid for cid, ok in zip(part, client.has_chunks(part)) if not ok]
+                    report.missing += len(missing)
+                    if missing:
+                        reply = client.put_chunks(self._chunks(missing, report), batch_bytes=self.push_batch_bytes)
+                        report.copied += int(reply.chunks_stored)
+            except grpc.RpcError as exc:
+                # A replica that is down is the normal case this task exists for; try it next round.
+                report.unreachable.append(server)
+                log.debug("re-replication to %s skipped: %s", server, exc.code() if hasattr(exc, "code") else exc)
+        if report.copied:
+            log.info("re-replication copied %d chunks (%d bytes)", report.copied, report.bytes_copied)
+        return report
+
+    def _chunks(self, ids: list[str], report: ReplicationReport) -> Iterator[ChunkData]:
+        for cid in ids:
+            try:
+                c = self.store.get(cid, use_cache=False)
+            except ParamServerError:
+                continue  # corrupt or deleted since the scan: the repair queue owns it now
+            report.bytes_copied += len(c.data)
+            yield ChunkData(c.id, c.codec, c.raw_size, c.crc32c, c.data)
+
+
+__all__ = ["PassGate", "ReReplicator", "ReplicationReport"]
