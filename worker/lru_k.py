@@ -86,7 +86,10 @@ class LRUKCache:
         retained_information_period: float = 3600.0,
         max_retained_history: int = 100_000,
         clock: Callable[[], float] = time.monotonic,
+        on_evict: Callable[[Hashable, Any], None] | None = None,
     ) -> None:
+        """``on_evict(key, value)`` runs (under the cache's lock, which is re-entrant) after an
+        entry is evicted to make room; it may ``pop`` other keys."""
         if capacity_bytes < 0:
             raise ConfigError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         if k < 1:
@@ -99,6 +102,7 @@ class LRUKCache:
         self.rip = retained_information_period
         self.max_retained = max_retained_history
         self._clock = clock
+        self.on_evict = on_evict
         self._lock = threading.RLock()
         self._entries: dict[Hashable, _Entry] = {}
         self._bytes = 0
@@ -304,8 +308,11 @@ class LRUKCache:
                 key = self._pop_valid(self._recent_heap, False, protect)
             if key is None:
                 break  # only the protected key is left and it fits by construction
-            self._remove(key, self._entries[key], retain=True)
+            entry = self._entries[key]
+            self._remove(key, entry, retain=True)
             self._evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(key, entry.value)
 
     def _remove(self, key: Hashable, entry: _Entry, retain: bool) -> None:
         del self._entries[key]

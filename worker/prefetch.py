@@ -57,14 +57,24 @@ class LoadCounters:
     first_tensor_s: float | None = None
 
 
+class HeldGroup:
+    """The memory-tier entries that view one load's tensors: evicting one evicts them all."""
+
+    __slots__ = ("keys",)
+
+    def __init__(self) -> None:
+        self.keys: set[str] = set()
+
+
 class HeldChunk:
     """A memory-tier entry that is a view of a loaded tensor's bytes, with their CRC32C."""
 
-    __slots__ = ("crc", "view")
+    __slots__ = ("crc", "group", "view")
 
-    def __init__(self, view: memoryview, crc: int) -> None:
+    def __init__(self, view: memoryview, crc: int, group: HeldGroup) -> None:
         self.view = view
         self.crc = crc
+        self.group = group
 
     def intact(self) -> bool:
         return crc32c(self.view) == self.crc
@@ -197,6 +207,13 @@ class Prefetcher:
         self._disk_queue: queue.Queue[tuple[str, bytes] | None] | None = None
         self._disk_thread: threading.Thread | None = None
         self._t0 = time.perf_counter()
+        # The memory tier holds views of these tensors when all of them fit its budget (a view
+        # keeps the whole load's memory alive); the first view is charged the bytes that no
+        # view covers (small tensors packed together, padding), so the charge is what is held.
+        self._group = HeldGroup()
+        self._slack = max(0, manifest.raw_bytes - sum(r.raw_size for r in manifest.unique_chunks()
+                                                      if self.writer.region(self._indices[r.id][0]) is not None))
+        self._views = cache is not None and cache.memory.capacity_bytes >= manifest.raw_bytes + self._slack
         for i, t in enumerate(manifest.tensors):
             if manifest.plan.tensor_chunks[i]:
                 self.readiness.on_ready(t.name, self._first_ready)
@@ -253,9 +270,13 @@ class Prefetcher:
         """Put a fetched chunk in the tiers: on CPU a view of the tensor bytes it landed in."""
         if self.cache is None:
             return
-        if in_tensor:
+        if in_tensor and self._views:
             crc = ref.crc32c if ref.codec == "raw" else crc32c(view)
-            self.cache.memory.put(ref.id, HeldChunk(view, crc), size=view.nbytes)
+            with self._lock:
+                charge = view.nbytes + self._slack
+                self._slack = 0
+                self._group.keys.add(ref.id)
+            self.cache.memory.put(ref.id, HeldChunk(view, crc, self._group), size=charge)
             disk_value: Buffer = view
         else:
             # A received buffer is reused after this call (or a CUDA staging copy): keep one copy.
@@ -406,4 +427,4 @@ class Prefetcher:
             errors.append(exc)
 
 
-__all__ = ["ChunkWriter", "HeldChunk", "LoadCounters", "LocalSource", "Prefetcher", "TIERS", "unique_order"]
+__all__ = ["ChunkWriter", "HeldChunk", "HeldGroup", "LoadCounters", "LocalSource", "Prefetcher", "TIERS", "unique_order"]

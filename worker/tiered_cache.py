@@ -29,6 +29,7 @@ class TieredCache:
     def __init__(self, memory: LRUKCache, disk: DiskCache | None = None) -> None:
         self.memory = memory
         self.disk = disk
+        memory.on_evict = self._evicted
         self._lock = threading.Lock()
         self._lookups = 0
         self._full_misses = 0
@@ -74,6 +75,18 @@ class TieredCache:
         self.memory.put(key, value)
         if self.disk is not None:
             self.disk.put(key, value)
+
+    def _evicted(self, key: object, value: Any) -> None:
+        # Entries that view one load's tensors keep all of that memory alive: they live and die
+        # together, so the budget they are charged is what they really hold.
+        group = getattr(value, "group", None)
+        if group is None:
+            return
+        for other in list(group.keys):
+            held = self.memory.peek(other)
+            if getattr(held, "group", None) is group:
+                self.memory.pop(other)
+        group.keys.clear()
 
     def contains(self, key: str) -> bool:
         return self.memory.contains(key) or (self.disk is not None and self.disk.contains(key))

@@ -5,6 +5,7 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -166,3 +167,58 @@ def test_tensor_source_refuses_modified_tensors() -> None:
 def test_prefetch_config_validates() -> None:
     with pytest.raises(ValueError, match="max_streams_in_flight"):
         PrefetchConfig(max_streams_in_flight=0).validate()
+
+
+def private_run(packed, cache, client=None):  # type: ignore[no-untyped-def]
+    """A load into fresh host-arena tensors the load owns (as worker.loader does on CPU)."""
+    from paramserver.client.hostmem import allocate_targets
+
+    targets = dict(allocate_targets(packed.manifest).tensors)
+    client = client if client is not None else FakeClient(packed.source())
+    p = Prefetcher(packed.manifest, targets, client=client, cache=cache, private_targets=True)
+    return targets, p.run(), client
+
+
+def test_memory_tier_holds_views_of_the_loaded_tensors_not_copies() -> None:
+    from worker.prefetch import HeldChunk
+
+    sd = model()
+    packed = pack(sd, model="m")
+    cache = TieredCache.from_config(CacheConfig(memory_bytes=64 << 20))
+    targets, _, _ = private_run(packed, cache)
+    assert all(same(targets[k], v) for k, v in sd.items())
+    held = [cache.memory.peek(r.id) for r in packed.manifest.unique_chunks()]
+    views = [h for h in held if isinstance(h, HeldChunk)]
+    assert views, "no chunk was kept as a view"
+    # Each view points into the loaded tensors' memory: no second copy of those bytes.
+    ptrs = {t.untyped_storage().data_ptr() for t in targets.values() if t.numel()}
+    base = min(ptrs)
+    assert all(base <= np.frombuffer(h.view, np.uint8).ctypes.data < base + (1 << 30) for h in views)
+    # What the tier is charged covers the whole load it keeps alive.
+    assert cache.memory.bytes >= packed.manifest.raw_bytes
+
+
+def test_a_tensor_changed_in_place_never_leaks_into_the_next_load() -> None:
+    sd = model()
+    packed = pack(sd, model="m")
+    cache = TieredCache.from_config(CacheConfig(memory_bytes=64 << 20))
+    targets, _, _ = private_run(packed, cache)
+    targets["layer3.weight"].add_(1.0)  # the user trains in place
+    again, counters, client = private_run(packed, cache)
+    assert all(same(again[k], v) for k, v in sd.items())
+    assert counters.bytes["network"] > 0 and client.asked  # the changed chunks came from the cluster
+    assert counters.bytes["memory"] > 0
+
+
+def test_views_of_one_load_are_evicted_together() -> None:
+    from worker.prefetch import HeldChunk
+
+    sd = model()
+    packed = pack(sd, model="m")
+    cache = TieredCache.from_config(CacheConfig(memory_bytes=packed.manifest.raw_bytes + (1 << 20)))
+    private_run(packed, cache)
+    assert any(isinstance(cache.memory.peek(r.id), HeldChunk) for r in packed.manifest.unique_chunks())
+    for i in range(3):  # other data pushes the load's chunks out: all of its views go at once
+        cache.memory.put(f"{i:064x}", bytes(packed.manifest.raw_bytes // 2))
+        cache.memory.put(f"{i:064x}", bytes(packed.manifest.raw_bytes // 2))
+    assert not any(isinstance(cache.memory.peek(r.id), HeldChunk) for r in packed.manifest.unique_chunks())
