@@ -121,6 +121,7 @@ class LoadHandle:
         self._report_heat = report_heat
         self._host = host
         self._done = threading.Event()
+        self._heat_sent = threading.Event()
         self._error: BaseException | None = None
         self._report: LoadReport | None = None
         self._thread = threading.Thread(target=self._run, name="paramworker-load", daemon=True)
@@ -132,21 +133,28 @@ class LoadHandle:
         try:
             counters = self.prefetcher.run()
             self._report = make_report(self.info, self.manifest, self.device, counters, time.perf_counter() - self._start)
-            if self._report_heat:
-                try:
-                    entries = self.prefetcher.recorder.snapshot().entries()
-                    self._client.report_heat(self.info.model, self.info.number, entries)
-                except Exception:  # noqa: BLE001 - heat is advisory; never fail a load for it
-                    pass
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:  # noqa: BLE001 - handed to result()
             self._error = exc
         finally:
             if prefault is not None:
                 prefault.stop()
             self._host = None
+            # The load is done: heat goes out behind it, so it never adds to the load's latency.
+            self._done.set()
+        try:
+            if self._report_heat and self._error is None:
+                entries = self.prefetcher.recorder.snapshot().entries()
+                self._client.report_heat(self.info.model, self.info.number, entries)
+        except Exception:  # noqa: BLE001 - heat is advisory; never fail a load for it
+            pass
+        finally:
             if self._owned:
                 self._client.close()
-            self._done.set()
+            self._heat_sent.set()
+
+    def heat_sent(self, timeout: float | None = None) -> bool:
+        """Wait until the load's heat report went out (or was skipped)."""
+        return self._heat_sent.wait(timeout)
 
     def wait(self, name: str, timeout: float | None = None) -> torch.Tensor:
         """The tensor ``name`` once its own chunks have landed (raises TensorFailed if they cannot)."""
@@ -216,6 +224,7 @@ class LoadedModel:
     manifest: Manifest
     info: VersionInfo
     report: LoadReport
+    handle: LoadHandle | None = None  # e.g. ``handle.heat_sent(timeout)`` before a process exits
 
 
 def load(
@@ -228,7 +237,7 @@ def load(
     """Load ``ref`` completely; returns tensors, manifest, resolved version and a LoadReport."""
     handle = start_load(cluster, ref, device, cache, **kwargs)
     tensors, report = handle.result()
-    return LoadedModel(tensors, handle.manifest, handle.info, report)
+    return LoadedModel(tensors, handle.manifest, handle.info, report, handle)
 
 
 def load_state_dict(

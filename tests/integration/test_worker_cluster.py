@@ -304,6 +304,7 @@ def test_deliberate_rollback_is_followed(cluster: Cluster, client: ClusterClient
 def test_heat_is_reported_and_served(cluster: Cluster, client: ClusterClient) -> None:
     cluster.push(layers(4, seed=40), "heat", tag="prod")
     loaded = load(client, "heat:prod", config=PrefetchConfig(use_heatmap=True))
+    assert loaded.handle is not None and loaded.handle.heat_sent(10)
     entries = client.get_heat("heat", loaded.info.number)
     assert entries is not None
     assert {i for i, _, _ in entries} == set(range(len(loaded.manifest.chunks)))
