@@ -13,6 +13,11 @@ let two leaders win one term. This module replaces those pieces, one SyncObj at 
   end there are only zeros and records appended since, and a sector that missed the disk
   zeroes a length field that parsing checks (the class docstring has the argument); the torn
   tail, never acknowledged, is cut off at the next start.
+  Truncation reaches the disk only when a different entry takes a dropped one's place: pysyncobj
+  deletes and re-adds the entries a leader re-sends, and a power loss in between must not take
+  entries this server acknowledged. After a crash between the full dump's rename and the journal's
+  compaction a tick later, start-up finishes that compaction (``resume_compaction``), since
+  pysyncobj would otherwise replace the journal by the dump's last two entries.
 - ``MetaFile`` holds term, vote and commit index (``raft.journal.meta``): written to a temporary
   file, fsynced, renamed, folder fsynced, with a CRC; a damaged file stops start-up.
 - ``AckGate`` holds a follower's AppendEntries answers while its journal has unsynced records
@@ -48,6 +53,7 @@ import pysyncobj.syncobj as _pso_syncobj
 from pysyncobj import SyncObj
 from pysyncobj.journal import (APP_NAME, APP_VERSION, FIRST_RECORD_OFFSET, JOURNAL_FORMAT_VERSION,
                                LAST_RECORD_OFFSET_OFFSET, NAME_SIZE, VERSION_SIZE, Journal)
+from pysyncobj.pickle import load as _pso_load
 from pysyncobj.pickle import loads as _pso_loads
 from pysyncobj.pickle import to_bytes
 from pysyncobj.version import VERSION as PYSYNCOBJ_VERSION
@@ -342,6 +348,11 @@ class DurableJournal(Journal):  # type: ignore[misc]
         self._disk_end = parsed.end
         self._allocated = len(data)
         self._barrier = False  # the pending group holds a record longer than two sectors
+        # Records pysyncobj deleted (deleteEntriesFrom) that are still in the file, right after
+        # the log, and stay there until a different entry takes the place of the first of them.
+        self._dropped: list[Entry] = []
+        self._dropped_starts: list[int] = []
+        self._dropped_end = self._end  # end of the file's log: the last dropped record, or _end
         if parsed.torn is not None:
             log.warning("Raft journal %s: torn tail dropped (%s); kept %d entries up to index %s. "
                         "Entries after it were never acknowledged by a server running with fsync.",
@@ -356,26 +367,30 @@ class DurableJournal(Journal):  # type: ignore[misc]
     @property
     def dirty(self) -> bool:
         """Records are appended that a power loss would still take away."""
-        return self._end != self._disk_end
+        return self._end > self._disk_end
 
     @property
     def failure(self) -> str | None:
         return self._failure
 
     def sync(self) -> None:
-        """Group commit: make every record appended since the last sync durable (no-op when clean)."""
-        if self._end == self._disk_end:
+        """Group commit: make every record appended since the last sync durable (no-op when clean).
+
+        The header names the end of the file's log: with records that pysyncobj deleted but no
+        different entry has replaced yet, that is past the last entry pysyncobj holds."""
+        if not self.dirty:
             return
         self._usable()
         started = time.perf_counter()
+        end = self._dropped_end
         try:
             if self._barrier:
                 os.fdatasync(self._fd)  # a long record must be whole before the header names it
-            _write_all(self._fd, _END.pack(self._end), LAST_RECORD_OFFSET_OFFSET)
+            _write_all(self._fd, _END.pack(end), LAST_RECORD_OFFSET_OFFSET)
             os.fdatasync(self._fd)
         except OSError as exc:
             self._fail(f"sync of Raft journal {self.path} failed: {exc}")
-        self._disk_end = self._end
+        self._disk_end = end
         self._barrier = False
         self.sync_count += 1
         self.sync_seconds += time.perf_counter() - started
@@ -387,6 +402,16 @@ class DurableJournal(Journal):  # type: ignore[misc]
     def add(self, command: bytes, idx: int, term: int) -> None:
         self._usable()
         record = encode_record(command, idx, term)
+        if self._dropped:
+            if _same_entry(self._dropped[0], (command, idx, term)):
+                # pysyncobj re-adds an entry it deleted a moment ago (the leader re-sent it): the
+                # record is still in its place, durable if it was, and never stopped being so.
+                assert self._dropped_starts[0] == self._end
+                self._entries.append(self._dropped.pop(0))
+                self._starts.append(self._dropped_starts.pop(0))
+                self._end += len(record)
+                return
+            self._truncate_dropped()  # a different entry: now the dropped ones really go
         try:
             if self._end + len(record) > self._allocated:
                 self._grow(self._end + len(record))
@@ -398,33 +423,56 @@ class DurableJournal(Journal):  # type: ignore[misc]
         if (self._end + len(record) - 1) // SECTOR - self._end // SECTOR > 1:
             self._barrier = True
         self._end += len(record)
+        self._dropped_end = self._end
         if not self.fsync:
             self._set_disk_end(self._end)  # what a kill -9 must still find
 
     def clear(self) -> None:
-        self._rewrite([])
+        self._rewrite([], [])
 
-    def deleteEntriesFrom(self, entryFrom: int) -> None:  # noqa: N802 - pysyncobj's name
+    def deleteEntriesFrom(self, entryFrom: int) -> None:  # noqa: N802, N803 - pysyncobj's names
+        """Drop the entries from position ``entryFrom`` on, on disk only once a different one takes their place.
+
+        pysyncobj deletes every entry after the leader's prevLogIdx and appends what the message
+        carries, also when those are the very entries it just deleted: the leader re-sends
+        entries whose answer is still on its way, which holding answers until the sync makes
+        common. Those entries may be acknowledged and committed; truncated on disk, even just
+        until they are synced again, a power loss would take them from this server. Raft drops
+        entries only for a conflicting one, so the file keeps them until ``add`` brings another.
+        """
         if entryFrom >= len(self._entries):
             return
         self._usable()
-        new_end = self._starts[entryFrom]
-        old_end = self._end
+        self._dropped[:0] = self._entries[entryFrom:]
+        self._dropped_starts[:0] = self._starts[entryFrom:]
+        self._end = self._starts[entryFrom]
         del self._entries[entryFrom:]
         del self._starts[entryFrom:]
-        self._end = new_end
-        try:
-            if self.fsync:
-                # The dropped records may be on disk already (synced, or written back by the
-                # kernel); zeroed, they cannot pass for the records that will take their place.
-                _write_all(self._fd, bytes(old_end - new_end), new_end)
-        except OSError as exc:
-            self._fail(f"truncation of Raft journal {self.path} failed: {exc}")
-        self._set_disk_end(new_end)
 
-    def deleteEntriesTo(self, entryTo: int) -> None:  # noqa: N802 - pysyncobj's name
+    def deleteEntriesTo(self, entryTo: int) -> None:  # noqa: N802, N803 - pysyncobj's names
         """Log compaction (the full dump is already durable): a new journal file, swapped in atomically."""
-        self._rewrite(self._entries[entryTo:])
+        self._rewrite(self._entries[entryTo:], self._dropped)
+
+    def resume_compaction(self, dump_tail: tuple[Entry, Entry] | None) -> None:
+        """Finish a log compaction that a crash cut between the full dump's rename and the journal's.
+
+        pysyncobj keeps the journal only if its first two entries are the two a full dump ends
+        with, and otherwise replaces it by those two. After a power loss between the dump's
+        rename and the journal rewrite that follows it (a tick later), the journal still starts
+        earlier: every entry after the dump, acknowledged ones included, would go. Call before
+        the SyncObj starts, with ``dump_log_tail``'s answer.
+        """
+        if dump_tail is None or len(self._entries) < 2:
+            return
+        prev, last = dump_tail
+        at = prev[1] - self._entries[0][1]
+        if at <= 0 or at + 1 >= len(self._entries):
+            return  # already compacted, or the dump is past this log (an installed snapshot): pysyncobj's case
+        if not (_same_entry(self._entries[at], prev) and _same_entry(self._entries[at + 1], last)):
+            return  # this log diverges from the dump's: pysyncobj replaces it, as Raft would
+        log.warning("Raft journal %s: finishing the log compaction a crash interrupted (the full dump ends at "
+                    "entry %d); keeping entries %d-%d", self.path, last[1], prev[1], self._entries[-1][1])
+        self._rewrite(self._entries[at:], self._dropped)
 
     def __getitem__(self, item: Any) -> Any:
         return self._entries[item]
@@ -472,10 +520,13 @@ class DurableJournal(Journal):  # type: ignore[misc]
             self._store_meta()
 
     # ---------------------------------------------------------------- internals
-    def _rewrite(self, kept: list[Entry]) -> None:
-        """Replace the file by one holding just ``kept``: temporary file, fsync, rename, folder fsync."""
+    def _rewrite(self, kept: list[Entry], dropped: list[Entry]) -> None:
+        """Replace the file by one holding ``kept`` (and after it ``dropped``, still dropped).
+
+        Temporary file, fsync, rename, folder fsync."""
         self._usable()
-        records = [encode_record(*e) for e in kept]
+        kept, dropped = list(kept), list(dropped)
+        records = [encode_record(*e) for e in kept + dropped]
         starts, offset = [], FIRST_RECORD_OFFSET
         for r in records:
             starts.append(offset)
@@ -488,9 +539,25 @@ class DurableJournal(Journal):  # type: ignore[misc]
         os.close(self._fd)
         self._fd = new_fd
         self._allocated = offset
-        self._entries, self._starts = list(kept), starts
-        self._end = self._disk_end = offset
+        self._entries, self._starts = kept, starts[:len(kept)]
+        self._dropped, self._dropped_starts = dropped, starts[len(kept):]
+        self._end = self._dropped_starts[0] if dropped else offset
+        self._dropped_end = self._disk_end = offset
         self._barrier = False
+
+    def _truncate_dropped(self) -> None:
+        """The dropped records go for good: zeroed, then the header names the log's end (synced)."""
+        old_end = self._dropped_end
+        self._dropped, self._dropped_starts = [], []
+        self._dropped_end = self._end
+        try:
+            if self.fsync:
+                # The dropped records may be on disk (synced, or written back by the kernel);
+                # zeroed, they cannot pass for the records that will take their place.
+                _write_all(self._fd, bytes(old_end - self._end), self._end)
+        except OSError as exc:
+            self._fail(f"truncation of Raft journal {self.path} failed: {exc}")
+        self._set_disk_end(self._end)
 
     def _cut_tail(self, end: int) -> None:
         try:
@@ -559,6 +626,31 @@ def check_dump(path: str) -> None:
             f"Raft full dump {path} is damaged ({exc}); refusing to start without the state it holds. Restore it, "
             "or, if the other members are healthy, move this server's raft folder away so that it rejoins empty"
         ) from None
+
+
+def dump_log_tail(path: str) -> tuple[Entry, Entry] | None:
+    """The two log entries a full dump ends with, as pysyncobj stores them; None without a (readable) dump.
+
+    pysyncobj writes ``(state, last applied entry, the entry before it, cluster)``; it starts
+    the journal of a compacted log with those two entries.
+    """
+    if not os.path.exists(path):
+        return None
+    try:
+        with gzip.open(path, "rb") as g:
+            data = _pso_load(g)
+        last, prev = data[1], data[2]
+        tail = (tuple(prev), tuple(last))
+        if not all(len(e) == 3 and isinstance(e[1], int) and isinstance(e[2], int) for e in tail):
+            raise ValueError(f"unexpected entries {tail!r}")
+    except Exception as exc:  # noqa: BLE001 - pysyncobj loads it, or logs why not, itself
+        log.warning("Raft full dump %s: cannot read the log position it ends at (%s)", path, exc)
+        return None
+    return tail
+
+
+def _same_entry(a: Entry, b: Entry) -> bool:
+    return a[1:] == b[1:] and bytes(to_bytes(a[0])) == bytes(to_bytes(b[0]))
 
 
 # ------------------------------------------------------------------ acknowledgement gate

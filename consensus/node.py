@@ -12,7 +12,8 @@ from pysyncobj.config import FAIL_REASON
 
 from .codec import member_command, member_record, tag_record, version_record
 from .config import RaftConfig
-from .durable import AckGate, DurableJournal, DurableSyncObj, check_dump, fsync_path_and_ancestors, install
+from .durable import (AckGate, DurableJournal, DurableSyncObj, check_dump, dump_log_tail, fsync_path_and_ancestors,
+                      install)
 from .errors import CommitTimeout, Conflict, NoQuorum, NotLeader, Unavailable
 from .links import transport_class
 from .records import MemberRecord, ReadResult, TagRecord, VersionRecord
@@ -98,6 +99,9 @@ class MetadataNode:
             useFork=False,
         )
         try:
+            # A power loss between the full dump's rename and the journal's compaction leaves a
+            # journal that pysyncobj would throw away, entries after the dump and all.
+            journal.resume_compaction(dump_log_tail(str(cfg.dump_file)))
             syncobj = DurableSyncObj(
                 cfg.raft_address,
                 list(cfg.peers),

@@ -390,3 +390,60 @@ def test_a_failed_sync_stops_the_node_instead_of_acknowledging(tmp_path: Path, m
         assert numbers[:1] == [1] and len(numbers) <= 2
     finally:
         restarted.close()
+
+
+def test_a_compaction_cut_between_the_dump_and_the_journal_keeps_the_entries_after_the_dump(tmp_path: Path) -> None:
+    """Log compaction renames the full dump in one tick and rewrites the journal in the next.
+
+    A power loss in between leaves the new dump next to the old journal, which starts before the
+    dump's entries; pysyncobj then throws the journal away for the dump's two entries, and with it
+    every entry after the dump, acknowledged ones too. Start-up finishes the compaction instead.
+    """
+    from pysyncobj.syncobj import _COMMAND_TYPE, _bchr
+
+    from consensus import MetadataNode, RaftConfig
+    from consensus.durable import DurableJournal, dump_log_tail, parse_journal
+
+    data = tmp_path / "solo"
+    address = f"127.0.0.1:{free_port()}"
+
+    def run(compact_after: int, commits: int, parent: int | None) -> int | None:
+        node = MetadataNode(RaftConfig("solo", address, (), data, log_compaction_min_entries=compact_after))
+        node.start()
+        try:
+            assert node.wait_ready(30)
+            for _ in range(commits):
+                parent = node.commit_version("m", MANIFEST, parent, "p", 1, 1).number
+            if compact_after < 100:
+                journal = data / "raft.journal"  # read, not opened: a DurableJournal would cut the live tail
+                wait_until(lambda: (data / "raft.dump").exists()
+                           and parse_journal(journal.read_bytes(), str(journal)).entries[0][1] > 1,
+                           30, what="a log compaction")
+        finally:
+            node.close()
+        return parent
+
+    parent = run(3, 6, None)  # compacts: a dump, and a journal that starts with its last two entries
+    parent = run(10_000, 3, parent)  # three more commits, after the dump, in the journal only
+    tail = dump_log_tail(str(data / "raft.dump"))
+    assert tail is not None
+    j = DurableJournal(str(data / "raft.journal"))
+    log = list(j)
+    assert log[:2] == list(tail) and log[-1][1] >= tail[1][1] + 3
+    # What the power loss leaves: the journal from before its rewrite, starting before the dump.
+    j.clear()
+    j.add(_bchr(_COMMAND_TYPE.NO_OP), log[0][1] - 1, log[0][2])
+    for e in log:
+        j.add(*e)
+    j.sync()
+    j._destroy()
+
+    node = MetadataNode(RaftConfig("solo", address, (), data, log_compaction_min_entries=10_000))
+    node.start()
+    try:
+        assert node.wait_ready(30)
+        assert [v.number for v in node.list_versions("m").value] == list(range(1, 10))
+    finally:
+        node.close()
+    final = data / "raft.journal"
+    assert parse_journal(final.read_bytes(), str(final)).entries[:2] == list(tail)  # the compaction, finished

@@ -6,9 +6,15 @@ that every commit ever acknowledged is on every server, commit from two writers,
 power at a random moment, kill -9 all three and unmount. Ten rounds, then a last check.
 Log compaction is set low so the full dump, the journal rewrite and snapshot installs are cut
 through too. Root only (FUSE mount), skipped with the reason elsewhere.
+
+A missing commit is reported as lost (missing on a majority: no server can bring it back) or
+as not caught up (on a majority, so the leader replicates it; only this server lags, e.g. on a
+loaded machine), with what each server holds. POWERLOSS_SEED=N repeats a run's cut moments
+(the seed is printed); the interleaving of the servers still differs from run to run.
 """
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -29,7 +35,8 @@ pytestmark = [
 ]
 MANIFEST = "ef" * 32
 ROUNDS = 10
-CATCH_UP = 30.0
+CATCH_UP = 30.0  # for all three servers to hold every acknowledged commit
+SLOW_CATCH_UP = 60.0  # more, for one that lags while a majority holds everything
 
 Acked = dict[str, set[int]]  # model -> version numbers whose commit was acknowledged
 
@@ -80,14 +87,36 @@ def missing_on(node: DevNode, acked: Acked) -> dict[str, set[int]]:
 
 
 def check_all_present(cluster: Cluster, acked: Acked, when: str) -> None:
-    for node in cluster.nodes:
-        def caught_up(n: DevNode = node) -> bool:
-            return not missing_on(n, acked)
-        try:
-            wait_until(caught_up, CATCH_UP, interval=0.2, what="catch-up")
-        except TimeoutError:
-            raise AssertionError(f"{when}: acknowledged commits missing on {node.server_id}: "
-                                 f"{missing_on(node, acked)}") from None
+    """Every acknowledged commit on every server; a failure says whether it is lost or lagging."""
+    def holdings() -> dict[str, dict[str, set[int]] | str]:
+        held: dict[str, dict[str, set[int]] | str] = {}
+        for n in cluster.nodes:
+            try:
+                held[n.server_id] = missing_on(n, acked)
+            except (MetadataError, TimeoutError) as exc:  # a server that cannot answer: nothing we know of
+                held[n.server_id] = f"no answer: {exc!r}"
+        return held
+
+    def all_there() -> bool:
+        return all(not m for m in holdings().values())
+
+    try:
+        wait_until(all_there, CATCH_UP, interval=0.2, what="catch-up")
+        return
+    except TimeoutError:
+        pass
+    held = holdings()
+    lost = {(model, number) for model, numbers in acked.items() for number in numbers
+            if sum(1 for m in held.values() if isinstance(m, str) or number in m.get(model, ())) * 2
+            > len(cluster.nodes)}
+    if lost:
+        raise AssertionError(f"{when}: acknowledged commits LOST (missing on a majority): {sorted(lost)}; "
+                             f"missing per server: {held}")
+    try:  # on a majority: the leader brings them to the others, given time
+        wait_until(all_there, SLOW_CATCH_UP, interval=0.5, what="slow catch-up")
+    except TimeoutError:
+        raise AssertionError(f"{when}: acknowledged commits on a majority but not caught up on every server "
+                             f"after {CATCH_UP + SLOW_CATCH_UP:.0f}s: missing per server {holdings()}") from None
 
 
 class Writer(threading.Thread):
@@ -116,12 +145,11 @@ class Writer(threading.Thread):
             parent = number
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(360)
 def test_acknowledged_commits_survive_ten_power_losses_of_the_whole_cluster(
         mount: PowerLossMount, tmp_path: Path) -> None:
-    rng = random.Random()
-    seed = rng.randrange(1 << 30)
-    rng.seed(seed)
+    seed = int(os.environ.get("POWERLOSS_SEED") or random.randrange(1 << 30))
+    rng = random.Random(seed)
     (tmp_path / "logs").mkdir()
     mount.start()
     cluster = Cluster(mount.mountpoint, size=3, log_dir=tmp_path / "logs",
@@ -147,6 +175,8 @@ def test_acknowledged_commits_survive_ten_power_losses_of_the_whole_cluster(
             stop.set()
             for w in writers:
                 w.join(timeout=20)
+            # A writer still running could record a commit after the check began.
+            assert not any(w.is_alive() for w in writers), "a writer did not stop within 20s of the cut"
             mount.unmount()
             report.append((round_no, before, cut["files_changed_unsynced"], cut["names_changed_unsynced"]))
             mount.start()

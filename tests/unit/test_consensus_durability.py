@@ -284,9 +284,8 @@ def test_truncation_stops_the_header_naming_records_before_they_are_overwritten(
         j.add(*e)
     j.sync()
     j.deleteEntriesFrom(2)
-    assert disk_end(jpath) == j._end  # on disk at once, before any new record lands on the old ones
-    assert not any(jpath.read_bytes()[j._end:j._end + 64])
-    j.add(b"new-3", 3, 2)
+    j.add(b"new-3", 3, 2)  # a different entry 3: the truncation reaches the disk before its record
+    assert list(j) == entries(2) + [(b"new-3", 3, 2)] and j.dirty
     crash(j)
     j = reopen(jpath)
     assert list(j) == entries(2)  # the unsynced new entry is gone, and the truncated ones stay gone
@@ -303,14 +302,89 @@ def test_truncation_zeroes_the_dropped_records_on_disk(jpath: Path) -> None:
     j.sync()
     for e in entries(3, first=3):
         j.add(*e)  # unsynced, but the kernel may have written them back already
-    old_end = j._end
+    old_end = j._dropped_end
     j.deleteEntriesFrom(3)
-    assert disk_end(jpath) == j._end and not j.dirty  # the kept prefix is durable at once
-    assert not any(jpath.read_bytes()[j._end:old_end])  # the dropped ones cannot pass for new ones
     j.add(b"new-4", 4, 3)
+    kept_end = j._starts[-1]
+    assert disk_end(jpath) == kept_end  # the kept prefix is durable before the new record lands
+    assert not any(jpath.read_bytes()[kept_end + len(durable.encode_record(b"new-4", 4, 3)):old_end])
     j.sync()
     crash(j)
     assert list(reopen(jpath)) == entries(3) + [(b"new-4", 4, 3)]
+
+
+def test_entries_the_leader_re_sends_stay_durable_while_pysyncobj_deletes_and_re_adds_them(
+        jpath: Path, calls: list[tuple[Any, ...]]) -> None:
+    """pysyncobj's follower deletes every entry after prevLogIdx and appends what came, even the same ones.
+
+    The leader re-sends entries whose answers are still on the way (common, since answers wait for
+    the sync). Those were synced and acknowledged: a power loss right after the deletion, or
+    after the re-add and before the next sync, must still find them on this server."""
+    j = fresh(jpath)
+    for e in entries(5):
+        j.add(*e)
+    j.sync()  # acknowledged from here on
+    j.deleteEntriesFrom(2)  # append_entries with prevLogIdx 2
+    assert list(j) == entries(2) and not j.dirty  # pysyncobj's view; nothing for the gate to hold
+    before = len(calls)
+    for e in entries(3, first=3):
+        j.add(*e)  # the same entries again
+    assert list(j) == entries(5) and not j.dirty  # the answer goes out at once: nothing new to sync
+    assert [c for c in calls[before:] if c[0] in ("pwrite", "fdatasync", "fsync")] == []
+    crash(j)
+    assert list(reopen(jpath)) == entries(5)
+
+    j = reopen(jpath)
+    j.deleteEntriesFrom(1)
+    crash(j)  # the power fails between the deletion and the re-add
+    assert list(reopen(jpath)) == entries(5)
+
+    j = reopen(jpath)
+    j.deleteEntriesFrom(1)
+    j.add(*entries(1, first=2)[0])  # only part of them came back (a batch cut short by its size limit)
+    j.sync()
+    crash(j)
+    assert list(reopen(jpath)) == entries(5)
+
+    j = reopen(jpath)
+    j.deleteEntriesFrom(2)
+    j.add(b"other-3", 3, 2)  # a conflicting entry (a later term): now 3..5 go, as Raft wants
+    j.sync()
+    crash(j)
+    assert list(reopen(jpath)) == entries(2) + [(b"other-3", 3, 2)]
+
+
+def test_dropped_entries_kept_on_disk_follow_a_sync_and_a_compaction(jpath: Path) -> None:
+    j = fresh(jpath)
+    for e in entries(6):
+        j.add(*e)
+    j.sync()
+    j.deleteEntriesFrom(3)  # 4..6 dropped by pysyncobj, still in the file
+    j.add(*entries(1, first=4)[0])  # one re-sent
+    assert not j.dirty
+    j.deleteEntriesTo(2)  # compaction: the new file keeps the dropped ones after the log
+    assert list(j) == entries(2, first=3) and not j.dirty
+    j.add(*entries(1, first=5)[0])  # still restorable in the new file
+    assert list(j) == entries(3, first=3)
+    crash(j)
+    assert list(reopen(jpath)) == entries(4, first=3)  # 3..6: nothing acknowledged went
+
+
+def test_a_dropped_entry_that_was_never_synced_is_synced_before_its_answer(jpath: Path) -> None:
+    j = fresh(jpath)
+    for e in entries(2):
+        j.add(*e)
+    j.sync()
+    for e in entries(2, first=3):
+        j.add(*e)  # not synced yet: not acknowledged
+    j.deleteEntriesFrom(2)
+    assert not j.dirty  # what pysyncobj holds now (1..2) is durable
+    j.add(*entries(1, first=3)[0])
+    assert j.dirty  # entry 3 is back, and its answer waits for the sync
+    j.sync()
+    assert disk_end(jpath) == j._dropped_end  # the header names the whole file log, 4 too
+    crash(j)
+    assert list(reopen(jpath)) == entries(4)
 
 
 def test_compaction_swaps_in_a_new_file(jpath: Path) -> None:
