@@ -16,22 +16,30 @@ import gc
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 if "--no-thp" not in sys.argv:
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # read once by torch's CPU allocator
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from chunking import ChunkingConfig, content_id, crc32c, pack, unpack  # noqa: E402
-from chunking.synthetic import synthetic_state_dict  # noqa: E402
-from chunking.unpack import empty_like_manifest  # noqa: E402
+from chunking import ChunkingConfig, content_id, crc32c, pack, unpack
+from chunking.synthetic import synthetic_state_dict
+from chunking.manifest import Manifest
+from chunking.unpack import empty_like_manifest
+
+T = TypeVar("T")
 
 
-def timed(fn: Callable[[], object], repeat: int) -> tuple[float, object]:
-    best, result = float("inf"), None
-    for _ in range(repeat):
+def timed(fn: Callable[[], T], repeat: int) -> tuple[float, T]:
+    """Best seconds of ``repeat`` (at least one) calls of ``fn``, and the last call's result."""
+    gc.collect()
+    t0 = time.perf_counter()
+    result = fn()
+    best = time.perf_counter() - t0
+    for _ in range(repeat - 1):
         gc.collect()
         t0 = time.perf_counter()
         result = fn()
@@ -43,14 +51,23 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-def touched_target(manifest) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
+def memcpy_seconds(nbytes: int, repeat: int) -> tuple[float, float]:
+    """Seconds to copy ``nbytes`` random bytes into fresh memory and into memory already touched."""
+    src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    t_fresh, _ = timed(lambda: np.copyto(np.asarray(torch.empty(nbytes, dtype=torch.uint8).numpy()), src), repeat)
+    warm = np.ones(nbytes, dtype=np.uint8)
+    t_warm, _ = timed(lambda: np.copyto(warm, src), repeat)
+    return t_fresh, t_warm
+
+
+def touched_target(manifest: Manifest) -> dict[str, torch.Tensor]:
     target = empty_like_manifest(manifest)
     for t in target.values():
         t.reshape(-1).view(torch.uint8).fill_(1)
     return target
 
 
-def verify_floor(manifest, source, dest: np.ndarray) -> None:  # type: ignore[no-untyped-def]
+def verify_floor(manifest: Manifest, source: Mapping[str, bytes], dest: np.ndarray) -> None:
     """The least work unpack must do: CRC32C, BLAKE3 and one copy of each chunk, in a bare loop."""
     pos = 0
     for ref in manifest.chunks:
@@ -77,11 +94,7 @@ def main() -> None:
     nbytes = sum(v.nbytes for v in sd.values())
     print(f"model: {len(sd)} float32 tensors, {nbytes / 2**30:.3f} GiB, chunk size {args.chunk_size}")
 
-    src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
-    t_fresh, _ = timed(lambda: np.copyto(np.asarray(torch.empty(nbytes, dtype=torch.uint8).numpy()), src), args.repeat)
-    warm = np.ones(nbytes, dtype=np.uint8)
-    t_warm, _ = timed(lambda: np.copyto(warm, src), args.repeat)
-    del src, warm
+    t_fresh, t_warm = memcpy_seconds(nbytes, args.repeat)
     memcpy_fresh, memcpy_warm = gbps(nbytes, t_fresh), gbps(nbytes, t_warm)
     rows.append(("memcpy into fresh memory (np.copyto)", memcpy_fresh, 1.0, "baseline for *fresh*"))
     rows.append(("memcpy into touched memory (np.copyto)", memcpy_warm, 1.0, "baseline for *target*"))
@@ -89,11 +102,11 @@ def main() -> None:
     def bench_codec(label: str, model: dict[str, torch.Tensor], codec: str) -> None:
         cfg = ChunkingConfig(chunk_size=args.chunk_size, codec=codec)
         t_pack, result = timed(lambda: pack(model, model="bench", config=cfg, threads=args.threads), 1)
-        m = result.manifest  # type: ignore[attr-defined]
+        m = result.manifest
         saving = 1 - m.stored_bytes / m.raw_bytes
         rows.append((f"pack {label}", gbps(nbytes, t_pack), gbps(nbytes, t_pack) / memcpy_warm,
                      f"stored {m.stored_bytes / m.raw_bytes:.3f} of raw ({saving:.1%} saved)"))
-        source = result.source()  # type: ignore[attr-defined]
+        source = result.source()
         if codec == "off":
             flat = np.ones(m.raw_bytes, dtype=np.uint8)
             t_floor, _ = timed(lambda: verify_floor(m, source, flat), args.repeat)
@@ -102,17 +115,18 @@ def main() -> None:
                          gbps(nbytes, t_floor) / memcpy_warm, "the checks every raw chunk needs"))
             t_unp, out = timed(lambda: unpack(m, source, threads=args.threads), args.repeat)
             rows.append((f"unpack {label} -> fresh tensors", gbps(nbytes, t_unp), gbps(nbytes, t_unp) / memcpy_fresh, "vs memcpy fresh"))
-            assert all(torch.equal(out[k].view(torch.uint8), model[k].view(torch.uint8)) for k in model)  # type: ignore[index]
+            assert all(torch.equal(out[k].view(torch.uint8), model[k].view(torch.uint8)) for k in model)
             del out
         target = touched_target(m)
         t_unp, out = timed(lambda: unpack(m, source, target=target, threads=args.threads), args.repeat)
         rows.append((f"unpack {label} -> target tensors", gbps(nbytes, t_unp), gbps(nbytes, t_unp) / memcpy_warm, "vs memcpy touched"))
         assert all(torch.equal(target[k].view(torch.uint8), model[k].view(torch.uint8)) for k in model)
-        del out, target, source, result
-        gc.collect()
 
+    # each run's packed chunks and tensors die when bench_codec returns; collect them before the next
     bench_codec("raw (codec off)", sd, "off")
+    gc.collect()
     bench_codec("fp32 zstd (codec on)", sd, "on")
+    gc.collect()
     del sd
     gc.collect()
     bf16 = synthetic_state_dict(size, dtype=torch.bfloat16, seed=0)

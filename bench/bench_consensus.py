@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from consensus.errors import Conflict, MetadataError  # noqa: E402
-from tests.integration.consensus_harness import Cluster, DevNode, wait_until  # noqa: E402
+from consensus.errors import Conflict, MetadataError
+from deploy.devcluster import DevCluster, DevNode, wait_until
 
 MANIFEST = "ab" * 32
 
@@ -66,7 +66,7 @@ def concurrent(node: DevNode, writers: int, per_writer: int) -> tuple[list[float
 Figures = dict[str, tuple[float, float, float]]  # row -> (p50 s, p99 s, commits/s)
 
 
-def commit_figures(cluster: Cluster, commits: int, writers: int) -> Figures:
+def commit_figures(cluster: DevCluster, commits: int, writers: int) -> Figures:
     leader = cluster.leader()
     follower = next(n for n in cluster.alive() if n is not leader)
     sequential(leader, "warmup", 20)
@@ -99,7 +99,7 @@ def print_side_by_side(durable: Figures, baseline: Figures) -> None:
         print(f"{row:<{width}}  {cell(f):<37}  {cell(b):<37}  p50 x{f[0] / b[0]:.2f}, rate x{f[2] / b[2]:.2f}")
 
 
-def failover_once(cluster: Cluster, round_no: int, idle: float) -> float:
+def failover_once(cluster: DevCluster, round_no: int, idle: float) -> float:
     leader = cluster.leader()
     survivor = next(n for n in cluster.alive() if n is not leader)
     time.sleep(idle)  # let every link go quiet (pysyncobj's connectionTimeout is 3.5 s)
@@ -133,7 +133,7 @@ def main() -> int:
     figures: dict[str, Figures] = {}
     for mode, extra in (("fsync", []), ("no-fsync", ["--no-fsync"])):
         with tempfile.TemporaryDirectory(prefix=f"bench-consensus-{mode}-") as tmp:
-            cluster = Cluster(Path(tmp), size=3, extra_args=extra)
+            cluster = DevCluster(Path(tmp), size=3, extra_args=extra)
             try:
                 cluster.start()
                 figures[mode] = commit_figures(cluster, args.commits, args.writers)

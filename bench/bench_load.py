@@ -46,7 +46,11 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import redis
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -117,7 +121,7 @@ class Source:
                 tensor = torch.empty(t["shape"], dtype=getattr(torch, t["dtype"]))
                 if t["nbytes"]:
                     f.seek(t["offset"])
-                    view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+                    view = tensor.reshape(-1).view(torch.uint8).numpy().data
                     got = f.readinto(view)
                     assert got == t["nbytes"], (t["name"], got)
                 out[t["name"]] = tensor
@@ -156,7 +160,7 @@ class Source:
         return "ok"
 
 
-def _measure(fn, baseline: int) -> tuple[float, int, bool, Any]:  # type: ignore[no-untyped-def]
+def _measure(fn: Callable[[], Any], baseline: int) -> tuple[float, int, bool, Any]:
     """(seconds, peak RSS above baseline, hwm_was_reset, result) of ``fn()``."""
     was_reset = reset_hwm()
     t0 = time.perf_counter()
@@ -167,7 +171,7 @@ def _measure(fn, baseline: int) -> tuple[float, int, bool, Any]:  # type: ignore
 
 
 def child_worker(spec: dict[str, Any], check: bool) -> list[dict[str, Any]]:
-    import torch  # noqa: F401
+    import torch  # noqa: F401 - loaded (and its memory counted) before the RSS baseline
 
     from deploy.local import LocalCluster
     from paramserver.client.session import ClusterClient
@@ -206,7 +210,7 @@ def child_worker(spec: dict[str, Any], check: bool) -> list[dict[str, Any]]:
 
 
 def child_pull(spec: dict[str, Any], check: bool) -> list[dict[str, Any]]:
-    import torch  # noqa: F401
+    import torch  # noqa: F401 - loaded (and its memory counted) before the RSS baseline
 
     from deploy.local import LocalCluster
     from paramserver.client.pull import PullOptions, pull_tensors
@@ -288,7 +292,7 @@ def child_memcpy(spec: dict[str, Any], check: bool) -> list[dict[str, Any]]:
             dst[k].copy_(v)
         return dst
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     for row in ("memcpy_fresh", "memcpy"):  # the first copy faults the pages in; the second is the copy alone
         seconds, peak, was_reset, out = _measure(copy, baseline)
         notes = [] if was_reset else ["VmHWM could not be reset"]
@@ -328,7 +332,7 @@ class RedisServer:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
 
-    def client(self):  # type: ignore[no-untyped-def]
+    def client(self) -> redis.Redis:
         import redis
 
         client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=60)
@@ -339,7 +343,7 @@ class RedisServer:
                 return client
             except redis.ConnectionError:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise SystemExit("redis-server did not start")
+                    raise SystemExit("redis-server did not start") from None
                 time.sleep(0.1)
 
     def stop(self) -> None:
@@ -365,7 +369,7 @@ def run_child(kind: str, spec_path: Path, out_dir: Path, tag: str, check: bool) 
     if not out.exists():
         return {"kind": kind, "ok": False, "error": f"child exited {proc.returncode} without a result",
                 "traceback": (proc.stdout + proc.stderr)[-4000:]}
-    result = json.loads(out.read_text())
+    result: dict[str, Any] = json.loads(out.read_text())
     if proc.stderr.strip():
         result["stderr"] = proc.stderr[-2000:]
     return result
@@ -546,7 +550,7 @@ def main() -> int:
 
     def ratio(a: str, b: str) -> float | None:
         if a in summary and b in summary:
-            return summary[b]["median_s"] / summary[a]["median_s"]  # throughput of a / throughput of b
+            return float(summary[b]["median_s"] / summary[a]["median_s"])  # throughput of a / throughput of b
         return None
 
     def vs(a: str, b: str) -> str:
@@ -582,8 +586,9 @@ def main() -> int:
         print(f"info (no target): memory tier / memcpy into fresh tensors (first touch) = {floor3(info)}x")
     print()
     print("targets")
-    for t in targets:
-        print(f"  {t['target']:57s} {t['shown']:>7s}  target {t['want']:>7s}x  {t['verdict']:5s}  ({t['detail']})")
+    for target in targets:
+        print(f"  {target['target']:57s} {target['shown']:>7s}  target {target['want']:>7s}x  {target['verdict']:5s}  "
+              f"({target['detail']})")
     bad_exact = {row: v for row, v in exact.items() if v != "ok"}
     if bad_exact:
         print(f"  bit-exactness FAILED: {bad_exact}")

@@ -27,7 +27,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    import redis
 
 
 from chunking.config import ChunkingConfig
@@ -69,7 +72,7 @@ class RedisServer:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
 
-    def client(self):  # type: ignore[no-untyped-def]
+    def client(self) -> redis.Redis:
         import redis
 
         client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=60)
@@ -80,7 +83,7 @@ class RedisServer:
                 return client
             except redis.ConnectionError:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise SystemExit("redis-server did not start")
+                    raise SystemExit("redis-server did not start") from None
                 time.sleep(0.1)
 
     def stop(self) -> None:
@@ -172,7 +175,8 @@ def main() -> int:
         del packed
         import redis.utils
 
-        print(f"redis: {len(ids)} chunks loaded on port {redis_server.port} (hiredis {'yes' if redis.utils.HIREDIS_AVAILABLE else 'NO'})", flush=True)
+        hiredis = "yes" if redis.utils.HIREDIS_AVAILABLE else "NO"
+        print(f"redis: {len(ids)} chunks loaded on port {redis_server.port} (hiredis {hiredis})", flush=True)
 
         def do_redis() -> int:
             n = 0
@@ -231,7 +235,8 @@ def main() -> int:
         gbps = [nbytes / best / 1e9 for _name, best, _m, nbytes in rows]
         bulk_gbps, bulk_content_gbps, fresh_gbps, grpc_gbps, grpc_content_gbps, redis_gbps, disk_gbps = gbps
         print()
-        print(f"bulk pull / redis = {bulk_gbps / redis_gbps:.2f}x  (target >= 1.0x, goal 1.5x); --verify content {bulk_content_gbps / redis_gbps:.2f}x")
+        print(f"bulk pull / redis = {bulk_gbps / redis_gbps:.2f}x  (target >= 1.0x, goal 1.5x); "
+              f"--verify content {bulk_content_gbps / redis_gbps:.2f}x")
         print(f"bulk pull into fresh memory / redis = {fresh_gbps / redis_gbps:.2f}x (the first pull of a process)")
         print(f"gRPC pull / redis = {grpc_gbps / redis_gbps:.2f}x; --verify content {grpc_content_gbps / redis_gbps:.2f}x")
         print(f"bulk / gRPC       = {bulk_gbps / grpc_gbps:.2f}x")

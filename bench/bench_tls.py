@@ -22,6 +22,7 @@ from typing import Callable
 
 from chunking.synthetic import synthetic_state_dict
 from deploy.local import LocalCluster, LocalClusterConfig
+from paramserver.client.cluster_view import ClusterOptions
 from paramserver.client.pull import PullOptions, pull_tensors
 from paramserver.client.push import push
 
@@ -46,7 +47,7 @@ def main() -> int:
             nbytes = sum(t.numel() * t.element_size() for t in state.values())
             plain_opts = plain.client_settings().validate().cluster_options(write=True)
             tls_opts = tls.client_settings().validate().cluster_options(write=True)
-            for name, cluster, opts in (("plaintext", plain, plain_opts), ("mutual TLS", tls, tls_opts)):
+            for name, opts in (("plaintext", plain_opts), ("mutual TLS", tls_opts)):
                 t0 = time.perf_counter()
                 push(opts.seeds, state, model="bench", tag="prod", cluster=opts)
                 print(f"pushed {nbytes / MiB:.0f} MiB to the {name} cluster in {time.perf_counter() - t0:.1f} s")
@@ -55,7 +56,7 @@ def main() -> int:
             base = PullOptions(verify=args.verify)
             methods: list[tuple[str, Callable[[], float]]] = []
 
-            def method(label: str, opts, options: PullOptions, want_bulk: bool) -> None:  # type: ignore[no-untyped-def]
+            def method(label: str, opts: ClusterOptions, options: PullOptions, want_bulk: bool) -> None:
                 def run() -> float:
                     tensors, report = pull_tensors(opts.seeds, "bench:prod", options=options, cluster=opts)
                     assert report.bytes_total == nbytes, (report.bytes_total, nbytes)
@@ -84,7 +85,8 @@ def main() -> int:
         print(f"  {label:<{width}}  best {max(values):5.2f} GB/s  median {statistics.median(values):5.2f} GB/s  "
               f"({', '.join(f'{v:.2f}' for v in values)})")
     bulk, grpc_plain, grpc_tls = (results[label] for label, _ in methods)
-    print(f"  TLS gRPC / plaintext bulk: best {max(grpc_tls) / max(bulk):.2f}x, median {statistics.median(grpc_tls) / statistics.median(bulk):.2f}x")
+    print(f"  TLS gRPC / plaintext bulk: best {max(grpc_tls) / max(bulk):.2f}x, "
+          f"median {statistics.median(grpc_tls) / statistics.median(bulk):.2f}x")
     print(f"  TLS gRPC / plaintext gRPC: best {max(grpc_tls) / max(grpc_plain):.2f}x, "
           f"median {statistics.median(grpc_tls) / statistics.median(grpc_plain):.2f}x (the cost of TLS itself)")
     return 0

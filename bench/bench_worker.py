@@ -14,31 +14,34 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from chunking.synthetic import synthetic_state_dict  # noqa: E402
-from paramserver.client.session import ClusterClient  # noqa: E402
-from worker.config import MIB, CacheConfig  # noqa: E402
-from worker.loader import empty_targets, load, resolve_device  # noqa: E402
-from worker.tiered_cache import TieredCache  # noqa: E402
+from chunking.synthetic import synthetic_state_dict
+from deploy.local import LocalCluster, LocalClusterConfig
+from paramserver.client.push import push
+from paramserver.client.session import ClusterClient
+from worker.config import MIB, CacheConfig
+from worker.loader import empty_targets, load, resolve_device
+from worker.tiered_cache import TieredCache
 
 
-def start_cluster(root: Path):  # type: ignore[no-untyped-def]
-    # deploy.local's 3 server processes (python -m paramserver serve) on 127.0.0.1, through the
-    # worker tests' adapter (PARAMWORKER_TEST_CLUSTER=harness for the tests' own servers).
-    from tests.integration.test_worker_harness import make_cluster
-
-    cluster = make_cluster(root / "cluster")
+def start_cluster(root: Path) -> LocalCluster:
+    """deploy.local's 3 server processes (python -m paramserver serve) on 127.0.0.1, with server-side
+    caching and scrubbing off (as in the worker tests) so every load reads what the tiers hold."""
+    cluster = LocalCluster(LocalClusterConfig(
+        root=root / "cluster", servers=3,
+        extra_args=("--cache-mb", "0", "--no-fsync", "--scrub-mb-per-s", "0", "--log-level", "WARNING"),
+    ))
     cluster.up()
     return cluster
 
 
-def best_of(fn, n: int = 3) -> float:  # type: ignore[no-untyped-def]
+def best_of(fn: Callable[[], object], n: int = 3) -> float:
     times = []
     for _ in range(n):
         t = time.perf_counter()
@@ -95,7 +98,7 @@ def main() -> int:
     rows: list[tuple[str, float, float | None, str]] = []
     try:
         t = time.perf_counter()
-        version = cluster.push(sd, "bench", tag="prod").version.number
+        version = push(cluster.seed, sd, model="bench", tag="prod").version
         t_push = time.perf_counter() - t
         print(f"pushed v{version} to 3 replicas in {t_push:.2f} s ({gb / t_push:.2f} GB/s of model bytes)")
         disk_dir = root / "disk-tier"
@@ -127,7 +130,7 @@ def main() -> int:
             assert disk.bytes_disk == disk.bytes_total, disk.summary()
             rows.append(("disk-tier load (memory tier empty)", disk.seconds, disk.first_tensor_s, ""))
         t_memcpy = min(t_memcpy, best_of(memcpy, 5))  # again, after the loads: the machine is shared and noisy
-        del dst
+        dst.clear()  # free the destination tensors (memcpy's closure holds the name)
         rows.append(("memcpy (torch copy_, same tensors)", t_memcpy, None, ""))
         rows.append(("safetensors load_file (mmap, pages touched)", t_st, None, ""))
         rows.append(("safetensors load_file + copy into tensors", t_st_copy, None, ""))

@@ -21,14 +21,15 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker.lru import LRUCache  # noqa: E402
-from worker.lru_k import LRUKCache  # noqa: E402
+from worker.lru import LRUCache
+from worker.lru_k import LRUKCache
 
 CHUNK = 256 * 1024
 SIZES = (0.10, 0.20, 0.30, 0.50, 0.75, 1.00)
@@ -37,7 +38,8 @@ _VALUE = b"\0"  # one shared object; sizes are passed explicitly
 
 def zipf_probs(n: int, alpha: float) -> np.ndarray:
     p = 1.0 / np.arange(1, n + 1, dtype=np.float64) ** alpha
-    return p / p.sum()
+    probs: np.ndarray = p / p.sum()
+    return probs
 
 
 def serving_trace(rng: np.random.Generator, scale: float) -> list[int]:
@@ -80,6 +82,21 @@ class TickClock:
         return self.t
 
 
+def lru_cache(capacity: int, _clock: TickClock) -> LRUCache:
+    return LRUCache(capacity)
+
+
+def lru2_cache(capacity: int, working_set: int, clock: TickClock) -> LRUKCache:
+    return LRUKCache(
+        capacity,
+        k=2,
+        correlated_reference_period=0.002,
+        retained_information_period=1e9,  # bounded by count below
+        max_retained_history=4 * working_set,
+        clock=clock,
+    )
+
+
 def replay(trace: list[int], make: Callable[[TickClock], LRUCache | LRUKCache]) -> float:
     clock = TickClock()
     cache = make(clock)
@@ -111,18 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         working_set = len(set(trace))
         for frac in SIZES:
             capacity = max(1, int(working_set * frac)) * CHUNK
-            lru = replay(trace, lambda _c: LRUCache(capacity))
-            lruk = replay(
-                trace,
-                lambda c: LRUKCache(
-                    capacity,
-                    k=2,
-                    correlated_reference_period=0.002,
-                    retained_information_period=1e9,  # bounded by count below
-                    max_retained_history=4 * working_set,
-                    clock=c,
-                ),
-            )
+            lru = replay(trace, partial(lru_cache, capacity))
+            lruk = replay(trace, partial(lru2_cache, capacity, working_set))
             ratio = f"{lruk / lru:10.2f}" if lru > 0 else f"{'inf' if lruk > 0 else '-':>10}"
             print(f"{name:8} {len(trace):7d} {working_set:7d} {frac:6.0%} {capacity / 2**20:7.0f} "
                   f"{lru:7.1%} {lruk:7.1%} {ratio}")

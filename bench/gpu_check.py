@@ -274,7 +274,6 @@ class Run:
     # ---- 1 + 3: a load through start_load, with time to first tensor
     def timed_load(self, client: Any, cache: Any, label: str, tier: str) -> dict[str, Any] | None:
         """start_load, wait(first tensor), result(): timestamps, the tensors' check, the first tensor's."""
-        import torch
 
         from worker.loader import start_load
 
@@ -342,7 +341,7 @@ class Run:
                 got = module(x.to(self.device))
                 sync(self.device)
                 got = got.cpu()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - a failed check, reported; the other checks go on
             self.rep.check(f"forward: {what}", self.dev, False, f"{type(exc).__name__}: {exc}")
             return
         # Same device: the same kernels on the same bytes; across devices: fp32 (TF32 off) rounding only.
@@ -420,7 +419,9 @@ class Run:
                 methods[m]()
                 times[m].append(time.perf_counter() - t0)
             print(f"  round {r + 1}: " + ", ".join(f"{m} {times[m][-1]:.3f} s" for m in order), flush=True)
-        del dst, host
+        dst.clear()  # the baseline's tensors (not del: plain_copy's closure holds the names)
+        if self.cuda:
+            host.clear()  # the pinned copies; on CPU host is the source itself
         self.rep.data["rounds"] = times
         self.rep.data["memory_tier_notes"] = tier_notes
         return times
@@ -475,11 +476,9 @@ def main() -> int:
     if cuda:
         torch.cuda.init()
         torch.empty(1, device=device)  # the CUDA context, outside every clock
-        for flag in (torch.backends.cuda.matmul, torch.backends.cudnn):
-            try:
-                flag.allow_tf32 = False  # the forward check compares fp32 with the CPU's
-            except Exception:  # noqa: BLE001
-                pass
+        # the forward check compares fp32 with the CPU's: no TF32 in matmuls or convolutions
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     else:
         header.append("no CUDA device: GPU rows skipped")
         print(header[-1], flush=True)
@@ -587,7 +586,7 @@ def main() -> int:
         print(f"rounds ({args.rounds}):", flush=True)
         try:
             times = run.rounds(client, cache, st_path)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - a failed check, reported; the other checks go on
             rep.check(f"memory tier -> {run.dev} GB/s rounds", run.dev, False, f"{type(exc).__name__}: {exc}")
             times = {}
         if times:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from chunking.hashing import content_id
 from paramserver.client.rpc import ParamServerClient, make_chunk
+from paramserver.wire.proto import pb
 
 KiB, MiB = 1024, 1 << 20
 
@@ -62,7 +63,8 @@ def main() -> int:
             t0 = time.perf_counter()
             reply = client.put_chunks(chunks, batch_bytes=4 * MiB)
             dt = time.perf_counter() - t0
-            print(f"push: {reply.bytes_stored / MiB:.0f} MiB in {dt:.2f} s = {reply.bytes_stored / dt / 1e9:.2f} GB/s (no fsync, ingest verifies CRC32C + BLAKE3)")
+            print(f"push: {reply.bytes_stored / MiB:.0f} MiB in {dt:.2f} s = {reply.bytes_stored / dt / 1e9:.2f} GB/s "
+                  "(no fsync, ingest verifies CRC32C + BLAKE3)")
             del chunks
             list(client.get_chunks(ids))  # warm the server cache / page cache
             rounds = max(1, args.total_mib // args.dataset_mib)
@@ -85,9 +87,7 @@ def main() -> int:
     return 0
 
 
-def client_request(ids: list[str], size: int):  # type: ignore[no-untyped-def]
-    from paramserver.wire.proto import pb
-
+def client_request(ids: list[str], size: int) -> pb.GetChunksRequest:
     return pb.GetChunksRequest(ids=ids, max_message_bytes=size)
 
 

@@ -173,7 +173,7 @@ class Assembler:
             return None
         dst = self._cpu[s.tensor]
         assert dst is not None
-        return memoryview(dst[s.tensor_offset : s.tensor_offset + s.length])
+        return dst[s.tensor_offset : s.tensor_offset + s.length].data
 
     def commit_direct(self, index: int) -> None:
         """Chunk ``index`` was received into ``direct_view(index)`` and verified: mark it written,

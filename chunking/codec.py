@@ -6,14 +6,14 @@ to inflate beyond the declared raw size, and proves the result by its content id
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import zstandard
 
 from chunking.config import ChunkingConfig
 from chunking.errors import ChunkCorrupt, DecompressionBomb
-from chunking.hashing import Buffer, content_id, crc32c
+from chunking.hashing import Buffer, bytes_like, content_id, crc32c
 from chunking.manifest import ChunkRef
 
 _SHUFFLE = "zstd+shuffle"
@@ -81,7 +81,7 @@ def shuffle_width(codec: str) -> int:
 
 def compress(raw: Buffer, width: int, level: int) -> bytes:
     """zstd of ``raw``, shuffled by ``width`` first when it is above 1."""
-    return _compressor(level).compress(shuffle(raw, width) if width > 1 else raw)
+    return _compressor(level).compress(bytes_like(shuffle(raw, width) if width > 1 else raw))
 
 
 def encode_chunk(raw: Buffer, config: ChunkingConfig, elem_size: int = 1) -> tuple[str, Buffer]:
@@ -92,7 +92,7 @@ def encode_chunk(raw: Buffer, config: ChunkingConfig, elem_size: int = 1) -> tup
     """
     if config.codec == "off":
         return "raw", raw
-    raw_len = memoryview(raw).nbytes
+    raw_len = memoryview(bytes_like(raw)).nbytes
     width = elem_size if config.shuffle and elem_size in (2, 4, 8, 16) else 1
     while raw_len % width:
         # Contract with other decoders (paramserver.server.codecs): N in "zstd+shuffleN" divides raw_size.
@@ -156,9 +156,9 @@ def decode_chunk(
     return out if out is not None else raw
 
 
-def _inflate(ref: ChunkRef, stored: Buffer, corrupt) -> bytes:  # type: ignore[no-untyped-def]
+def _inflate(ref: ChunkRef, stored: Buffer, corrupt: Callable[..., ChunkCorrupt]) -> bytes:
     try:
-        declared = zstandard.frame_content_size(stored)
+        declared = zstandard.frame_content_size(bytes_like(stored))
     except zstandard.ZstdError as exc:
         raise corrupt(f"not a zstd frame ({exc})") from None
     if declared < 0:
@@ -168,6 +168,6 @@ def _inflate(ref: ChunkRef, stored: Buffer, corrupt) -> bytes:  # type: ignore[n
     if declared != ref.raw_size:
         raise corrupt(f"zstd frame inflates to {declared} bytes, the manifest says {ref.raw_size}")
     try:
-        return _decompressor().decompress(stored, max_output_size=ref.raw_size)
+        return _decompressor().decompress(bytes_like(stored), max_output_size=ref.raw_size)
     except zstandard.ZstdError as exc:
         raise corrupt(f"zstd data is damaged ({exc})") from None

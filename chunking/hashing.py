@@ -15,14 +15,23 @@ import crc32c as _crc32c
 import numpy as np
 
 Buffer = Union[bytes, bytearray, memoryview, np.ndarray]
+BytesLike = Union[bytes, bytearray, memoryview]
 
 CONTENT_ID_HEX_LEN = 64
 _PARALLEL_HASH_BYTES = 1 << 20
 
 
+def bytes_like(data: Buffer) -> BytesLike:
+    """``data`` itself, an array as the memoryview of its buffer (``ndarray.data``, what ``memoryview(a)`` gives).
+
+    For the type checker: numpy declares an array's buffer protocol only for Python >= 3.12.
+    """
+    return data.data if isinstance(data, np.ndarray) else data
+
+
 def _byte_view(data: Buffer) -> memoryview:
     if isinstance(data, np.ndarray):
-        return memoryview(data.reshape(-1).view(np.uint8))
+        return data.reshape(-1).view(np.uint8).data
     return memoryview(data).cast("B")
 
 
@@ -34,7 +43,7 @@ def crc32c(data: Buffer) -> int:
     as fast but held the GIL, serialising the verify pool.
     """
     if isinstance(data, np.ndarray):
-        data = data.reshape(-1).view(np.uint8)
+        return int(_crc32c.crc32c(data.reshape(-1).view(np.uint8).data))
     return int(_crc32c.crc32c(data))
 
 

@@ -58,8 +58,7 @@ class ChunkRef:
 
     def __post_init__(self) -> None:
         # JSON writes 0 and 0.0 differently; always a float keeps the bytes canonical.
-        if not isinstance(self.created_at, float):
-            object.__setattr__(self, "created_at", float(self.created_at))
+        object.__setattr__(self, "created_at", float(self.created_at))
 
 
 def _fail(msg: str) -> ManifestError:

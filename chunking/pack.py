@@ -21,7 +21,7 @@ from chunking.codec import compress, encode_chunk, shuffle_width
 from chunking.config import ChunkingConfig
 from chunking.dtypes import dtype_name, element_size
 from chunking.errors import ChunkingError, InvalidInput
-from chunking.hashing import Buffer, content_id, crc32c
+from chunking.hashing import Buffer, bytes_like, content_id, crc32c
 from chunking.layout import ChunkPlan, place_tensors, plan_chunks
 from chunking.manifest import FORMAT_VERSION, ChunkRef, Manifest, TensorEntry
 from chunking.parallel import chunks_per_block, default_threads, map_blocks
@@ -181,7 +181,7 @@ def pack(
             cid = content_id(raw, config.hash_algorithm)
             codec, stored = encode_chunk(raw, config, chunk_elem(i))
             data = stored if codec != "raw" else None
-            out.append((cid, codec, memoryview(stored).nbytes, crc32c(stored), data))
+            out.append((cid, codec, memoryview(bytes_like(stored)).nbytes, crc32c(stored), data))
         return out
 
     n_threads = threads if threads is not None else (default_threads() if plan.count > 16 else 1)

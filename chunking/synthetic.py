@@ -27,7 +27,8 @@ class Bottleneck(nn.Module):
         identity = x if self.downsample is None else self.downsample(x)
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.relu(self.bn2(self.conv2(out)))
-        return self.relu(self.bn3(self.conv3(out)) + identity)
+        y: torch.Tensor = self.relu(self.bn3(self.conv3(out)) + identity)
+        return y
 
 
 class ResNet50(nn.Module):
@@ -62,7 +63,8 @@ class ResNet50(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
-        return self.fc(torch.flatten(self.avgpool(x), 1))
+        y: torch.Tensor = self.fc(torch.flatten(self.avgpool(x), 1))
+        return y
 
 
 def resnet50_state_dict(seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:

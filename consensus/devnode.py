@@ -83,7 +83,7 @@ def operations(node: MetadataNode) -> dict[str, Callable[..., Any]]:
 def handle(ops: Mapping[str, Callable[..., Any]], request: Mapping[str, Any]) -> dict[str, Any]:
     reply: dict[str, Any] = {"id": request.get("id")}
     op = request.get("op")
-    if op not in ops:
+    if not isinstance(op, str) or op not in ops:
         return {**reply, "ok": False, "error": "Invalid", "message": f"unknown op {op!r}; one of {sorted(ops)}"}
     try:
         result = ops[op](**dict(request.get("args") or {}))
@@ -136,6 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.flush()
 
     ops = operations(node)
+
+    def answer(request: Mapping[str, Any]) -> None:
+        emit(handle(ops, request))
+
     emit({"event": "started", "server_id": args.id, "raft": args.raft, "pid": os.getpid()})
     with ThreadPoolExecutor(max_workers=8) as pool:
         for line in sys.stdin:
@@ -148,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 continue
             if request.get("op") == "shutdown":
                 break
-            pool.submit(lambda r=request: emit(handle(ops, r)))
+            pool.submit(answer, request)
     node.close()
     return 0
 

@@ -25,7 +25,7 @@ from .durable import AckGate, JournalFailure
 KEEPALIVE_MESSAGE = {"type": "pdparams_keepalive"}
 
 
-class KeepaliveTCPTransport(TCPTransport):
+class KeepaliveTCPTransport(TCPTransport):  # type: ignore[misc]
     """TCPTransport plus a periodic keepalive on every connected peer link."""
 
     keepalive_period: float = 0.3

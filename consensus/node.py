@@ -381,7 +381,7 @@ class MetadataNode:
             done = threading.Event()
             box: list[tuple[Any, int]] = []
 
-            def callback(result: Any, reason: int) -> None:
+            def callback(result: Any, reason: int, box: list[tuple[Any, int]] = box, done: threading.Event = done) -> None:
                 box.append((result, reason))
                 done.set()
 

@@ -30,7 +30,7 @@ class StateReplica(SyncObjConsumer):  # type: ignore[misc]
         super().__init__()
         self.state = MetadataState()
 
-    @replicated  # type: ignore[misc]
+    @replicated  # type: ignore[untyped-decorator]
     def apply(self, command: Mapping[str, Any]) -> Outcome:
         with self.lock:
             try:

@@ -282,7 +282,7 @@ class MetadataState:
     def head(self, model: str) -> dict[str, Any] | None:
         """The newest non-forced version: what a commit's parent must be to avoid a conflict."""
         head = _head(self._model(model)["versions"])
-        return copy.deepcopy(head) if head is not None else None
+        return dict(copy.deepcopy(head)) if head is not None else None
 
     def latest_pinned(self, model: str) -> bool:
         return bool(self._model(model)["latest_pinned"])
@@ -369,7 +369,7 @@ def _head(versions: Mapping[int, Mapping[str, Any]]) -> Mapping[str, Any] | None
 
 
 def _tag(model: Mapping[str, Any], model_name: str, tag: str) -> dict[str, Any]:
-    record = model["tags"].get(tag)
+    record: dict[str, Any] | None = model["tags"].get(tag)
     if record is None:
         raise NotFound(f"tag {model_name}:{tag} does not exist; list the tags of {model_name}")
     return record

@@ -20,6 +20,7 @@ import datetime as dt
 import ipaddress
 import os
 import re
+import sys
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,10 +32,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-try:  # POSIX only; without it concurrent callers are simply not serialised
+if sys.platform != "win32":  # POSIX only; without it concurrent callers are simply not serialised
     import fcntl
-except ImportError:  # pragma: no cover - non-POSIX
-    fcntl = None  # type: ignore[assignment]
 
 __all__ = [
     "CA_CERT",
@@ -324,7 +323,7 @@ def _ensure_folder(folder: Path) -> Path:
 @contextlib.contextmanager
 def _folder_lock(folder: Path) -> Iterator[None]:
     """Serialise concurrent ``make_cluster_certs`` calls on one folder (POSIX)."""
-    if fcntl is None:  # pragma: no cover - non-POSIX
+    if sys.platform == "win32":  # pragma: no cover - no flock there
         yield
         return
     fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)

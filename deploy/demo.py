@@ -90,7 +90,8 @@ def run(root: Path, keep: bool, servers: int, console: Console) -> int:
         state = resnet50_state_dict()
         model_file = root / "resnet50.safetensors"
         save_file(state, str(model_file))
-        console.print(f"[bold]2.[/bold] generated a ResNet-50 ({len(state)} tensors, {human_bytes(model_file.stat().st_size)}) -> {model_file}")
+        console.print(f"[bold]2.[/bold] generated a ResNet-50 ({len(state)} tensors, "
+                      f"{human_bytes(model_file.stat().st_size)}) -> {model_file}")
 
         console.print("[bold]3.[/bold] paramctl push resnet50.safetensors --model resnet50 --tag prod")
         with RichProgress(console=console) as bar:
@@ -152,7 +153,8 @@ def run(root: Path, keep: bool, servers: int, console: Console) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m deploy.demo", description=__doc__.splitlines()[0])
-    p.add_argument("--keep", action="store_true", help="leave the cluster running and print how to use paramctl against it (default: stop it)")
+    p.add_argument("--keep", action="store_true",
+                   help="leave the cluster running and print how to use paramctl against it (default: stop it)")
     p.add_argument("--dir", type=Path, default=None, help="working folder (default: a temporary folder, removed at the end unless --keep)")
     p.add_argument("--servers", type=int, default=3, help="number of servers (default 3)")
     args = p.parse_args(argv)

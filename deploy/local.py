@@ -254,7 +254,8 @@ class LocalCluster:
         if (self.root / STATE_FILE).exists():
             old = self.load_state(self.root)
             if any(_alive(s.pid) for s in old.slots):
-                raise LauncherError(f"a cluster is already running under {self.root}: run 'python -m deploy.local down --dir {self.root}' first")
+                raise LauncherError(f"a cluster is already running under {self.root}: "
+                                    f"run 'python -m deploy.local down --dir {self.root}' first")
             previous = self._restartable(old)
         try:
             if self.config.netns:
@@ -288,9 +289,10 @@ class LocalCluster:
             return None
         fresh = f"start a new cluster in another --dir, or delete {self.root} to discard its data"
         if old.config.netns or self.config.netns:
+            why = ("namespace clusters cannot be restarted on new namespaces" if old.config.netns
+                   else "it cannot be restarted in namespaces")
             raise LauncherError(
-                f"{self.root} holds the data of a stopped {'namespace ' if old.config.netns else ''}cluster; "
-                f"{'namespace clusters cannot be restarted on new namespaces' if old.config.netns else 'it cannot be restarted in namespaces'}: {fresh}"
+                f"{self.root} holds the data of a stopped {'namespace ' if old.config.netns else ''}cluster; {why}: {fresh}"
             )
         if len(old.slots) != self.config.servers:
             raise LauncherError(
@@ -382,14 +384,11 @@ class LocalCluster:
         env = dict(os.environ)
         env.update(dict(self.config.env))
         env.setdefault("PYTHONUNBUFFERED", "1")
-        log = open(slot.log_file, "ab")
-        try:
+        with open(slot.log_file, "ab") as log:  # the child keeps its own copy of the descriptor
             # A new session so that a Ctrl-C in the launcher's terminal does not
             # kill the cluster, and so 'down' can signal each server on its own.
             proc = subprocess.Popen(slot.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True)
-        finally:
-            log.close()
         self._procs[slot.server_id] = proc
         slot.pid = proc.pid
 
@@ -497,7 +496,7 @@ class LocalCluster:
                 if slot.pid and not _alive(slot.pid):
                     tail = _tail(slot.log_file)
                     raise LauncherError(f"{slot.server_id} exited during start-up; last log lines:\n{tail}")
-            leaders = set()
+            leaders: set[str | None] = set()
             members_ok = True
             for sid in want:
                 info = self.cluster_info(sid, timeout=1.0)
@@ -529,7 +528,8 @@ class LocalCluster:
     def load_state(cls, root: Path) -> "LocalCluster":
         path = Path(root) / STATE_FILE
         if not path.exists():
-            raise LauncherError(f"no cluster found under {root} ({STATE_FILE} missing): start one with 'python -m deploy.local up --dir {root}'")
+            raise LauncherError(f"no cluster found under {root} ({STATE_FILE} missing): "
+                                f"start one with 'python -m deploy.local up --dir {root}'")
         data = json.loads(path.read_text())
         cfg = data["config"]
         config = LocalClusterConfig(
@@ -614,7 +614,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--replication", type=int, default=3, help="replicas per chunk, capped by the cluster size (default 3)")
     up.add_argument("--admin-token", default=os.environ.get("PARAMS_ADMIN_TOKEN"), help="token for writes (env PARAMS_ADMIN_TOKEN)")
     up.add_argument("--read-token", default=os.environ.get("PARAMS_READ_TOKEN"), help="token for reads (env PARAMS_READ_TOKEN)")
-    up.add_argument("--cluster-secret", default=os.environ.get("PARAMS_CLUSTER_SECRET"), help="encrypts Raft traffic (env PARAMS_CLUSTER_SECRET)")
+    up.add_argument("--cluster-secret", default=os.environ.get("PARAMS_CLUSTER_SECRET"),
+                    help="encrypts Raft traffic (env PARAMS_CLUSTER_SECRET)")
     up.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for a leader (default 60)")
     up.add_argument("--netns", action="store_true",
                     help="run each server in its own network namespace on a private bridge, so partitions can be cut "

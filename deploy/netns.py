@@ -302,12 +302,13 @@ class NetnsTopology:
 
     def _subnet_owners(self) -> list[str]:
         """Root-namespace interfaces with an address inside this topology's subnet."""
+        assert self._subnet is not None, "the subnet is picked before it is checked"
         owners = []
         for line in _run(["ip", "-4", "-o", "addr", "show"]).stdout.splitlines():
             parts = line.split()
             if len(parts) >= 4 and parts[2] == "inet":
                 try:
-                    inside = ipaddress.IPv4Interface(parts[3]).ip in self._subnet  # type: ignore[operator]
+                    inside = ipaddress.IPv4Interface(parts[3]).ip in self._subnet
                 except ValueError:
                     continue
                 if inside:
@@ -337,7 +338,7 @@ class NetnsTopology:
         _run(["ip", "-n", br, "link", "set", "dev", "lo", "up"])
         _run(["ip", "-n", br, "link", "add", "name", "br0", "type", "bridge"])
         _run(["ip", "-n", br, "link", "set", "dev", "br0", "up"])
-        namespaces = [(i, self.ns(i)) for i in range(self.n)]
+        namespaces: list[tuple[int | str, str]] = [(i, self.ns(i)) for i in range(self.n)]
         namespaces += [(f"c{j}", self.client_ns(j)) for j in range(self.config.clients)]
         for endpoint, ns in namespaces:
             port = self._port(endpoint)

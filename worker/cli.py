@@ -15,6 +15,8 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from functools import partial
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -28,6 +30,10 @@ from paramserver.client.exit_codes import (
 )  # fmt: skip
 from worker.config import MIB, CacheConfig, PrefetchConfig
 from worker.errors import WorkerError
+
+if TYPE_CHECKING:  # imported where used: `paramworker --help` stays quick
+    from paramserver.client.session import ClusterClient
+    from worker.tiered_cache import TieredCache
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -83,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _setup(args: argparse.Namespace, settings: ClientSettings):  # type: ignore[no-untyped-def]
+def _setup(args: argparse.Namespace, settings: ClientSettings) -> tuple[ClusterClient, TieredCache | None, PrefetchConfig]:
     from paramserver.client.session import ClusterClient, SessionConfig
     from worker.tiered_cache import TieredCache
 
@@ -121,8 +127,9 @@ def cmd_load(args: argparse.Namespace, settings: ClientSettings) -> int:
                           TimeRemainingColumn(), console=console, disable=args.no_progress or args.json, transient=False) as bar:
                 task = bar.add_task(f"{info.model} v{info.number}", total=total)
                 handle = start_load(client, ref, device, cache, config=prefetch, info=info, manifest=manifest,
-                                    on_progress=lambda n: bar.advance(task, n))
+                                    on_progress=partial(bar.advance, task))
                 _tensors, report = handle.result()
+                handle.heat_sent(5.0)  # the heat report goes out behind the load; let it leave
             if args.json:
                 print(json.dumps(report.to_dict(), sort_keys=True))
             else:

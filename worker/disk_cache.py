@@ -17,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 from chunking.hashing import content_id, crc32c, is_content_id
 from worker.errors import CacheError
@@ -250,14 +251,18 @@ class DiskCache:
             _unlink(self._path(victim))
 
 
-def _read_exact(f: object, n: int) -> bytes:
-    data = f.read(n)  # type: ignore[attr-defined]
+class _Reader(Protocol):
+    def read(self, size: int, /) -> bytes | None: ...
+
+
+def _read_exact(f: _Reader, n: int) -> bytes:
+    data = f.read(n)
     if data is None or len(data) == n:
         return data or b""
     parts = [data]
     got = len(data)
     while got < n:
-        more = f.read(n - got)  # type: ignore[attr-defined]
+        more = f.read(n - got)
         if not more:
             break
         parts.append(more)

@@ -257,7 +257,8 @@ class LRUKCache:
             self._rebuild_heaps()
 
     def _rebuild_heaps(self) -> None:
-        recent, eligible = [], []
+        recent: list[tuple[float, float, int, Hashable]] = []
+        eligible: list[tuple[float, float, int, Hashable]] = []
         for key, e in self._entries.items():
             (eligible if e.eligible else recent).append((e.hist[-1], e.last, e.seq, key))
         heapq.heapify(recent)
@@ -266,7 +267,7 @@ class LRUKCache:
         self._recent_fifo = deque(
             (last, seq, key)
             for last, seq, key in self._recent_fifo
-            if (e := self._entries.get(key)) is not None and e.seq == seq and not e.eligible
+            if (entry := self._entries.get(key)) is not None and entry.seq == seq and not entry.eligible
         )
 
     def _age(self, now: float) -> None:

@@ -148,7 +148,7 @@ class ChunkWriter:
         cpu = self._cpu[s.tensor]
         if cpu is None or s.chunk_offset != 0 or s.length != self._plan.raw_sizes[index]:
             return None
-        return memoryview(cpu[s.tensor_offset : s.tensor_offset + s.length])
+        return cpu[s.tensor_offset : s.tensor_offset + s.length].data
 
     def synchronize(self) -> None:
         if self.copier is not None:
@@ -262,7 +262,7 @@ class Prefetcher:
         if view is not None:
             self._keep(ref, view, in_tensor=True)
         else:
-            self._keep(ref, memoryview(as_u8(raw)), in_tensor=False)
+            self._keep(ref, as_u8(raw).data, in_tensor=False)
         with self._lock:
             self.counters.network_stored_bytes += ref.stored_size
 
@@ -385,7 +385,7 @@ class Prefetcher:
                                 late.append(ref)
                             continue
                         self._land(ref, value, hit.tier or "memory")
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:  # noqa: BLE001 - handed to the loading thread, which re-raises it
                 errors.append(exc)
 
         threads = [threading.Thread(target=worker, name=f"paramworker-hits-{i}", daemon=True)
@@ -421,7 +421,7 @@ class Prefetcher:
             with self._lock:
                 self.counters.failovers += stats.failovers
                 self.counters.corrupt_reports += stats.corrupt_reports
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             if errors is None:
                 raise
             errors.append(exc)

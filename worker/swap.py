@@ -25,6 +25,13 @@ from worker.prefetch import LocalSource
 from worker.tiered_cache import TieredCache
 
 
+def _only(ids: set[str], source: LocalSource) -> LocalSource:
+    """``source``, asked only for the chunks in ``ids`` (None for the others)."""
+    def local(ref: ChunkRef) -> Buffer | None:
+        return source(ref) if ref.id in ids else None
+    return local
+
+
 def tensor_source(manifest: Manifest, tensors: Mapping[str, torch.Tensor]) -> LocalSource:
     """Raw chunk bytes rebuilt from loaded tensors, returned only when they still match the chunk id."""
     by_id: dict[str, int] = {}
@@ -106,7 +113,7 @@ class HotSwapper:
                 manifest = self.client.manifest(info.manifest_id)
                 shared = set(diff(old.manifest, manifest).shared)
                 from_old = tensor_source(old.manifest, old.tensors)
-                local = (lambda r: from_old(r) if r.id in shared else None)  # noqa: E731
+                local = _only(shared, from_old)
                 kwargs["manifest"] = manifest
             new = load(self.client, self.ref, self.device, self.cache, config=self.config, info=info, local=local, **kwargs)
             self._install(new)

@@ -82,11 +82,12 @@ class TieredCache:
         group = getattr(value, "group", None)
         if group is None:
             return
-        for other in list(group.keys):
+        keys = group.keys
+        for other in list(keys):
             held = self.memory.peek(other)
             if getattr(held, "group", None) is group:
                 self.memory.pop(other)
-        group.keys.clear()
+        keys.clear()
 
     def contains(self, key: str) -> bool:
         return self.memory.contains(key) or (self.disk is not None and self.disk.contains(key))

@@ -193,7 +193,7 @@ def run_corrupt_chunk(cluster: "LocalCluster", report: DrillReport, workload: Wo
             report.check("load_exact_after_restore", got.verified, f"v{got.version} bit-exact={got.verified}")
             if got.verified:
                 report.add_bytes_verified(got.nbytes)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - a failed check, reported with its kind
             report.check("load_exact_after_restore", False, f"{error_kind(exc)}: {str(exc)[:200]}")
     # While no good copy existed, a loader may fail only on that chunk: DATA_LOSS (it read a corrupt copy),
     # or ChunkUnavailable (an earlier read had quarantined every copy). Never another chunk, never later.

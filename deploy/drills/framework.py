@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
@@ -113,7 +114,7 @@ class Workload:
         if self._load is not None:
             for k in range(self.config.loaders):
                 self.loads[k] = []
-                self._spawn(f"loader-{k}", lambda k=k: self._loader_loop(k))
+                self._spawn(f"loader-{k}", partial(self._loader_loop, k))
         self.report.event("workload_started", loaders=self.config.loaders if self._load else 0,
                           publisher=self._publish is not None)
         return self

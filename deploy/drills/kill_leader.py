@@ -11,10 +11,12 @@ import signal
 import statistics
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 from .framework import (
     DrillError,
+    Published,
     Workload,
     check_within,
     wait_for,
@@ -79,8 +81,7 @@ def run_kill_leader(cluster: "LocalCluster", report: DrillReport, workload: Work
         cluster.restart(old)
         want = workload.committed()
         try:
-            wait_for(lambda: all(probe.has_version(old, p.model, p.version) for p in want[-5:]),
-                     config.catch_up_limit_s, interval=0.2, what=f"{old} catching up")
+            wait_for(partial(_holds, probe, old, want[-5:]), config.catch_up_limit_s, interval=0.2, what=f"{old} catching up")
             report.measure("time_to_catch_up", restarted, report.event("caught_up", round=r, server=old))
             caught = True
         except TimeoutError:
@@ -99,3 +100,8 @@ def run_kill_leader(cluster: "LocalCluster", report: DrillReport, workload: Work
             report.check("failover_median_under_target", med <= config.target_median_s,
                          f"median {med:.3f}s, max {worst:.3f}s (target {config.target_median_s}s)")
     judge_final(report, workload, probe, cluster.running(), config.settle_s, config.allowed_load_errors)
+
+
+def _holds(probe: ClusterProbe, server: str, versions: list[Published]) -> bool:
+    """``server`` holds every one of ``versions`` (the restarted server has caught up)."""
+    return all(probe.has_version(server, p.model, p.version) for p in versions)

@@ -254,7 +254,7 @@ class DrillReport:
 
 def load_report(path: Path | str) -> dict[str, Any]:
     """Read a report written by write_json, checking its schema."""
-    data = json.loads(Path(path).read_text())
+    data: dict[str, Any] = json.loads(Path(path).read_text())
     if data.get("schema") != SCHEMA:
         raise ValueError(f"{path} is not a drill report ({SCHEMA}); got schema {data.get('schema')!r}")
     return data

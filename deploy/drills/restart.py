@@ -241,7 +241,7 @@ def run_restart_cluster(cluster: "LocalCluster", report: DrillReport, workload: 
                          f"bit-exact={got.verified}")
             if got.verified:
                 report.add_bytes_verified(got.nbytes)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - a failed check, reported with its kind
             report.check("tag_load_after_restart", False, f"{error_kind(exc)}: {str(exc)[:200]}")
     if publish_once is not None:
         t0 = time.monotonic()

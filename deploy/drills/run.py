@@ -31,6 +31,8 @@ from .report import DrillReport
 if TYPE_CHECKING:
     from deploy.local import LocalCluster
 
+    from .framework import Loaded
+
 DRILLS = ("kill-leader", "partition", "corrupt-chunk", "restart-server", "restart-cluster")
 EXIT_CANNOT_RUN = 2
 
@@ -161,7 +163,7 @@ def _body(opts: DrillOptions, cluster: "LocalCluster", spec: object, publisher: 
     addresses = cluster.addresses
     assert isinstance(spec, ModelSpec) and isinstance(publisher, Publisher)
 
-    def load_once():  # type: ignore[no-untyped-def]
+    def load_once() -> Loaded:
         fresh = LoaderPool(addresses, spec, token=token)  # a new worker: no client cache hides anything
         try:
             return fresh(0, 0)

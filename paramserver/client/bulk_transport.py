@@ -231,7 +231,8 @@ class BulkClient:
         recv_exact(conn.sock, head)
         count, payload_bytes = BATCH.unpack(head)
         if not 0 < count <= min(MAX_BATCH_ITEMS, len(ids) - first):
-            raise BulkProtocolFailure(self.address, f"a batch of {count} answers, but {len(ids) - first} ids are unanswered (at most {MAX_BATCH_ITEMS} per batch)")
+            raise BulkProtocolFailure(self.address, f"a batch of {count} answers, but {len(ids) - first} ids are unanswered "
+                                                    f"(at most {MAX_BATCH_ITEMS} per batch)")
         if payload_bytes > MAX_BATCH_BYTES:
             raise BulkProtocolFailure(self.address, f"a batch declares {payload_bytes} payload bytes, over {MAX_BATCH_BYTES}")
         raw_headers = bytearray(count * HEADER.size)
@@ -258,7 +259,8 @@ class BulkClient:
             view = into(ids[first + k], codec, stored_size) if into is not None and status == OK else None
             if view is not None and len(view) != stored_size:
                 # The caller expected another size: the server's copy differs from what it asked for.
-                raise BulkProtocolFailure(self.address, f"into() gave {len(view)} bytes for chunk {ids[first + k]}, which has {stored_size}")
+                raise BulkProtocolFailure(self.address,
+                                          f"into() gave {len(view)} bytes for chunk {ids[first + k]}, which has {stored_size}")
             if view is None:
                 scratch_need += stored_size
             views.append(view)

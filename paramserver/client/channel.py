@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import socket
 import ssl
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ from paramserver.client.errors import ConfigError
 from paramserver.wire.auth import AUTH_HEADER, read_tls_file
 from paramserver.wire.grpc_options import channel_options
 from paramserver.wire.limits import DEFAULT_MAX_MESSAGE_BYTES
+
+_Continuation = Callable[[grpc.ClientCallDetails, Any], Any]
 
 
 class _TokenClientInterceptor(
@@ -33,26 +36,29 @@ class _TokenClientInterceptor(
     def __init__(self, token: str) -> None:
         self._pair = (AUTH_HEADER, f"Bearer {token}")
 
-    def _details(self, details: Any) -> Any:
-        metadata = list(details.metadata or ())
-        metadata.append(self._pair)
+    def _details(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        metadata = (*(details.metadata or ()), self._pair)
         return _CallDetails(details.method, details.timeout, metadata, details.credentials, details.wait_for_ready, details.compression)
 
-    def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+    # The continuations are generic over the request and response types, which the token does not touch.
+    def intercept_unary_unary(self, continuation: _Continuation, client_call_details: grpc.ClientCallDetails, request: Any) -> Any:
         return continuation(self._details(client_call_details), request)
 
-    def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+    def intercept_unary_stream(self, continuation: _Continuation, client_call_details: grpc.ClientCallDetails, request: Any) -> Any:
         return continuation(self._details(client_call_details), request)
 
-    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
+    def intercept_stream_unary(self, continuation: _Continuation, client_call_details: grpc.ClientCallDetails,
+                               request_iterator: Any) -> Any:
         return continuation(self._details(client_call_details), request_iterator)
 
-    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
+    def intercept_stream_stream(self, continuation: _Continuation, client_call_details: grpc.ClientCallDetails,
+                                request_iterator: Any) -> Any:
         return continuation(self._details(client_call_details), request_iterator)
 
 
 class _CallDetails(grpc.ClientCallDetails):
-    def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression):  # type: ignore[no-untyped-def]
+    def __init__(self, method: str, timeout: float | None, metadata: tuple[tuple[str, str | bytes], ...] | None,
+                 credentials: grpc.CallCredentials | None, wait_for_ready: bool | None, compression: grpc.Compression | None) -> None:
         self.method = method
         self.timeout = timeout
         self.metadata = metadata

@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from contextlib import closing
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import grpc
 
@@ -28,6 +28,8 @@ from paramserver.wire.ring import Ring, RingConfig, replication_and_quorum
 from paramserver.client.errors import ClusterUnreachable, TransferError, rpc_code, rpc_details
 
 T = TypeVar("T")
+# what leader_call waits on: (kind "call" or "ask", address, the future that ended)
+_Events: TypeAlias = "queue.SimpleQueue[tuple[str, str, Future[Any] | grpc.Future[Any]]]"
 
 # Codes after which another seed (or a later try) may answer.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
@@ -148,8 +150,8 @@ class ClusterView:
         end = started + (deadline_s if deadline_s is not None else self.options.timeout_s * 3)
         target, term = self._believed_leader()
         watch = LeaderFailover(target, term, self._addresses(), policy, now=started, deadline=end, suspect=suspect)
-        events: queue.SimpleQueue[tuple[str, str, Future | grpc.Future]] = queue.SimpleQueue()
-        current: Future | None = None  # the try in flight to watch.target
+        events: _Events = queue.SimpleQueue()
+        current: Future[T] | None = None  # the try in flight to watch.target
         unsure = False  # a try failed or was abandoned: it may still take effect
         last_error: grpc.RpcError | None = None
         while True:
@@ -173,9 +175,9 @@ class ClusterView:
             if kind == "call":
                 if current is None or f is not current:
                     continue  # a try abandoned after a move ended late: not this call's outcome
-                current = None
+                call, current = current, None
                 try:
-                    return f.result()
+                    return call.result()
                 except grpc.RpcError as exc:
                     if rpc_code(exc) not in RETRYABLE:
                         raise
@@ -212,7 +214,7 @@ class ClusterView:
         """Every member's and seed's gRPC address, members first."""
         return list(dict.fromkeys([*(m.grpc_address for m in self.members.values()), *self.options.seeds]))
 
-    def _ask(self, address: str, timeout: float, events: queue.SimpleQueue) -> None:
+    def _ask(self, address: str, timeout: float, events: _Events) -> None:
         """ClusterInfo to ``address`` without waiting; its end is put on ``events`` as ("ask", address, future)."""
         try:
             f = self.client(address).stub.ClusterInfo.future(pb.ClusterInfoRequest(), timeout=timeout)
@@ -226,7 +228,8 @@ class ClusterView:
         self.members: dict[str, pb.Member] = {m.server_id: m for m in info.members}
         up = {m.server_id: m.zone for m in info.members if m.state == "up"}
         if not up:
-            raise TransferError(f"the cluster reports no member in state 'up' (server {info.server_id}); wait for it to form", grpc.StatusCode.UNAVAILABLE)
+            raise TransferError(f"the cluster reports no member in state 'up' (server {info.server_id}); wait for it to form",
+                                grpc.StatusCode.UNAVAILABLE)
         self.ring = Ring(up, RingConfig(vnodes=info.ring.vnodes or RingConfig().vnodes))
         self.replication, self.write_quorum = replication_and_quorum(
             info.ring.replication_factor or 3, info.ring.write_quorum or None, len(self.ring)
@@ -305,9 +308,9 @@ class ClusterView:
         self.close()
 
 
-def _in_thread(fn: Callable[[ParamServerClient], T], client: ParamServerClient) -> Future:
+def _in_thread(fn: Callable[[ParamServerClient], T], client: ParamServerClient) -> Future[T]:
     """Run ``fn(client)`` on a daemon thread; its outcome lands in the returned future."""
-    f: Future = Future()
+    f: Future[T] = Future()
 
     def run() -> None:
         if not f.set_running_or_notify_cancel():
@@ -321,7 +324,7 @@ def _in_thread(fn: Callable[[ParamServerClient], T], client: ParamServerClient) 
     return f
 
 
-def _put_on(events: queue.SimpleQueue, kind: str, address: str) -> Callable[[Future | grpc.Future], None]:
+def _put_on(events: _Events, kind: str, address: str) -> Callable[[Future[Any] | grpc.Future[Any]], None]:
     """A done-callback that reports (kind, address, future) to the leader_call loop."""
     return lambda f: events.put((kind, address, f))
 
@@ -332,8 +335,8 @@ def _ask_cluster_info(
     """ClusterInfo to every client at once; yields (address, reply or error) as each ends, fastest
     first; with ``patience``, stops that long after the first reply instead of waiting for silent
     members to time out. Questions still out when the caller stops reading are cancelled."""
-    done: queue.SimpleQueue[tuple[str, grpc.Future]] = queue.SimpleQueue()
-    futures: list[grpc.Future] = []
+    done: queue.SimpleQueue[tuple[str, grpc.Future[pb.ClusterInfoReply]]] = queue.SimpleQueue()
+    futures: list[grpc.Future[pb.ClusterInfoReply]] = []
     for address, c in clients.items():
         f = c.stub.ClusterInfo.future(pb.ClusterInfoRequest(), timeout=timeout)
         futures.append(f)

@@ -260,7 +260,8 @@ def _read_token(token_file: Path, config: Path, key: str) -> str:
     except UnicodeDecodeError:
         raise ConfigError(f"client config file {config}: {key} {token_file} is not a text file") from None
     if not token or any(c.isspace() for c in token):
-        raise ConfigError(f"client config file {config}: {key} {token_file} must hold one token (no spaces), got {'nothing' if not token else 'several words'}")
+        got = "nothing" if not token else "several words"
+        raise ConfigError(f"client config file {config}: {key} {token_file} must hold one token (no spaces), got {got}")
     return token
 
 

@@ -103,14 +103,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--codec", choices=("off", "auto", "on"), default="off",
         help="zstd per chunk: off (default; fastest to load on a fast link), auto (only where it saves >= 10%%), on (always)",
     )  # fmt: skip
-    sp.add_argument("--chunk-size", type=parse_size, default=ChunkingConfig().chunk_size, help="chunk size, a power of two from 4K to 64M (default 256K)")
+    sp.add_argument("--chunk-size", type=parse_size, default=ChunkingConfig().chunk_size,
+                    help="chunk size, a power of two from 4K to 64M (default 256K)")
     sp.add_argument("--publisher", default=None, help="name recorded in the version's vector clock (default: user.host)")
     sp.add_argument("--no-progress", action="store_true", help="do not draw the progress bar (default: drawn on a terminal)")
 
     sp = sub.add_parser("pull", help="pull a version into a .safetensors file, verified chunk by chunk", formatter_class=fmt, epilog=EPILOG)
     sp.add_argument("ref", metavar="MODEL:TAG", help="MODEL:TAG, MODEL@VERSION or MODEL (its latest version)")
     sp.add_argument("--out", "-o", type=Path, required=True, help="output .safetensors file (written atomically)")
-    sp.add_argument("--streams", type=int, default=PullOptions().streams_per_server, help=f"parallel GetChunks streams per server (default {PullOptions().streams_per_server})")
+    sp.add_argument("--streams", type=int, default=PullOptions().streams_per_server,
+                    help=f"parallel GetChunks streams per server (default {PullOptions().streams_per_server})")
     sp.add_argument(
         "--verify", choices=("content", "crc"), default=None,
         help="crc: every chunk's size and CRC32C from the manifest, itself verified by its content id; "
@@ -193,10 +195,12 @@ def push_summary(r: PushReport) -> str:
     down = f"; unreachable: {', '.join(r.unreachable)}" if r.unreachable else ""
     return (
         f"pushed {r.model}{tag} v{r.version} ({parent}, manifest {r.manifest_id[:16]})\n"
-        f"  bytes {human_bytes(r.bytes_total)}  sent {human_bytes(r.bytes_sent)} ({100 * r.bytes_sent / max(1, r.bytes_stored):.1f}% of stored)"
+        f"  bytes {human_bytes(r.bytes_total)}  sent {human_bytes(r.bytes_sent)} "
+        f"({100 * r.bytes_sent / max(1, r.bytes_stored):.1f}% of stored)"
         f"  over the wire {human_bytes(r.wire_bytes)} (R={r.replication}, W={r.write_quorum}{down})\n"
         f"  chunks {r.chunks_total} ({r.chunks_unique} distinct)  deduplicated {r.chunks_deduplicated}  sent {r.chunks_sent}\n"
-        f"  {r.seconds:.2f} s  {r.gbps:.2f} GB/s (pack {r.pack_seconds:.2f} s, upload {r.upload_seconds:.2f} s at {r.upload_gbps:.2f} GB/s on the wire)"
+        f"  {r.seconds:.2f} s  {r.gbps:.2f} GB/s "
+        f"(pack {r.pack_seconds:.2f} s, upload {r.upload_seconds:.2f} s at {r.upload_gbps:.2f} GB/s on the wire)"
     )
 
 
@@ -208,7 +212,8 @@ def cmd_pull(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> in
     show = not args.no_progress and sys.stderr.isatty()
     try:
         with RichProgress(enabled=show) as bar:
-            r = pull(opts.seeds, args.ref, args.out, progress=bar, options=PullOptions(streams_per_server=args.streams, verify=args.settings.verify, bulk=args.settings.bulk), cluster=opts)
+            options = PullOptions(streams_per_server=args.streams, verify=args.settings.verify, bulk=args.settings.bulk)
+            r = pull(opts.seeds, args.ref, args.out, progress=bar, options=options, cluster=opts)
     except ClientError as exc:
         if isinstance(exc, TransferError):
             raise
@@ -216,10 +221,12 @@ def cmd_pull(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> in
     ref = f"{r.model}:{r.tag}" if r.tag else r.model
     out.print(
         f"pulled {ref} v{r.version} -> {r.path}\n"
-        f"  bytes {human_bytes(r.bytes_total)}  chunks {r.chunks_total} ({r.chunks_unique} distinct, all verified by {args.settings.verify})"
+        f"  bytes {human_bytes(r.bytes_total)}  chunks {r.chunks_total} "
+        f"({r.chunks_unique} distinct, all verified by {args.settings.verify})"
         f"  from {', '.join(f'{s} {human_bytes(n)}' for s, n in sorted(r.per_server.items()))}"
         f"{f'  retried {r.retried}' if r.retried else ''}\n"
-        f"  {r.seconds:.2f} s  {r.gbps:.2f} GB/s (fetch + verify {r.fetch_seconds:.2f} s at {r.fetch_gbps:.2f} GB/s, save {r.save_seconds:.2f} s)"
+        f"  {r.seconds:.2f} s  {r.gbps:.2f} GB/s "
+        f"(fetch + verify {r.fetch_seconds:.2f} s at {r.fetch_gbps:.2f} GB/s, save {r.save_seconds:.2f} s)"
     )
     return 0
 
@@ -319,12 +326,14 @@ def cmd_status(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> 
             table.add_column(col, justify="right" if col in ("chunks", "disk", "repair queue", "quarantined") else "left")
         for m, st in zip(members, statuses):
             if isinstance(st, str):
-                table.add_row(m.server_id, m.grpc_address, m.raft_address, m.state, m.zone or "-", f"[red]{st}[/red]", "-", "-", "-", "-", "-")
+                table.add_row(m.server_id, m.grpc_address, m.raft_address, m.state, m.zone or "-", f"[red]{st}[/red]",
+                              "-", "-", "-", "-", "-")
                 continue
             role = "leader" if st.is_leader else "follower"
             cache = f"{human_bytes(st.cache.used_bytes)}/{human_bytes(st.cache.capacity_bytes)}"
             table.add_row(
-                m.server_id, m.grpc_address, m.raft_address, m.state, m.zone or "-", role, str(st.chunk_count), human_bytes(st.bytes_on_disk),
+                m.server_id, m.grpc_address, m.raft_address, m.state, m.zone or "-", role, str(st.chunk_count),
+                human_bytes(st.bytes_on_disk),
                 str(st.repair_queue), str(st.quarantined), cache,
             )  # fmt: skip
         out.print(table)

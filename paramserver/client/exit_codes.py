@@ -139,7 +139,8 @@ def describe_failure(exc: BaseException, settings: ClientSettings | None = None,
     if status is None or status == grpc.StatusCode.UNKNOWN:
         status = _STATUS_OF_EXIT.get(exit_code, status)
     text = one_line(str(exc) or type(exc).__name__)
-    if status is not None and status not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INVALID_ARGUMENT) and not text.startswith(status.name):
+    generic = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INVALID_ARGUMENT)
+    if status is not None and status not in generic and not text.startswith(status.name):
         text = f"{status.name}: {text}"
     return Failure(exit_code, text)
 

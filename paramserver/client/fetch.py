@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from chunking.errors import ChunkCorrupt
-from chunking.hashing import Buffer
+from chunking.hashing import Buffer, bytes_like
 from chunking.manifest import ChunkRef
 from paramserver.client.errors import ChunkDataLoss, ChunkUnavailable
 from paramserver.client.fetch_plan import (
@@ -223,7 +223,7 @@ class _Fetch:
             # Bytes that fail the manifest's checks never count; that replica is told.
             self._step(Refused(read.read, arrival.id, f"corrupt bytes ({exc.reason})", corrupt=True, report=True))
             return
-        nbytes = len(memoryview(arrival.data)) if not isinstance(arrival.data, bytes) else len(arrival.data)
+        nbytes = len(memoryview(bytes_like(arrival.data))) if not isinstance(arrival.data, bytes) else len(arrival.data)
         with self.lock:
             self.stats.chunks += 1
             self.stats.in_place += in_place

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 from pathlib import Path
 
 from paramserver.client.errors import StaleRead
@@ -63,11 +64,11 @@ class Resolution:
                 "clock": dict(self.clock), "commit_index": self.commit_index, "server": self.server}
 
     @classmethod
-    def from_json(cls, d: Mapping[str, object]) -> Resolution:
+    def from_json(cls, d: Mapping[str, Any]) -> Resolution:
         clock = d.get("clock") or {}
         assert isinstance(clock, Mapping)
-        return cls(str(d["model"]), str(d["tag"]), int(d["version"]), str(d["manifest_id"]),  # type: ignore[call-overload]
-                   {str(k): int(v) for k, v in clock.items()}, int(d.get("commit_index", 0)),  # type: ignore[call-overload]
+        return cls(str(d["model"]), str(d["tag"]), int(d["version"]), str(d["manifest_id"]),
+                   {str(k): int(v) for k, v in clock.items()}, int(d.get("commit_index", 0)),
                    str(d.get("server", "")))
 
 

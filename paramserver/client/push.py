@@ -120,7 +120,7 @@ def default_publisher() -> str:
     """user.host, reduced to the characters metadata names allow."""
     try:
         user = getpass.getuser()
-    except Exception:
+    except (ImportError, KeyError, OSError):  # no pwd module, no passwd entry for the uid (3.13: OSError)
         user = "user"
     raw = f"{user}.{socket.gethostname()}"
     clean = re.sub(r"[^A-Za-z0-9._-]", "-", raw)
@@ -383,7 +383,7 @@ def push(
     cluster = cluster or ClusterOptions(parse_seeds(seeds), token=token)
     with ClusterView.connect(cluster) as view:
         head = head_version(view, model)
-        base: int | None = head if parent == "head" else parent  # type: ignore[assignment]
+        base: int | None = head if parent == "head" else parent
         previous = fetch_manifest(view, model, base) if base is not None else None
         progress("pack", 0, 0)
         t_pack = time.perf_counter()

@@ -59,7 +59,7 @@ def plan_uploads(
     once = wire = 0
     for item in items:
         reachable = [s for s in placement[item.id] if present.get(s) is not None]
-        missing = [s for s in reachable if item.id not in present[s]]  # type: ignore[operator]
+        missing = [s for s in reachable if item.id not in (present[s] or ())]  # reachable: present[s] is a set
         if not missing:
             if reachable:  # on no reachable replica it is just short of W, not deduplicated
                 dedup.append(item.id)

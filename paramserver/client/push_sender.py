@@ -94,7 +94,7 @@ class ServerStream:
             except grpc.RpcError as exc:
                 self.code, self.error = rpc_code(exc), rpc_details(exc)
                 return
-            except Exception as exc:  # a bug must not hang the producer: it sees the error and stops feeding us
+            except Exception as exc:  # noqa: BLE001 - a bug must not hang the producer: it sees the error and stops feeding us
                 self.code, self.error = grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
                 return
             for ack in reply.acks:

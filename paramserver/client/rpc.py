@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, NamedTuple, Sequence
+from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 
 import grpc
 
@@ -52,7 +52,7 @@ class ClientConfig:
         return self
 
 
-def _chunk_fields(chunk: ChunkData | pb.Chunk | tuple) -> ChunkData:  # type: ignore[type-arg]
+def _chunk_fields(chunk: ChunkData | pb.Chunk | tuple[Any, ...]) -> ChunkData:
     if isinstance(chunk, ChunkData):
         return chunk
     if isinstance(chunk, pb.Chunk):
@@ -99,7 +99,7 @@ class ParamServerClient:
     # ------------------------------------------------------------ chunks
 
     def put_chunks(
-        self, chunks: Iterable[ChunkData | pb.Chunk | tuple], batch_bytes: int = 4 << 20  # type: ignore[type-arg]
+        self, chunks: Iterable[ChunkData | pb.Chunk | tuple[Any, ...]], batch_bytes: int = 4 << 20
     ) -> pb.PutChunksReply:
         """Stream chunks in messages of about ``batch_bytes``; returns the server's acks.
 
@@ -154,7 +154,8 @@ class ParamServerClient:
 
     def report_corrupt(self, chunk_ids: Sequence[str], server_id: str, reporter: str, reason: str = "") -> int:
         reply = self.stub.ReportCorrupt(
-            pb.ReportCorruptRequest(chunk_ids=list(chunk_ids), server_id=server_id, reporter=reporter, reason=reason), timeout=self.config.timeout_s
+            pb.ReportCorruptRequest(chunk_ids=list(chunk_ids), server_id=server_id, reporter=reporter, reason=reason),
+            timeout=self.config.timeout_s,
         )
         return reply.accepted
 
@@ -197,7 +198,8 @@ class ParamServerClient:
         return self.stub.ResolveTag(pb.ResolveTagRequest(model=model, tag=tag, linearizable=linearizable), timeout=self.config.timeout_s)
 
     def get_version(self, model: str, number: int, *, linearizable: bool = False) -> pb.VersionReply:
-        return self.stub.GetVersion(pb.GetVersionRequest(model=model, number=number, linearizable=linearizable), timeout=self.config.timeout_s)
+        return self.stub.GetVersion(pb.GetVersionRequest(model=model, number=number, linearizable=linearizable),
+                                    timeout=self.config.timeout_s)
 
     def list_models(self) -> pb.ListModelsReply:
         return self.stub.ListModels(pb.ListModelsRequest(), timeout=self.config.timeout_s)

@@ -16,7 +16,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import grpc
 
@@ -472,12 +472,12 @@ class ClusterClient:
         return stats
 
 
-def client_for(cluster: ClusterClient | str | Sequence[str] | Any, token: str | None = None) -> tuple[ClusterClient, bool]:
+def client_for(cluster: ClusterClient | ClientSettings | str | Sequence[str], token: str | None = None) -> tuple[ClusterClient, bool]:
     """``(client, owned)``: an existing client, or a new one for seed addresses or settings (to be closed)."""
     if isinstance(cluster, ClusterClient):
         return cluster, False
-    if hasattr(cluster, "cluster_options"):
-        return ClusterClient(settings=cluster, token=token), True
+    if hasattr(cluster, "cluster_options"):  # ClientSettings (imported here for types only)
+        return ClusterClient(settings=cast("ClientSettings", cluster), token=token), True
     return ClusterClient(cluster, token=token), True
 
 

@@ -13,8 +13,9 @@ chunks from a dict, with scripted faults, for tests without sockets.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import grpc
@@ -54,8 +55,8 @@ _REPLICA_DOWN = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
 class ClusterTransport:
     """Reads from real servers. ``members()`` gives ``{server_id: pb.Member}`` (grpc and bulk addresses)."""
 
-    def __init__(self, members: Callable[[], Mapping[str, pb.Member]], *, token: str | None, tls: bool, tls_ca: object = None,
-                 tls_cert: object = None, tls_key: object = None, bulk: bool = True, bulk_down_s: float = 30.0,
+    def __init__(self, members: Callable[[], Mapping[str, pb.Member]], *, token: str | None, tls: bool, tls_ca: str | Path | None = None,
+                 tls_cert: str | Path | None = None, tls_key: str | Path | None = None, bulk: bool = True, bulk_down_s: float = 30.0,
                  max_message_bytes: int, get_message_bytes: int = 2 << 20, io_timeout_s: float = 30.0) -> None:
         self._members = members
         self._token = token
@@ -74,7 +75,8 @@ class ClusterTransport:
 
     def uses_bulk(self, server: str) -> bool:
         member = self._members().get(server)
-        return self.bulk is not None and member is not None and bool(member.bulk_address) and self.bulk.client(member.bulk_address) is not None
+        return (self.bulk is not None and member is not None and bool(member.bulk_address)
+                and self.bulk.client(member.bulk_address) is not None)
 
     def read(self, server: str, ids: Sequence[str], into: Into | None, timeout_s: float) -> Iterator[Arrival]:
         member = self._members().get(server)
@@ -87,7 +89,7 @@ class ClusterTransport:
                 return
         yield from self._grpc(member.grpc_address, owed, timeout_s)
 
-    def _bulk(self, address: str, ids: list[str], into: Into | None) -> Iterator[Arrival]:
+    def _bulk(self, address: str, ids: list[str], into: Into | None) -> Generator[Arrival, None, list[str]]:
         """Generator returning the ids the bulk port did not answer (they go over gRPC)."""
         assert self.bulk is not None
         client = self.bulk.client(address)

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from chunking.codec import decode_chunk
 from chunking.errors import ChunkCorrupt
-from chunking.hashing import Buffer, content_id, crc32c
+from chunking.hashing import Buffer, bytes_like, content_id, crc32c
 from chunking.manifest import ChunkRef
 from paramserver.client.errors import ConfigError
 
@@ -56,7 +56,7 @@ class Verifier:
         content = self.mode == "content"
         if arrival.codec == ref.codec and arrival.crc32c == ref.crc32c:
             return decode_chunk(ref, arrival.data, algorithm=self.algorithm, check_id=content)
-        theirs = dataclasses.replace(ref, codec=arrival.codec, crc32c=arrival.crc32c, stored_size=len(memoryview(arrival.data)))
+        theirs = dataclasses.replace(ref, codec=arrival.codec, crc32c=arrival.crc32c, stored_size=len(memoryview(bytes_like(arrival.data))))
         return decode_chunk(theirs, arrival.data, algorithm=self.algorithm, check_id=True)
 
 

@@ -67,7 +67,7 @@ def check_call(method: str, metadata: Iterable[tuple[str, Any]] | None, config: 
     return f"{name} needs {expected} as 'authorization: Bearer <token>' metadata; {problem}"
 
 
-def _abort_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+def _abort_handler(handler: grpc.RpcMethodHandler[Any, Any], message: str) -> grpc.RpcMethodHandler[Any, Any]:
     def abort(_request: Any, context: grpc.ServicerContext) -> Any:
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
@@ -87,9 +87,9 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = continuation(handler_call_details)
         if handler is None or not self.config.enabled:
             return handler

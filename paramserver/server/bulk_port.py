@@ -18,7 +18,7 @@ from paramserver.server.store import ChunkStore
 from paramserver.wire.auth import ADMIN_TOKEN_ENV, READ_TOKEN_ENV
 from paramserver.wire.bulk_frames import (
     CORRUPT, ERROR, HELLO, ID_BYTES, MAGIC, MAX_BATCH_ITEMS, MAX_IDS, MAX_TOKEN_BYTES, MISSING, OK, REQUEST, SEND_BATCH_BYTES,
-    SOCKET_BUFFER_BYTES, VERSION, W_BAD_HELLO, W_OK, W_UNAUTHENTICATED, encode_batch, encode_header, encode_message,
+    SOCKET_BUFFER_BYTES, VERSION, W_BAD_HELLO, W_OK, W_UNAUTHENTICATED, ProtocolError, encode_batch, encode_header, encode_message,
     encode_welcome, recv_bytes, send_all,
 )
 
@@ -134,7 +134,7 @@ class BulkServer:
                 self._requests(conn)
         except (OSError, EOFError, ProtocolError) as exc:
             log.debug("bulk connection ended: %s", exc)
-        except Exception:  # noqa: BLE001 - one connection's failure must not end the server
+        except Exception:
             log.exception("bulk connection failed")
         finally:
             with self._lock:
@@ -145,10 +145,12 @@ class BulkServer:
     def _handshake(self, conn: socket.socket) -> bool:
         magic, version, token_len = HELLO.unpack(recv_bytes(conn, HELLO.size))
         if magic != MAGIC:
-            conn.sendall(encode_welcome(W_BAD_HELLO, "not a bulk hello (bad magic): this port speaks the paramserver bulk protocol, use the gRPC port for gRPC"))
+            conn.sendall(encode_welcome(W_BAD_HELLO, "not a bulk hello (bad magic): this port speaks the paramserver bulk protocol, "
+                                                     "use the gRPC port for gRPC"))
             return False
         if version != VERSION or token_len > MAX_TOKEN_BYTES:
-            conn.sendall(encode_welcome(W_BAD_HELLO, f"bulk protocol version {version} is not served here (this server speaks {VERSION}); fall back to GetChunks"))
+            conn.sendall(encode_welcome(W_BAD_HELLO, f"bulk protocol version {version} is not served here "
+                                                     f"(this server speaks {VERSION}); fall back to GetChunks"))
             return False
         token = recv_bytes(conn, token_len).decode("utf-8", "replace")
         problem = check_token(token, self.auth)

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -20,7 +21,8 @@ from paramserver.server.errors import ConfigError
 
 
 def _parser() -> argparse.ArgumentParser:
-    d = ServerConfig.__dataclass_fields__  # defaults are shown from the one place they live
+    # defaults are shown from the one place they live
+    d: dict[str, Any] = {f.name: f.default for f in fields(ServerConfig)}
     p = argparse.ArgumentParser(
         prog="paramserver",
         description="Parameter server for model weights: content-addressed chunks on disk, metadata in Raft (pysyncobj), served over gRPC.",
@@ -33,16 +35,16 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--config", type=Path, help="TOML or JSON file with the same keys as these options (flags win)")
     s.add_argument("--id", dest="server_id", help="server id, unique in the cluster (required here or in --config)")
     s.add_argument("--data-dir", type=Path, help="chunk store, Raft journal and dump (required here or in --config)")
-    s.add_argument("--listen", help=f"gRPC listen address HOST:PORT (default {d['listen'].default})")
+    s.add_argument("--listen", help=f"gRPC listen address HOST:PORT (default {d['listen']})")
     s.add_argument("--advertise", help="gRPC address other servers and clients use (default: --listen)")
-    s.add_argument("--raft", help=f"Raft listen address HOST:PORT, private to the cluster (default {d['raft'].default})")
+    s.add_argument("--raft", help=f"Raft listen address HOST:PORT, private to the cluster (default {d['raft']})")
     s.add_argument("--peer", action="append", dest="peers", metavar="HOST:PORT",
                    help="Raft address of another initial member; repeat for each (default: none, a one-server cluster)")
     s.add_argument("--zone", help="zone label; replicas of a chunk are spread over zones first")
     s.add_argument("--replication", type=int, dest="replication_factor",
-                   help=f"replicas per chunk R, capped by the cluster size (default {d['replication_factor'].default})")
+                   help=f"replicas per chunk R, capped by the cluster size (default {d['replication_factor']})")
     s.add_argument("--write-quorum", type=int, dest="write_quorum", help="acks per chunk W before a commit (default: majority of R)")
-    s.add_argument("--vnodes", type=int, help=f"virtual nodes per server on the hash ring (default {d['vnodes'].default})")
+    s.add_argument("--vnodes", type=int, help=f"virtual nodes per server on the hash ring (default {d['vnodes']})")
     s.add_argument("--admin-token", default=os.environ.get("PARAMS_ADMIN_TOKEN"),
                    help="token required for writes (env PARAMS_ADMIN_TOKEN; default: none, writes open)")
     s.add_argument("--read-token", default=os.environ.get("PARAMS_READ_TOKEN"),
@@ -55,18 +57,23 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--tls-key", type=Path, help="private key (PEM) of --tls-cert")
     s.add_argument("--tls-ca", type=Path, help="CA (PEM) that client certificates must chain to (mutual TLS); peers' server "
                                                "certificates are checked against it too (default: system roots for peers)")
-    s.add_argument("--cache-mb", type=int, help=f"hot-chunk memory cache in MiB (default {d['cache_bytes'].default // MiB})")
+    s.add_argument("--cache-mb", type=int, help=f"hot-chunk memory cache in MiB (default {d['cache_bytes'] // MiB})")
     s.add_argument("--max-message-mb", type=int, help=f"largest gRPC message in MiB (default {DEFAULT_MAX_MESSAGE_BYTES // MiB})")
-    s.add_argument("--get-message-kb", type=int, help=f"GetChunks coalesces chunks into messages of about this size (default {DEFAULT_GET_MESSAGE_BYTES // 1024})")
-    s.add_argument("--no-fsync", action="store_true", help="skip fsync on chunk writes and on the Raft state (tests and drills only: a power loss can lose chunks and acknowledged commits)")
-    s.add_argument("--scrub-mb-per-s", type=int, help=f"background verification rate, 0 disables (default {d['scrub_bytes_per_s'].default // MiB})")
-    s.add_argument("--repair-interval", type=float, dest="repair_interval_s", help=f"seconds between repair passes (default {d['repair_interval_s'].default})")
+    s.add_argument("--get-message-kb", type=int,
+                   help=f"GetChunks coalesces chunks into messages of about this size (default {DEFAULT_GET_MESSAGE_BYTES // 1024})")
+    s.add_argument("--no-fsync", action="store_true", help="skip fsync on chunk writes and on the Raft state "
+                   "(tests and drills only: a power loss can lose chunks and acknowledged commits)")
+    s.add_argument("--scrub-mb-per-s", type=int,
+                   help=f"background verification rate, 0 disables (default {d['scrub_bytes_per_s'] // MiB})")
+    s.add_argument("--repair-interval", type=float, dest="repair_interval_s",
+                   help=f"seconds between repair passes (default {d['repair_interval_s']})")
     s.add_argument("--anti-entropy-interval", type=float, dest="anti_entropy_interval_s",
-                   help=f"seconds between re-replication passes (default {d['anti_entropy_interval_s'].default})")
-    s.add_argument("--gc-interval", type=float, dest="gc_interval_s", help=f"seconds between orphan-chunk collections, 0 disables (default {d['gc_interval_s'].default})")
+                   help=f"seconds between re-replication passes (default {d['anti_entropy_interval_s']})")
+    s.add_argument("--gc-interval", type=float, dest="gc_interval_s",
+                   help=f"seconds between orphan-chunk collections, 0 disables (default {d['gc_interval_s']})")
     s.add_argument("--orphan-grace", type=float, dest="orphan_grace_s",
-                   help=f"an unreferenced chunk is deleted only when older than this many seconds (default {d['orphan_grace_s'].default})")
-    s.add_argument("--workers", type=int, help=f"gRPC server threads (default {d['workers'].default})")
+                   help=f"an unreferenced chunk is deleted only when older than this many seconds (default {d['orphan_grace_s']})")
+    s.add_argument("--workers", type=int, help=f"gRPC server threads (default {d['workers']})")
     s.add_argument("--bulk-listen", help="plain-TCP bulk chunk-read address HOST:PORT (default: the --listen host, a free port); "
                                          "advertised to clients, off when TLS is on")
     s.add_argument("--no-bulk", action="store_true", help="serve chunk bytes over gRPC GetChunks only (no bulk port)")

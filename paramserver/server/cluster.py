@@ -181,7 +181,7 @@ class ReplicaFetcher:
         for server in order:
             try:
                 for item in self.peers.client(members[server]).get_chunks_partial([chunk_id]):
-                    if not hasattr(item, "data"):
+                    if not isinstance(item, ChunkData):
                         break  # MISSING / CORRUPT there
                     self.local.validate_incoming(item.id, item.data, item.codec, item.raw_size, item.crc32c)
                     return StoredChunk(item.id, item.data, item.codec, item.raw_size, item.crc32c)

@@ -66,7 +66,8 @@ def get_decoder(name: str) -> Decoder:
         return found
     width = _shuffle_width(name)
     if width is None:
-        raise UnknownCodecError("", f"unknown codec {name!r}: this server decodes {sorted(_registry)} and zstd+shuffleN; upgrade the server or push with codec 'raw'")
+        raise UnknownCodecError("", f"unknown codec {name!r}: this server decodes {sorted(_registry)} and zstd+shuffleN; "
+                                    "upgrade the server or push with codec 'raw'")
     decoder = _shuffled(width)
     register_codec(name, decoder)
     return decoder
@@ -91,7 +92,7 @@ def _shuffled(width: int) -> Decoder:
         shuffled = _zstd(data, raw_size)
         out = np.empty(raw_size, dtype=np.uint8)
         unshuffle_into(shuffled, width, out)
-        return memoryview(out)
+        return out.data
 
     return decode_shuffled
 

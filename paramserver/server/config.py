@@ -88,12 +88,14 @@ class ServerConfig:
             raise ConfigError(f"replication_factor must be >= 1, got {self.replication_factor}")
         if self.write_quorum is not None and not 1 <= self.write_quorum <= self.replication_factor:
             raise ConfigError(
-                f"write_quorum must be between 1 and replication_factor ({self.replication_factor}), got {self.write_quorum}; omit it for a majority"
+                f"write_quorum must be between 1 and replication_factor ({self.replication_factor}), got {self.write_quorum}; "
+                "omit it for a majority"
             )
         if not 1 <= self.vnodes <= 4096:
             raise ConfigError(f"vnodes must be between 1 and 4096, got {self.vnodes}")
         if self.read_token and not self.admin_token:
-            raise ConfigError("read_token is set but admin_token is not: writes would be open while reads are protected; set admin_token too")
+            raise ConfigError("read_token is set but admin_token is not: writes would be open while reads are protected; "
+                              "set admin_token too")
         for name in ("admin_token", "read_token"):
             token = getattr(self, name)
             if token is not None and (len(token) < 8 or any(c.isspace() for c in token)):

@@ -12,7 +12,7 @@ default only proves that the manifest itself is readable here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import grpc
 
@@ -95,7 +95,7 @@ def _member_pb(m: MemberRecord) -> pb.Member:
                      bulk_address=m.bulk_address)
 
 
-def _read_pb(r: ReadResult[object]) -> pb.ReadInfo:
+def _read_pb(r: ReadResult[Any]) -> pb.ReadInfo:
     return pb.ReadInfo(commit_index=r.commit_index, server_id=r.server_id, linearizable=r.linearizable)
 
 
@@ -155,7 +155,8 @@ class MetadataService:
             manifest = self.fetch_blob(request.manifest_id)
         except (ParamServerError, ValueError) as exc:
             missing = PreconditionFailed(
-                f"manifest {request.manifest_id} is not readable ({exc}); push the manifest and its chunks with PutChunks before CommitVersion"
+                f"manifest {request.manifest_id} is not readable ({exc}); "
+                "push the manifest and its chunks with PutChunks before CommitVersion"
             )
             abort_with(context, missing)
         nbytes, chunk_count = request.nbytes, request.chunk_count
@@ -177,7 +178,9 @@ class MetadataService:
         except MAPPED as exc:
             abort_with(context, exc)
         return pb.VersionReply(
-            version=_version_pb(record), read=pb.ReadInfo(commit_index=self.metadata.commit_index(), server_id=self.metadata.server_id), tag=request.tag
+            version=_version_pb(record),
+            read=pb.ReadInfo(commit_index=self.metadata.commit_index(), server_id=self.metadata.server_id),
+            tag=request.tag,
         )
 
     def SetTag(self, request: pb.SetTagRequest, context: grpc.ServicerContext) -> pb.TagReply:

@@ -100,7 +100,8 @@ class ReReplicator:
         self.gate.record(state, clean=not report.unreachable and not report.missing)
         return report
 
-    def _pass(self, report: ReplicationReport, ring: Ring, r: int, members: dict[str, MemberRecord], refs: set[str] | None) -> ReplicationReport:
+    def _pass(self, report: ReplicationReport, ring: Ring, r: int, members: dict[str, MemberRecord],
+              refs: set[str] | None) -> ReplicationReport:
         wanted: dict[str, list[str]] = {}
         for chunk_id in self.store.iter_ids():
             report.scanned += 1

@@ -71,7 +71,8 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
             quarantined=stats.quarantined,
             repair_queue=len(self.repair_queue) if self.repair_queue is not None else 0,
             cache=pb.CacheStats(
-                capacity_bytes=c.capacity_bytes, used_bytes=c.used_bytes, entries=c.entries, hits=c.hits, misses=c.misses, evictions=c.evictions
+                capacity_bytes=c.capacity_bytes, used_bytes=c.used_bytes, entries=c.entries,
+                hits=c.hits, misses=c.misses, evictions=c.evictions,
             ),
         )
         if self.metadata is not None:
@@ -116,12 +117,12 @@ class _HandlerCapture:
     """Stands in for a grpc.Server to capture the generated method-handler table."""
 
     def __init__(self) -> None:
-        self.handlers: dict[str, grpc.RpcMethodHandler] = {}
+        self.handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
 
     def add_generic_rpc_handlers(self, handlers: Any) -> None:
         pass
 
-    def add_registered_method_handlers(self, service_name: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+    def add_registered_method_handlers(self, service_name: str, handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]) -> None:
         self.handlers = dict(handlers)
 
 
@@ -129,9 +130,10 @@ def register_servicer(servicer: pb_grpc.ParamServerServicer, server: grpc.Server
     """Like the generated add_ParamServerServicer_to_server, but GetChunks sends
     pre-encoded bytes (paramserver.wire.getchunks), skipping protobuf's slow serializer."""
     capture = _HandlerCapture()
-    pb_grpc.add_ParamServerServicer_to_server(servicer, capture)  # type: ignore[arg-type]
+    pb_grpc.add_ParamServerServicer_to_server(servicer, capture)
     handlers = capture.handlers
     get = handlers["GetChunks"]
+    assert get.unary_stream is not None  # GetChunks is unary -> stream in paramserver.proto
     handlers["GetChunks"] = grpc.unary_stream_rpc_method_handler(
         get.unary_stream, request_deserializer=get.request_deserializer, response_serializer=passthrough_serializer
     )

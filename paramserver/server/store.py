@@ -225,7 +225,8 @@ class ChunkStore:
             lost = self._lost.get(chunk_id)
             if lost is not None:
                 raise ChunkCorruptError(
-                    chunk_id, f"chunk {chunk_id}: this server's copy was corrupt ({lost}) and is awaiting repair; read it from another replica"
+                    chunk_id,
+                    f"chunk {chunk_id}: this server's copy was corrupt ({lost}) and is awaiting repair; read it from another replica",
                 ) from None
             raise ChunkNotFoundError(chunk_id, f"chunk {chunk_id} is not stored on this server; read it from another replica") from None
         try:
@@ -270,7 +271,9 @@ class ChunkStore:
             raise InvalidChunkError(chunk_id, f"chunk {chunk_id}: raw_size {raw_size} is out of range")
         if crc32c(data) != crc:
             raise ChunkTransferCorruptError(
-                chunk_id, f"chunk {chunk_id}: CRC32C of the {len(data)} received bytes does not match the declared {crc:#010x}; it was damaged in transit or truncated, send it again"
+                chunk_id,
+                f"chunk {chunk_id}: CRC32C of the {len(data)} received bytes does not match the declared {crc:#010x}; "
+                "it was damaged in transit or truncated, send it again",
             )
         self._prove_content(chunk_id, data, codec, raw_size)
 
@@ -285,7 +288,9 @@ class ChunkStore:
             if content_id(raw, algorithm) == chunk_id:
                 return
         raise InvalidChunkError(
-            chunk_id, f"chunk {chunk_id}: its {raw_size} decoded bytes hash to {content_id(raw, self.hash_algorithms[0])}, not to its id; the sender has the wrong bytes for this id"
+            chunk_id,
+            f"chunk {chunk_id}: its {raw_size} decoded bytes hash to {content_id(raw, self.hash_algorithms[0])}, not to its id; "
+            "the sender has the wrong bytes for this id",
         )
 
     def put(self, chunk_id: str, data: bytes, codec: str, raw_size: int, crc: int) -> bool:
@@ -410,7 +415,9 @@ class ChunkStore:
         if self.on_corrupt is not None:
             self.on_corrupt(chunk_id, reason)
         raise ChunkCorruptError(
-            chunk_id, f"chunk {chunk_id}: this server's copy is corrupt ({reason}); it was quarantined and queued for repair, read it from another replica"
+            chunk_id,
+            f"chunk {chunk_id}: this server's copy is corrupt ({reason}); it was quarantined and queued for repair, "
+            "read it from another replica",
         )
 
     # ------------------------------------------------------------- inventory

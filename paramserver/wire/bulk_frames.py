@@ -42,6 +42,7 @@ import socket
 import struct
 from typing import Sequence
 
+from paramserver.wire.errors import ConfigError
 from paramserver.wire.limits import MAX_CODEC_LEN
 
 MAGIC = b"PDBK"
@@ -177,6 +178,7 @@ def encode_message(text: str) -> bytes:
 __all__ = [
     "BATCH", "CORRUPT", "ERROR", "HEADER", "HELLO", "MAGIC", "MAX_BATCH_BYTES", "MAX_BATCH_ITEMS", "MAX_CHUNK_BYTES", "MAX_IDS",
     "MAX_MESSAGE_BYTES", "MISSING", "OK", "REQUEST", "STATUS_NAMES", "VERSION", "WELCOME", "W_BAD_HELLO", "W_OK",
-    "W_UNAUTHENTICATED", "ProtocolError", "decode_header", "encode_batch", "encode_header", "encode_hello", "encode_message", "encode_request",
+    "W_UNAUTHENTICATED", "ProtocolError", "decode_header", "encode_batch", "encode_header", "encode_hello", "encode_message",
+    "encode_request",
     "encode_welcome", "recv_bytes", "recv_exact", "recv_into_all", "send_all",
 ]

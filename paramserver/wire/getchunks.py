@@ -74,8 +74,8 @@ class ReplyBuilder:
         self.payload_bytes += len(data)
         self.count += 1
 
-    def add_error(self, chunk_id: str, status: int, message: str) -> None:
-        self._errors.append(pb.ChunkAck(id=chunk_id, status=status, message=message))  # type: ignore[arg-type]
+    def add_error(self, chunk_id: str, status: pb.ChunkStatus, message: str) -> None:
+        self._errors.append(pb.ChunkAck(id=chunk_id, status=status, message=message))
 
     def __bool__(self) -> bool:
         return bool(self.count or self._errors)

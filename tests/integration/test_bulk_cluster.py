@@ -19,7 +19,6 @@ from deploy.local import LocalCluster, LocalClusterConfig
 from paramserver.wire.bulk_frames import CORRUPT, MISSING, OK
 from paramserver.client.bulk_transport import BulkClient, BulkUnauthenticated
 from paramserver.client.rpc import ParamServerClient
-from paramserver.client.cluster_view import ClusterOptions, ClusterView
 from paramserver.wire.proto import pb
 from paramserver.client.hostmem import allocate_targets
 from paramserver.client.pull import PullOptions, pull_tensors

@@ -96,7 +96,8 @@ def test_bad_token_exits_5(cluster: LocalCluster) -> None:
 
 
 def test_cluster_unavailable_exits_6(cluster: LocalCluster) -> None:
-    code, ctl, worker = both(cluster, ["--cluster", "127.0.0.1:1", "--timeout", "2", "status"], ["load", "present:prod", "--cluster", "127.0.0.1:1"])
+    code, ctl, worker = both(cluster, ["--cluster", "127.0.0.1:1", "--timeout", "2", "status"],
+                             ["load", "present:prod", "--cluster", "127.0.0.1:1"])
     assert code == 6 and "UNAVAILABLE" in ctl and "UNAVAILABLE" in worker
 
 

@@ -20,7 +20,8 @@ ADMIN, READ = "admin-token-ctl", "read-token-ctl"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    c = LocalCluster(LocalClusterConfig(root=tmp_path_factory.mktemp("ctl"), servers=3, admin_token=ADMIN, read_token=READ, extra_args=("--no-fsync",)))
+    c = LocalCluster(LocalClusterConfig(root=tmp_path_factory.mktemp("ctl"), servers=3, admin_token=ADMIN, read_token=READ,
+                                        extra_args=("--no-fsync",)))
     try:
         c.up(wait=90)
         yield c
@@ -28,7 +29,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         c.down()
 
 
-def paramctl(*args: str, cluster: LocalCluster | None = None, token: str | None = ADMIN, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def paramctl(*args: str, cluster: LocalCluster | None = None, token: str | None = ADMIN,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     full = dict(os.environ)
     for name in ("PARAMS_CLUSTER", "PARAMS_ADMIN_TOKEN", "PARAMS_READ_TOKEN"):
         full.pop(name, None)
@@ -60,7 +62,8 @@ def state(scale: float) -> dict[str, torch.Tensor]:
 def test_help_documents_every_command_and_option() -> None:
     top = paramctl("--help", token=None)
     assert top.returncode == 0
-    for word in ("--cluster", "--token", "--timeout", "PARAMS_CLUSTER", "push", "pull", "tag", "rollback", "untag", "ls", "status", "exit codes"):
+    for word in ("--cluster", "--token", "--timeout", "PARAMS_CLUSTER",
+                 "push", "pull", "tag", "rollback", "untag", "ls", "status", "exit codes"):
         assert word in top.stdout, word
     push_help = paramctl("push", "--help", token=None).stdout
     for word in ("--model", "--tag", "--parent", "--codec", "--chunk-size", "default"):
@@ -96,7 +99,10 @@ def test_push_ls_tag_rollback_pull_untag_status(cluster: LocalCluster, tmp_path:
     r = paramctl("pull", "clf:prod", "--out", str(out), cluster=cluster, token=READ)
     assert r.returncode == 0, r.stderr
     pulled, want = load_file(str(out)), load_file(str(v2))
-    assert all(torch.equal(pulled[k].view(-1).view(torch.uint8) if pulled[k].dim() else pulled[k], want[k].view(-1).view(torch.uint8) if want[k].dim() else want[k]) for k in want)
+    def as_bytes(t: torch.Tensor) -> torch.Tensor:
+        return t.view(-1).view(torch.uint8) if t.dim() else t
+
+    assert all(torch.equal(as_bytes(pulled[k]), as_bytes(want[k])) for k in want)
 
     assert paramctl("untag", "clf", "prod", cluster=cluster).returncode == 0
     r = paramctl("pull", "clf:prod", "--out", str(out), cluster=cluster, token=READ)

@@ -26,7 +26,7 @@ from deploy.local import LocalCluster, LocalClusterConfig
 from paramserver.client.rpc import ChunkData, ParamServerClient, make_chunk
 from paramserver.client.pull import pull, pull_tensors
 from paramserver.client.push import push
-from paramserver.client.errors import ChunkUnavailable, NotFound, PullError, PushError, TransferError
+from paramserver.client.errors import ChunkUnavailable, NotFound, PushError, TransferError
 
 pytestmark = pytest.mark.integration
 

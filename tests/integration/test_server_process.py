@@ -83,7 +83,8 @@ def test_bad_config_is_refused_with_a_clear_message(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "paramserver", "serve", "--config", str(bad)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "listen must be HOST:PORT" in proc.stderr
-    missing = subprocess.run([sys.executable, "-m", "paramserver", "serve", "--listen", "127.0.0.1:1"], capture_output=True, text=True, timeout=60)
+    missing = subprocess.run([sys.executable, "-m", "paramserver", "serve", "--listen", "127.0.0.1:1"],
+                             capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "server_id" in missing.stderr
 
 
@@ -106,7 +107,8 @@ def test_version_pushed_to_two_replicas_gets_its_third(cluster: LocalCluster) ->
     version = placement.clients["ps1"].commit_version("rerep", manifest.id, publisher="test").version
     assert version.number == 1
     for chunk_id, missing_on in short_of.items():
-        wait_until(lambda: missing_on in placement.holders(chunk_id), 30, f"chunk {chunk_id[:12]} re-replicated to {missing_on}")
+        wait_until(lambda chunk_id=chunk_id, missing_on=missing_on: missing_on in placement.holders(chunk_id), 30,
+                   f"chunk {chunk_id[:12]} re-replicated to {missing_on}")
         assert placement.holders(chunk_id) == set(placement.replicas(chunk_id))
 
 

@@ -245,7 +245,7 @@ class StaleServer(pb_grpc.ParamServerServicer):
         self.reply = reply
         self.asked = 0
 
-    def ResolveTag(self, request: pb.ResolveTagRequest, context: grpc.ServicerContext) -> pb.VersionReply:  # noqa: N802
+    def ResolveTag(self, request: pb.ResolveTagRequest, context: grpc.ServicerContext) -> pb.VersionReply:  # noqa: N802 - the RPC's name
         self.asked += 1
         return self.reply
 

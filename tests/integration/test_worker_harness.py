@@ -107,12 +107,9 @@ class Cluster:
         for other in self.slots:
             if other is not slot:
                 args += ["--peer", other.raft]
-        log = open(self.root / f"{slot.server_id}.log", "ab")
-        try:
+        with open(self.root / f"{slot.server_id}.log", "ab") as log:
             slot.proc = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        finally:
-            log.close()
 
     def up(self, timeout: float = 60.0) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -137,7 +134,7 @@ class Cluster:
                         info = c.cluster_info()
                     if info.leader_id and len([m for m in info.members if m.state == "up"]) == len(self.slots):
                         ok += 1
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:  # noqa: BLE001 - not up yet: retried until the deadline
                     last = exc
             if ok == len([s for s in self.slots if s.proc is not None]):
                 return
@@ -202,7 +199,7 @@ class Cluster:
                 try:
                     return ps.commit_version(model, manifest_id, parent=parent, publisher=publisher, tag=tag,
                                              nbytes=result.manifest.raw_bytes, chunk_count=len(result.manifest.chunks))
-                except Exception as exc:  # noqa: BLE001 - leader election in progress
+                except Exception as exc:
                     if "UNAVAILABLE" not in repr(exc):
                         raise
                     time.sleep(0.2)

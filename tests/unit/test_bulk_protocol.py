@@ -191,6 +191,40 @@ def test_truncated_request_closes_without_an_answer(store: ChunkStore, server: B
     assert len(reply) == WELCOME.size  # the welcome, then nothing
 
 
+def test_client_that_hangs_up_before_its_hello_ends_quietly(server: BulkServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The connection thread logs the EOF and cleans up: nothing escapes it (the handler's
+    exception tuple once named an unimported ProtocolError, so every such end was a NameError)."""
+    import threading
+
+    serve_one = server._serve
+    done = threading.Event()
+    escaped: list[BaseException] = []
+
+    def watched(conn: socket.socket) -> None:
+        try:
+            serve_one(conn)
+        except BaseException as exc:
+            escaped.append(exc)
+            raise
+        finally:
+            done.set()
+
+    monkeypatch.setattr(server, "_serve", watched)
+    socket.create_connection(("127.0.0.1", server.port), timeout=5).close()
+    assert done.wait(5)
+    assert escaped == []
+    assert list(BulkClient(server.address).fetch([content_id(b"x")]))[0].status == MISSING  # still serving
+
+
+def test_token_longer_than_the_protocol_allows_is_a_config_error() -> None:
+    from paramserver.wire.bulk_frames import MAX_TOKEN_BYTES
+    from paramserver.wire.errors import ConfigError
+
+    encode_hello("t" * MAX_TOKEN_BYTES)
+    with pytest.raises(ConfigError, match=f"at most {MAX_TOKEN_BYTES}"):
+        encode_hello("t" * (MAX_TOKEN_BYTES + 1))
+
+
 def fake_server(reply: bytes) -> tuple[str, Callable[[], None]]:
     """A server that welcomes, reads one request, sends ``reply`` and closes; (address, join)."""
     import threading

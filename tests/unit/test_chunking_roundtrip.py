@@ -70,7 +70,9 @@ def test_unchanged_large_tensor_keeps_its_chunk_ids_when_others_change() -> None
     cfg = ChunkingConfig(chunk_size=SMALL)
     m1 = pack({"a.small": torch.zeros(3), "m.big": big}, model="m", config=cfg).manifest
     m2 = pack({"a.small": torch.ones(77), "b.new": torch.ones(9), "m.big": big}, model="m", config=cfg).manifest
-    ids = lambda m: [m.chunks[i].id for i in m.chunks_of_tensor("m.big")]  # noqa: E731
+    def ids(m: Manifest) -> list[str]:
+        return [m.chunks[i].id for i in m.chunks_of_tensor("m.big")]
+
     assert ids(m1) == ids(m2)
 
 

@@ -139,8 +139,10 @@ def test_open_channel_is_the_one_factory(certs: ClusterCerts, servers: dict[str,
 
     client = certs.clients["client"]
     with open_channel(servers["mtls"], tls_ca=certs.ca.cert, tls_cert=client.cert, tls_key=client.key, token="t-1234567") as ch:
-        assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
     with open_channel(servers["plain"], token="t-1234567") as ch:
-        assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
     with pytest.raises(ConfigError, match="together"):
         open_channel(servers["mtls"], tls_ca=certs.ca.cert, tls_cert=client.cert)

@@ -78,7 +78,8 @@ verify = "crc"
 """)
     env = {"PARAMS_CONFIG": str(cfg)}
     s = settings_from_args(parse([]), env)
-    assert (s.cluster, s.admin_token, s.read_token, s.tls_ca, s.verify) == (("file:1",), "file-admin-1", "file-read-1", tls_files["ca.pem"], "crc")
+    assert (s.cluster, s.admin_token, s.read_token, s.tls_ca, s.verify) == (
+        ("file:1",), "file-admin-1", "file-read-1", tls_files["ca.pem"], "crc")
 
     env |= {"PARAMS_CLUSTER": "env:1,env:2", "PARAMS_READ_TOKEN": "env-read-1", "PARAMS_VERIFY": "content",
             "PARAMS_TLS_CA": str(tls_files["other.pem"])}
@@ -111,9 +112,11 @@ def test_cluster_options_and_client_config_carry_tls_and_the_right_token(tls_fil
                        tls_cert=tls_files["client.pem"], tls_key=tls_files["client.key"], timeout_s=3.0).validate()
     w, r = s.cluster_options(write=True), s.cluster_options(write=False)
     assert isinstance(w, ClusterOptions) and w.seeds == ("h:1", "h:2") and w.token == "admin-1" and r.token == "read-1"
-    assert (w.tls, w.tls_ca, w.tls_cert, w.tls_key, w.timeout_s) == (True, tls_files["ca.pem"], tls_files["client.pem"], tls_files["client.key"], 3.0)
+    assert (w.tls, w.tls_ca, w.tls_cert, w.tls_key, w.timeout_s) == (
+        True, tls_files["ca.pem"], tls_files["client.pem"], tls_files["client.key"], 3.0)
     c = w.client_config("h:1")
-    assert (c.tls, c.tls_ca, c.client_cert, c.client_key, c.token) == (True, tls_files["ca.pem"], tls_files["client.pem"], tls_files["client.key"], "admin-1")
+    assert (c.tls, c.tls_ca, c.client_cert, c.client_key, c.token) == (
+        True, tls_files["ca.pem"], tls_files["client.pem"], tls_files["client.key"], "admin-1")
     c = s.client_config("h:2", write=False, timeout_s=1.0)
     assert (c.address, c.token, c.timeout_s, c.client_cert) == ("h:2", "read-1", 1.0, tls_files["client.pem"])
 
@@ -133,8 +136,9 @@ def test_cluster_options_and_client_config_carry_tls_and_the_right_token(tls_fil
 ])  # fmt: skip
 def test_bad_config_files_are_clear_errors(tmp_path: Path, tls_files: dict[str, Path], text: str, words: list[str]) -> None:
     cfg = write_config(tmp_path, text)
+    env = {"PARAMS_CONFIG": str(cfg)} if "cluster" in text else {"PARAMS_CONFIG": str(cfg), "PARAMS_CLUSTER": "h:1"}
     with pytest.raises(ConfigError) as info:
-        ClientSettings.load({}, {"PARAMS_CONFIG": str(cfg), "PARAMS_CLUSTER": "h:1"} if "cluster" not in text else {"PARAMS_CONFIG": str(cfg)})
+        ClientSettings.load({}, env)
     message = str(info.value)
     for word in words:
         assert word in message, (word, message)
@@ -174,7 +178,8 @@ def test_tls_errors_name_the_file_and_where_it_came_from(tmp_path: Path, tls_fil
         ClientSettings.load({}, env | {"PARAMS_VERIFY": "md5"})
     # A pair from a higher source replaces the file's pair as a whole.
     cfg = write_config(tmp_path, 'cluster = ["h:1"]\ntls_ca = "ca.pem"\ntls_cert = "client.pem"\ntls_key = "client.key"\n')
-    s = ClientSettings.load({}, {"PARAMS_CONFIG": str(cfg), "PARAMS_TLS_CERT": str(tls_files["other.pem"]), "PARAMS_TLS_KEY": str(tls_files["other.key"])})
+    s = ClientSettings.load({}, {"PARAMS_CONFIG": str(cfg), "PARAMS_TLS_CERT": str(tls_files["other.pem"]),
+                                 "PARAMS_TLS_KEY": str(tls_files["other.key"])})
     assert (s.tls_cert, s.tls_key, s.tls_ca) == (tls_files["other.pem"], tls_files["other.key"], tls_files["ca.pem"])
 
 

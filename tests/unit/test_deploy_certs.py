@@ -75,7 +75,8 @@ def test_server_sans_and_ekus(cluster: ClusterCerts) -> None:
     assert set(san.get_values_for_type(x509.DNSName)) == {"ps2.internal", "localhost"}
     assert _ekus(ps2) == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
     ps1 = _cert(cluster.servers["ps1"].cert)
-    assert ipaddress.ip_address("10.77.0.2") in ps1.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.IPAddress)
+    san = ps1.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert ipaddress.ip_address("10.77.0.2") in san.get_values_for_type(x509.IPAddress)
 
 
 def test_client_cert_is_client_only(cluster: ClusterCerts) -> None:

@@ -4,7 +4,9 @@ The one place the allowed order is written (it matches shared/DESIGN.md): chunki
 at the bottom, then the wire contract, then the server and the client side by side, then the
 worker, then deploy. A module may import its own layer and the layers below it; the server
 reaches the client stack through one peer-client factory only; no product code imports
-``tests`` or ``bench``; no two modules import each other, directly or through others.
+``tests`` or ``bench``; the ``bench`` scripts may use any product layer but not ``tests`` (what
+they share with the tests lives in the product, e.g. ``deploy.devcluster``); no two modules
+import each other, directly or through others.
 """
 from __future__ import annotations
 
@@ -74,13 +76,19 @@ def product_modules() -> dict[str, Path]:
     return {module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
 
 
-def graph() -> dict[str, dict[str, int]]:
-    modules = product_modules()
+def bench_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in (ROOT / "bench").rglob("*.py")}
+
+
+def graph(modules: dict[str, Path] | None = None) -> dict[str, dict[str, int]]:
+    """``module -> {imported module: line}`` for ``modules`` (default: the product), keeping the
+    edges to product modules and to tests/ and bench/."""
+    product = product_modules()
     out: dict[str, dict[str, int]] = {}
-    for name, path in modules.items():
+    for name, path in (product if modules is None else modules).items():
         deps: dict[str, int] = {}
         for target, line in imports(path):
-            if target in modules or layer_of(target) in ("tests", "bench"):
+            if target in product or layer_of(target) in ("tests", "bench"):
                 deps.setdefault(target, line)
         out[name] = deps
     return out
@@ -94,6 +102,10 @@ def violations(edges: dict[str, dict[str, int]], paths: dict[str, Path]) -> list
         for target, line in sorted(deps.items()):
             theirs = layer_of(target)
             where = f"{paths[module].relative_to(ROOT)}:{line}: {module} imports {target}"
+            if mine == "bench":
+                if theirs == "tests":
+                    bad.append(f"{where} (bench/ scripts must not import tests/: move what they share into the product)")
+                continue
             if theirs in ("tests", "bench"):
                 bad.append(f"{where} (product code must not import {theirs}/)")
             elif theirs is None or theirs == mine:
@@ -158,6 +170,13 @@ def test_imports_only_go_down_the_layers() -> None:
     assert not bad, "imports that go up a layer or sideways:\n" + "\n".join(bad)
 
 
+def test_bench_scripts_do_not_import_tests() -> None:
+    modules = bench_modules()
+    assert modules, "no bench/ scripts found"
+    bad = violations(graph(modules), modules)
+    assert not bad, "bench/ imports of tests/:\n" + "\n".join(bad)
+
+
 def test_no_import_cycles() -> None:
     found = cycles(_without_parents(graph()))
     assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
@@ -165,7 +184,8 @@ def test_no_import_cycles() -> None:
 
 def test_the_checker_catches_what_it_should(tmp_path: Path) -> None:
     """The rules on a made-up graph: an upward import, a server->client import outside the
-    factory, an import of tests/, and a cycle are each reported."""
+    factory, an import of tests/ (from product code and from a bench script), and a cycle are
+    each reported; a bench script may import any product layer."""
     edges = {
         "chunking.a": {"worker.loader": 3},
         "paramserver.server.store": {"paramserver.client.pull": 5},
@@ -174,6 +194,8 @@ def test_the_checker_catches_what_it_should(tmp_path: Path) -> None:
         "paramserver.client.session": {"paramserver.client.fetch": 1},
         "paramserver.client.fetch": {"paramserver.client.session": 2},
         "tests.helpers": {},
+        "bench.bench_x": {"deploy.local": 1, "worker.loader": 2},
+        "bench.bench_y": {"tests.integration.consensus_harness": 4},
     }
     paths = {m: ROOT / (m.replace(".", "/") + ".py") for m in edges}
     bad = violations({m: d for m, d in edges.items() if not m.startswith("tests")}, paths)
@@ -181,4 +203,6 @@ def test_the_checker_catches_what_it_should(tmp_path: Path) -> None:
     assert any("paramserver.server.store imports paramserver.client.pull" in b for b in bad)
     assert not any("paramserver.server.cluster imports" in b for b in bad)
     assert any("tests.helpers" in b for b in bad)
+    assert not any("bench.bench_x" in b for b in bad)
+    assert any("bench.bench_y imports tests.integration.consensus_harness" in b for b in bad)
     assert cycles(edges) == [["paramserver.client.fetch", "paramserver.client.session"]]

@@ -11,7 +11,7 @@ cache_sim = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(cache_sim)
 
 
-def lruk(capacity: int, working_set: int):  # noqa: ANN201
+def lruk(capacity: int, working_set: int):
     return lambda clock: cache_sim.LRUKCache(
         capacity, correlated_reference_period=0.002, retained_information_period=1e9,
         max_retained_history=4 * working_set, clock=clock,

@@ -22,7 +22,8 @@ from paramserver.server.store import HEADER_SIZE
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[list[RunningServer]]:
     servers = [
-        start_server(ServerConfig(server_id=f"ps{i}", data_dir=tmp_path / f"ps{i}", listen="127.0.0.1:0", fsync=False, workers=4, cache_bytes=0))
+        start_server(ServerConfig(server_id=f"ps{i}", data_dir=tmp_path / f"ps{i}", listen="127.0.0.1:0", fsync=False, workers=4,
+                                  cache_bytes=0))
         for i in range(3)
     ]
     yield servers

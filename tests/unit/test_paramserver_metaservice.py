@@ -49,7 +49,8 @@ class FakePlane:
     def members(self) -> ReadResult[Sequence[MemberRecord]]:
         return self._r([MemberRecord("ps1", "127.0.0.1:7000", "127.0.0.1:7100"), MemberRecord("ps2", "127.0.0.1:7001", "127.0.0.1:7101")])
 
-    def commit_version(self, model: str, manifest_id: str, parent: int | None, publisher: str, nbytes: int, chunk_count: int, *, force: bool = False, tag: str | None = None, created_at: float | None = None) -> VersionRecord:
+    def commit_version(self, model: str, manifest_id: str, parent: int | None, publisher: str, nbytes: int, chunk_count: int, *,
+                       force: bool = False, tag: str | None = None, created_at: float | None = None) -> VersionRecord:
         if not self.leader:
             raise NotLeader("not the leader; retry on 127.0.0.1:7101", leader="127.0.0.1:7101")
         if "/" in model:
@@ -59,7 +60,8 @@ class FakePlane:
         if head != parent and not force:
             raise Conflict(f"{model}: parent {parent} is not the head {head}; pull version {head} and push again")
         self.index += 1
-        record = VersionRecord(model, len(versions) + 1, manifest_id, {publisher: len(versions) + 1}, parent, 1.0, nbytes, chunk_count, publisher)
+        record = VersionRecord(model, len(versions) + 1, manifest_id, {publisher: len(versions) + 1}, parent, 1.0, nbytes, chunk_count,
+                               publisher)
         versions.append(record)
         if tag:
             self.set_tag(model, tag, record.number, publisher)

@@ -25,7 +25,8 @@ def test_committed_stubs_match_proto(tmp_path: Path) -> None:
     for fresh in gen.generate(tmp_path):
         committed = PROTO_DIR / fresh.name
         assert committed.exists(), f"{committed} missing: run python scripts/gen_proto.py"
-        assert committed.read_bytes() == fresh.read_bytes(), f"{committed.name} drifted from paramserver.proto: run python scripts/gen_proto.py"
+        drift = f"{committed.name} drifted from paramserver.proto: run python scripts/gen_proto.py"
+        assert committed.read_bytes() == fresh.read_bytes(), drift
 
 
 def test_grpc_module_imports_as_package() -> None:

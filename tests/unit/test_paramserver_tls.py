@@ -31,7 +31,8 @@ def certs(tmp_path: Path) -> tuple[Path, Path]:
 
 def test_tls_with_token(tmp_path: Path, certs: tuple[Path, Path]) -> None:
     cert, key = certs
-    cfg = ServerConfig(server_id="ps1", data_dir=tmp_path / "d", listen="127.0.0.1:0", tls_cert=cert, tls_key=key, admin_token=ADMIN, fsync=False, workers=2)
+    cfg = ServerConfig(server_id="ps1", data_dir=tmp_path / "d", listen="127.0.0.1:0", tls_cert=cert, tls_key=key, admin_token=ADMIN,
+                       fsync=False, workers=2)
     server = start_server(cfg)
     try:
         address = f"localhost:{server.port}"

@@ -23,7 +23,8 @@ chunks_strategy = st.lists(
 
 
 @settings(max_examples=200, deadline=None)
-@given(chunks=chunks_strategy, errors=st.lists(st.tuples(st.text(max_size=70), st.sampled_from([pb.MISSING, pb.CORRUPT]), st.text(max_size=40)), max_size=3))
+@given(chunks=chunks_strategy,
+       errors=st.lists(st.tuples(st.text(max_size=70), st.sampled_from([pb.MISSING, pb.CORRUPT]), st.text(max_size=40)), max_size=3))
 def test_encoding_matches_protobuf(chunks: list[tuple[str, bytes, str, int, int]], errors: list[tuple[str, int, str]]) -> None:
     builder = ReplyBuilder()
     expected = pb.GetChunksReply()

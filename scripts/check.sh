@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The code's shape, then the tests. What CI runs (.ci/run), after installing '.[test,bench]'.
+#
+#   scripts/check.sh             ruff, mypy and the import-layer test, then the whole pytest suite
+#   scripts/check.sh -m 'not slow' tests/unit   arguments are passed to the pytest run
+#   scripts/check.sh --static    ruff, mypy and the import-layer test only (no servers, ~1 min)
+#
+# Every step runs even when an earlier one fails, so one run reports everything; the exit status
+# is non-zero when any step failed. Configuration: [tool.ruff] and [tool.mypy] in pyproject.toml.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${CHECK_PYTHON:-.venv/bin/python}
+
+static_only=0
+if [ "${1:-}" = "--static" ]; then
+  static_only=1
+  shift
+fi
+
+failed=()
+step() {
+  local name=$1
+  shift
+  echo "== $name: $*" >&2
+  if ! "$@"; then
+    failed+=("$name")
+  fi
+}
+
+step ruff "$PY" -m ruff check .
+step mypy "$PY" -m mypy
+step layers "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_layers.py
+if [ "$static_only" = 0 ]; then
+  step pytest "$PY" -m pytest "$@"
+fi
+
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "== FAILED: ${failed[*]}" >&2
+  exit 1
+fi
+echo "== all checks passed" >&2
