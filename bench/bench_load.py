@@ -47,10 +47,8 @@ import time
 import traceback
 from pathlib import Path
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import redis
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -318,44 +316,6 @@ def child_main(kind: str, spec_path: str, out_path: str, check: bool) -> int:
 
 # ----------------------------------------------------------------------------------- parent side
 
-class RedisServer:
-    def __init__(self, root: Path) -> None:
-        from deploy.local import free_port
-
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise SystemExit("redis-server is not installed: apt-get install -y redis-server (Debian), then run again")
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            [exe, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
-             "--dir", str(root), "--protected-mode", "yes", "--maxmemory", "0"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
-
-    def client(self) -> redis.Redis:
-        import redis
-
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=60)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.ping()
-                return client
-            except redis.ConnectionError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise SystemExit("redis-server did not start") from None
-                time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-
-
 def run_child(kind: str, spec_path: Path, out_dir: Path, tag: str, check: bool) -> dict[str, Any]:
     out = out_dir / f"{tag}-{kind}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--child-spec", str(spec_path),
@@ -412,6 +372,7 @@ def main() -> int:
     from chunking.pack import pack
     from chunking.synthetic import synthetic_state_dict
     from deploy.local import LocalCluster, LocalClusterConfig
+    from deploy.redis_baseline import RedisServer
     from paramserver.client.push import push
 
     t_start = time.perf_counter()

@@ -22,21 +22,19 @@ import os
 import dataclasses
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-if TYPE_CHECKING:
-    import redis
 
 
 from chunking.config import ChunkingConfig
 from chunking.pack import pack
 from chunking.synthetic import synthetic_state_dict
-from deploy.local import LocalCluster, LocalClusterConfig, free_port
+from deploy.local import LocalCluster, LocalClusterConfig
+from deploy.redis_baseline import RedisServer
 from paramserver.client.pull import PullOptions, pull_tensors
 from paramserver.client.push import push
 
@@ -58,41 +56,6 @@ def cpu_seconds(pids: list[int]) -> float:
             continue
         total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
     return total
-
-
-class RedisServer:
-    def __init__(self, root: Path) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise SystemExit("redis-server is not installed: apt-get install redis-server (Debian), then run again")
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            [exe, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
-             "--dir", str(root), "--protected-mode", "yes", "--maxmemory", "0"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-
-    def client(self) -> redis.Redis:
-        import redis
-
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=60)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.ping()
-                return client
-            except redis.ConnectionError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise SystemExit("redis-server did not start") from None
-                time.sleep(0.1)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
 
 
 def main() -> int:
