@@ -214,7 +214,11 @@ class ClusterClient:
         self.view()
 
     def _members(self) -> dict[str, pb.Member]:
-        return self.view().members
+        # The transport asks this per read, under the fetch's lock: the current view, never a
+        # refresh (fetch() refreshes a stale view once, before the fetch starts).
+        with self._lock:
+            view = self._view
+        return (view or self.view()).members
 
     def members(self) -> dict[str, pb.Member]:
         return dict(self._members())
@@ -252,6 +256,12 @@ class ClusterClient:
             return list(self.seeds)
         members = [m.grpc_address for m in view.members.values() if m.state == "up"]
         return list(dict.fromkeys([*self.seeds, *members]))
+
+    def _leader_first(self) -> list[str]:
+        """``_metadata_order`` with the leader (when known) moved to the front."""
+        order = self._metadata_order()
+        leader = self._leader_address()
+        return [leader, *(a for a in order if a != leader)] if leader else order
 
     def _leader_address(self) -> str | None:
         try:
@@ -328,10 +338,8 @@ class ClusterClient:
         raise ClusterUnreachable(f"resolving {model}:{tag}: no server answered ({'; '.join(errors)}); check that the cluster is up")
 
     def version(self, model: str, number: int, *, linearizable: bool = False) -> VersionInfo:
-        order = self._metadata_order()
         leader = self._leader_address()
-        if linearizable and leader:
-            order = [leader, *[a for a in order if a != leader]]
+        order = self._leader_first() if linearizable else self._metadata_order()
         try:
             reply, address = self._ask(f"{model}@{number}", lambda c: c.get_version(model, number, linearizable=linearizable), order)
         except NotFound:
@@ -343,11 +351,8 @@ class ClusterClient:
         return VersionInfo(model, int(v.number), v.manifest_id, dict(v.clock), int(reply.read.commit_index), address)
 
     def latest(self, model: str) -> VersionInfo:
-        order = self._metadata_order()
-        leader = self._leader_address()
-        if leader:  # the leader has applied every committed version; a follower may lag
-            order = [leader, *[a for a in order if a != leader]]
-        reply, address = self._ask(model, lambda c: c.list_versions(model), order)
+        # The leader has applied every committed version; a follower may lag.
+        reply, address = self._ask(model, lambda c: c.list_versions(model), self._leader_first())
         if not reply.versions:
             raise NotFound(f"model {model} has no versions; push one first")
         v = max(reply.versions, key=lambda x: x.number)
@@ -370,11 +375,7 @@ class ClusterClient:
                 _MANIFESTS.move_to_end(manifest_id)
                 return cached
         errors: list[str] = []
-        order = self._metadata_order()
-        leader = self._leader_address()
-        if leader:
-            order = [leader, *[a for a in order if a != leader]]
-        for address in order:
+        for address in self._leader_first():
             try:
                 reply = self.server(address).get_manifest(manifest_id=manifest_id)
                 manifest = Manifest.from_bytes(reply.data, expected_id=manifest_id)
