@@ -48,6 +48,15 @@ class UnknownCodecError(InvalidChunkError):
     """The chunk's codec is not one this server can verify."""
 
 
+class StoreFullError(ParamServerError):
+    """The chunk store's disk is full (ENOSPC): this write was refused, nothing half-written is
+    kept, reads go on. Maps to RESOURCE_EXHAUSTED; ``free_bytes`` is what the disk has left."""
+
+    def __init__(self, message: str, free_bytes: int = 0) -> None:
+        super().__init__(message)
+        self.free_bytes = free_bytes
+
+
 class AuthError(ParamServerError):
     """A call carried a missing or wrong token. Maps to UNAUTHENTICATED."""
 
@@ -61,5 +70,6 @@ __all__ = [
     "ChunkNotFoundError",
     "ChunkCorruptError",
     "UnknownCodecError",
+    "StoreFullError",
     "AuthError",
 ]

@@ -14,6 +14,7 @@ from paramserver.server.errors import (
     ChunkTransferCorruptError,
     InvalidChunkError,
     ParamServerError,
+    StoreFullError,
 )
 
 LEADER_METADATA_KEY = "pdparams-leader"  # trailing metadata on NotLeader: the leader's Raft address
@@ -36,6 +37,8 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.UNAVAILABLE
     if isinstance(exc, PreconditionFailed):
         return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(exc, StoreFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, AuthError):
         return grpc.StatusCode.UNAUTHENTICATED
     if isinstance(exc, ValueError):
