@@ -32,6 +32,17 @@ version this was written against (``install()`` refuses any other): ``pysyncobj.
 the full dump before and after its rename). Both fall through to pysyncobj's own code for every
 file this module was not told about.
 
+A journal whose log ends before the commit index its meta file records lost entries this server
+knew were committed (the file was cut or damaged, not torn by a power loss: the commit index is
+stored only after the entries it covers are durable). Opened with ``check_commit_index`` (as a
+server does), such a journal is refused before anything in it changes, since the server could
+neither apply its own commit index nor vote safely; a torn tail past the commit index is cut
+off with a WARNING naming the file and the records kept.
+
+A write or sync that fails (ENOSPC, EIO) sets ``DurableJournal.failure`` for good: the SyncObj
+steps down and stops ticking (``DurableSyncObj._onTick``), so it never acknowledges, votes or
+truncates again, and the process is expected to exit (``MetadataNode.failure()``).
+
 With ``fsync=False`` (``--no-fsync``: tests and drills only, unsafe for real data) the same code
 runs without any fsync and without holding answers: a kill -9 loses nothing, a power loss can.
 """
@@ -56,6 +67,7 @@ from pysyncobj.journal import (APP_NAME, APP_VERSION, FIRST_RECORD_OFFSET, JOURN
 from pysyncobj.pickle import load as _pso_load
 from pysyncobj.pickle import loads as _pso_loads
 from pysyncobj.pickle import to_bytes
+from pysyncobj.syncobj import _RAFT_STATE
 from pysyncobj.version import VERSION as PYSYNCOBJ_VERSION
 
 from .errors import DamagedState
@@ -152,7 +164,15 @@ def replace_durably(src: str, dst: str) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(dst)))
 
 
+# A seam for tests: called with the file descriptor before every write of the Raft state
+# (journal, term/vote file), it raises the OSError a failing disk would (ENOSPC, EIO), so a
+# test can fail one server's files without patching os for the whole process.
+write_fault: Callable[[int], None] | None = None
+
+
 def _write_all(fd: int, data: bytes, offset: int) -> None:
+    if write_fault is not None:
+        write_fault(fd)
     view = memoryview(data)
     while view:
         n = os.pwrite(fd, view, offset)
@@ -318,7 +338,14 @@ class DurableJournal(Journal):  # type: ignore[misc]
     calls them; only ``dirty`` and the counters are read from elsewhere.
     """
 
-    def __init__(self, path: str, *, fsync: bool = True) -> None:
+    def __init__(self, path: str, *, fsync: bool = True, dump_tail: tuple[Entry, Entry] | None = None,
+                 check_commit_index: bool = False) -> None:
+        """Open (or create) the journal at ``path`` and its meta file; DamagedState naming the file if unusable.
+
+        With ``check_commit_index`` (a server's start-up), a log that ends before the commit index
+        stored beside it is refused before anything in the file changes; ``dump_tail`` is
+        ``dump_log_tail``'s answer for the full dump beside it (None: no dump).
+        """
         self.path = path
         self.fsync = fsync
         self.sync_count = 0
@@ -341,6 +368,8 @@ class DurableJournal(Journal):  # type: ignore[misc]
                 "Restore the file, or, if the other members are healthy, move this server's raft folder away so "
                 "that it rejoins empty and catches up"
             )
+        if check_commit_index and stored is not None:
+            _check_commit_index(parsed, stored, dump_tail, path, self._meta_file.path)
         self._fd = os.open(path, os.O_RDWR)
         self._entries = parsed.entries
         self._starts = parsed.starts
@@ -354,8 +383,11 @@ class DurableJournal(Journal):  # type: ignore[misc]
         self._dropped_starts: list[int] = []
         self._dropped_end = self._end  # end of the file's log: the last dropped record, or _end
         if parsed.torn is not None:
-            log.warning("Raft journal %s: torn tail dropped (%s); kept %d entries up to index %s. "
-                        "Entries after it were never acknowledged by a server running with fsync.",
+            # A cut that reaches entries this server knew were committed was refused above
+            # (with check_commit_index); what is left is a tail past the stored commit index.
+            log.warning("Raft journal %s: torn tail dropped (%s); kept %d records (entries up to index %s). "
+                        "A power loss during a sync leaves such a tail, which was never acknowledged; the "
+                        "leader sends this server whatever it misses",
                         path, parsed.torn, len(self._entries), self._entries[-1][1] if self._entries else "-")
         header_end = _HEADER.unpack_from(data, NAME_SIZE + VERSION_SIZE)[1]
         if data.count(0, parsed.end) != len(data) - parsed.end or header_end != parsed.end:
@@ -504,6 +536,10 @@ class DurableJournal(Journal):  # type: ignore[misc]
     def setCurrentTerm(self, term: int, votedForNodeId: Any) -> None:  # noqa: N802, N803
         # pysyncobj sends the vote, or acts on the new term, right after this returns.
         self._usable()
+        # The meta file also carries the commit index, which may already cover entries appended
+        # since the last sync: sync them first, so that a stored commit index never runs ahead of
+        # the durable log (_check_commit_index relies on it).
+        self.sync()
         self._meta["currentTerm"] = term
         self._meta["votedForNodeId"] = votedForNodeId
         self._store_meta()
@@ -610,6 +646,39 @@ class DurableJournal(Journal):  # type: ignore[misc]
         raise JournalFailure(self._failure)
 
 
+def _check_commit_index(parsed: ParsedJournal, meta: Mapping[str, Any], dump_tail: tuple[Entry, Entry] | None,
+                        path: str, meta_path: str) -> None:
+    """Refuse a log that ends before the commit index stored beside it.
+
+    The stored commit index only ever covers durable entries (it is stored after a sync), so a
+    log that ends before it lost committed entries that this server may have acknowledged: the
+    file was cut or damaged, not torn by a power loss. Started on it, the server would hold a
+    commit index it cannot apply (pysyncobj keeps it and applies nothing past the log), serve
+    an old state, and could vote for a candidate that lacks committed entries.
+    """
+    stored = int(meta.get("raftCommitIndex", 1))
+    entries = parsed.entries
+    # pysyncobj starts an empty log with a no-op at index 1. With a full dump it keeps the log
+    # only if the dump's last two entries start it (resume_compaction makes them start it if the
+    # log holds them further in), and otherwise replaces the log by those two.
+    last = entries[-1][1] if entries else 1
+    if dump_tail is not None:
+        prev, dump_last = dump_tail
+        at = prev[1] - entries[0][1] if entries else -1
+        if not (0 <= at and at + 1 < len(entries) and _same_entry(entries[at], prev)
+                and _same_entry(entries[at + 1], dump_last)):
+            last = dump_last[1]
+    if stored <= last:
+        return
+    why = f"the file was cut: {parsed.torn}" if parsed.torn else "entries are missing"
+    raise DamagedState(
+        f"Raft journal {path} is damaged: its log ends at entry {last}, but {meta_path} records entry {stored} "
+        f"as committed ({why}); refusing to start with committed entries missing. Restore the journal from a "
+        "backup, or, if the other members are healthy, move this server's raft folder away so that it rejoins "
+        "empty and catches up"
+    )
+
+
 def check_dump(path: str) -> None:
     """Refuse to start on a full dump that cannot be read back (pysyncobj would log and start without it)."""
     if not os.path.exists(path):
@@ -696,6 +765,10 @@ _pending_journals: dict[str, DurableJournal] = {}
 _durable_dumps: dict[str, int] = {}
 _original_create_journal: Callable[..., Any] | None = None
 _original_atomic_replace: Callable[[str, str], Any] | None = None
+# pysyncobj's private state setter and pending-reply failer (name-mangled), used to step down once
+# the journal failed; install() checks that they exist on this version.
+_STEP_DOWN = "_SyncObj__setState"
+_LEADER_CHANGED = "_SyncObj__onLeaderChanged"
 
 
 def check_pysyncobj_version(version: str = PYSYNCOBJ_VERSION) -> None:
@@ -717,7 +790,8 @@ def install() -> None:
         for module, name in ((_pso_syncobj, "createJournal"), (_pso_serializer, "atomicReplace")):
             if not callable(getattr(module, name, None)):
                 raise RuntimeError(f"pysyncobj {PYSYNCOBJ_VERSION} has no {module.__name__}.{name} to patch")
-        for cls, name in ((SyncObj, "_onTick"), (SyncObj, "_doDestroy")):
+        for cls, name in ((SyncObj, "_onTick"), (SyncObj, "_doDestroy"), (SyncObj, _STEP_DOWN),
+                          (SyncObj, _LEADER_CHANGED)):
             if not callable(getattr(cls, name, None)):
                 raise RuntimeError(f"pysyncobj {PYSYNCOBJ_VERSION} has no SyncObj.{name} to extend")
         _original_create_journal = _pso_syncobj.createJournal
@@ -782,14 +856,35 @@ class DurableSyncObj(SyncObj):  # type: ignore[misc]
                 self._pdparams_gate.flush()
             except JournalFailure:
                 pass
-        if journal.failure is not None:
-            # Fail-stop: no votes, no acknowledgements, no heartbeats; the others elect without us.
-            if not self._pdparams_stopped_logged:
-                self._pdparams_stopped_logged = True
-                log.critical("Raft stopped on this server: %s", journal.failure)
-            time.sleep(timeToWait)
-            return
-        super()._onTick(timeToWait)
+        if journal.failure is None:
+            try:
+                super()._onTick(timeToWait)
+            except JournalFailure:
+                # Raised from inside pysyncobj (an append, a vote's term, the meta timer), which
+                # left that step half done: the branch below stops the node before anything more
+                # of it runs. The journal logged why; a traceback per tick would add nothing.
+                pass
+            else:
+                return
+        # Fail-stop: no votes, no acknowledgements, no heartbeats, no more truncation; the others
+        # elect without us, and the process exits (it polls MetadataNode.failure()).
+        if not self._pdparams_stopped_logged:
+            self._pdparams_stopped_logged = True
+            log.critical("Raft stopped on this server: %s", journal.failure)
+            self._pdparams_step_down()
+        time.sleep(timeToWait)
+
+    def _pdparams_step_down(self) -> None:
+        """Leave the leader (or candidate) role: callers stop seeing this node as leader.
+
+        pysyncobj has no public way to do it; its own step-down (leaderFallbackTimeout) is these
+        two steps, and pending forwarded commands fail as on any leader change."""
+        try:
+            self._SyncObj__raftLeader = None
+            getattr(self, _STEP_DOWN)(_RAFT_STATE.FOLLOWER)
+            getattr(self, _LEADER_CHANGED)()
+        except Exception:  # a callback of pysyncobj's (onStateChanged); the node is stopped regardless
+            log.exception("stepping down after a Raft journal failure")
 
     def _doDestroy(self) -> None:  # noqa: N802 - overrides pysyncobj
         try:

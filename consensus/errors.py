@@ -47,3 +47,10 @@ class DamagedState(MetadataError):
 
     The message names the file. Starting anyway could forget a vote and let two leaders win one term.
     """
+
+
+class RaftStopped(Unavailable):
+    """This node could not write its Raft state (disk full, I/O error) and takes no part in Raft until restarted.
+
+    The message is the one-line reason, naming the file. Other members go on without this one.
+    """

@@ -1,4 +1,9 @@
-"""MetadataNode: the MetadataPlane (consensus/api.py) on pysyncobj."""
+"""MetadataNode: the MetadataPlane (consensus/api.py) on pysyncobj.
+
+A node whose Raft state cannot be written (``failure()`` is set: disk full, I/O error) has left
+Raft for good: it reports no leader, refuses reads and writes with RaftStopped, and its process
+is expected to exit with the reason. Leader changes are logged at INFO from the tick thread.
+"""
 from __future__ import annotations
 
 import logging
@@ -14,7 +19,7 @@ from .codec import member_command, member_record, tag_record, version_record
 from .config import RaftConfig
 from .durable import (AckGate, DurableJournal, DurableSyncObj, check_dump, dump_log_tail, fsync_path_and_ancestors,
                       install)
-from .errors import CommitTimeout, Conflict, NoQuorum, NotLeader, Unavailable
+from .errors import CommitTimeout, Conflict, NoQuorum, NotLeader, RaftStopped, Unavailable
 from .links import transport_class
 from .records import MemberRecord, ReadResult, TagRecord, VersionRecord
 from .replica import StateReplica, unwrap
@@ -36,6 +41,9 @@ _RETRYABLE = {
 }
 _BIND_RETRIES = 20
 _BIND_RETRY_TIME = 0.25
+# How often a caller waiting for a commit looks at failure(): a node that stopped answers
+# within this, not at the commit timeout.
+_FAILURE_POLL = 0.05
 
 
 def _racy(read: Callable[[], T]) -> T:
@@ -74,7 +82,10 @@ class MetadataNode:
             fsync_path_and_ancestors(str(cfg.data_dir))
         # Damaged state files stop start-up here, with DamagedState naming the file.
         check_dump(str(cfg.dump_file))
-        journal = DurableJournal(str(cfg.journal_file), fsync=cfg.fsync)
+        dump_tail = dump_log_tail(str(cfg.dump_file))
+        # A journal cut below its own commit index stops start-up too (DamagedState naming the
+        # file), before anything in it changes, instead of a server serving a state it cannot apply.
+        journal = DurableJournal(str(cfg.journal_file), fsync=cfg.fsync, dump_tail=dump_tail, check_commit_index=True)
         gate = AckGate(journal)
         conf = SyncObjConf(
             password=cfg.secret,
@@ -101,7 +112,7 @@ class MetadataNode:
         try:
             # A power loss between the full dump's rename and the journal's compaction leaves a
             # journal that pysyncobj would throw away, entries after the dump and all.
-            journal.resume_compaction(dump_log_tail(str(cfg.dump_file)))
+            journal.resume_compaction(dump_tail)
             syncobj = DurableSyncObj(
                 cfg.raft_address,
                 list(cfg.peers),
@@ -119,8 +130,33 @@ class MetadataNode:
         except Exception as exc:
             syncobj.destroy_synchronous()
             raise Unavailable(f"cannot listen on {cfg.raft_address} for Raft: {exc}; is the port in use?") from exc
+        syncobj.addOnTickCallback(self._leader_observer(syncobj))
         self._syncobj = syncobj
         self._journal = journal
+
+    def _leader_observer(self, so: SyncObj) -> Callable[[], None]:
+        """A tick callback that logs each change of the leader this node knows (two reads per tick)."""
+        me = self._config.raft_address
+        seen: list[str | None] = [None]  # a node starts knowing no leader: nothing to log until it learns one
+
+        def observe() -> None:
+            leader = so._getLeader()
+            address = leader.address if leader is not None else None
+            if address != seen[0]:
+                seen[0] = address
+                log.info("raft leader changed: term=%d leader=%s self=%s", so.raftCurrentTerm, address or "none", me)
+
+        return observe
+
+    def failure(self) -> str | None:
+        """None while this node's Raft state is written fine; else the one-line reason it left Raft.
+
+        Set by the first failed write or sync of the journal or the term/vote file and never
+        cleared (a retried fsync could report success for data that is gone); it outlives
+        close(). None before start().
+        """
+        journal = self._journal
+        return journal.failure if journal is not None else None
 
     def close(self) -> None:
         syncobj, self._syncobj = self._syncobj, None
@@ -131,6 +167,8 @@ class MetadataNode:
         deadline = time.monotonic() + timeout
         while True:
             so = self._syncobj
+            if self.failure() is not None:
+                return False
             if so is not None and so._getLeader() is not None and so.isReady() \
                     and so.raftLastApplied >= so.raftCommitIndex:
                 return True
@@ -149,11 +187,13 @@ class MetadataNode:
 
     def is_leader(self) -> bool:
         so = self._syncobj
-        return bool(so is not None and so._isLeader())
+        return bool(so is not None and self.failure() is None and so._isLeader())
 
     def leader_raft_address(self) -> str | None:
         so = self._syncobj
-        leader = so._getLeader() if so is not None else None
+        if so is None or self.failure() is not None:
+            return None  # a stopped node hears no one: whatever it last knew may be stale
+        leader = so._getLeader()
         return leader.address if leader is not None else None
 
     def term(self) -> int:
@@ -172,7 +212,7 @@ class MetadataNode:
         return {
             "server_id": self.server_id,
             "raft_address": self._config.raft_address,
-            "is_leader": so._isLeader(),
+            "is_leader": self.is_leader(),
             "leader": self.leader_raft_address(),
             "term": so.raftCurrentTerm,
             "commit_index": so.raftCommitIndex,
@@ -185,7 +225,7 @@ class MetadataNode:
             "journal_syncs": self._journal.sync_count if self._journal is not None else 0,
             "journal_sync_seconds": self._journal.sync_seconds if self._journal is not None else 0.0,
             # Set once a write or sync of the Raft state failed: this node then takes no part in Raft.
-            "raft_failure": self._journal.failure if self._journal is not None else None,
+            "raft_failure": self.failure(),
         }
 
     # ---------------------------------------------------------------- writes
@@ -291,7 +331,7 @@ class MetadataNode:
 
         Call it on the leader, e.g. before stopping it or removing it from the cluster.
         """
-        so = self._require()
+        so = self._healthy()
         if not so._isLeader():
             raise NotLeader(f"{self.server_id} is not the leader; call transfer_leadership on it",
                             leader=self.leader_raft_address())
@@ -308,6 +348,7 @@ class MetadataNode:
         so.addOnTickCallback(on_tick)
         try:
             while not box and time.monotonic() < deadline:
+                self._healthy()  # a node that stopped ticking never runs on_tick
                 time.sleep(0.01)
         finally:
             so.removeOnTickCallback(on_tick)
@@ -331,8 +372,16 @@ class MetadataNode:
             raise NodeNotStarted(f"metadata node {self.server_id} is not running; call start() first")
         return so
 
-    def _read(self, fn: Callable[[MetadataState], T], linearizable: bool) -> ReadResult[T]:
+    def _healthy(self) -> SyncObj:
+        """The SyncObj, for reads and writes: RaftStopped once the node left Raft (its state no longer advances)."""
         so = self._require()
+        failure = self.failure()
+        if failure is not None:
+            raise RaftStopped(f"metadata node {self.server_id} stopped: {failure}")
+        return so
+
+    def _read(self, fn: Callable[[MetadataState], T], linearizable: bool) -> ReadResult[T]:
+        so = self._healthy()
         if linearizable:
             # A no-op through the leader: once it is applied here, so is every earlier commit.
             self.barrier()
@@ -355,7 +404,7 @@ class MetadataNode:
         return unwrap(outcome)
 
     def _change_membership(self, kind: str, address: str, deadline: float) -> None:
-        so = self._require()
+        so = self._healthy()
         submit = so.addNodeToCluster if kind == "add" else so.removeNodeFromCluster
 
         def settled() -> bool:
@@ -369,7 +418,7 @@ class MetadataNode:
         self, send: Callable[[Callable[[Any, int], None]], None], deadline: float | None,
         *, denied_is_retryable: bool = False, settled: Callable[[], bool] | None = None,
     ) -> Any:
-        so = self._require()
+        so = self._healthy()
         if deadline is None:
             deadline = time.monotonic() + self._config.commit_timeout
         last_reason: int | None = None
@@ -378,6 +427,7 @@ class MetadataNode:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise self._unavailable(so, last_reason)
+            so = self._healthy()
             done = threading.Event()
             box: list[tuple[Any, int]] = []
 
@@ -386,8 +436,13 @@ class MetadataNode:
                 done.set()
 
             send(callback)
-            if not done.wait(remaining):
-                raise self._unavailable(so, last_reason)
+            while not done.wait(min(_FAILURE_POLL, max(0.0, deadline - time.monotonic()))):
+                if self.failure() is not None:
+                    # The node left Raft with this command in flight: it may still commit on the others.
+                    raise RaftStopped(f"metadata node {self.server_id} stopped before confirming the write (it may "
+                                      f"still commit on the other members; read it back): {self.failure()}")
+                if time.monotonic() >= deadline:
+                    raise self._unavailable(so, last_reason)
             result, reason = box[0]
             if reason == FAIL_REASON.SUCCESS:
                 return result

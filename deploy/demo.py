@@ -26,6 +26,7 @@ from paramserver.client.ctl import human_bytes, push_summary
 from paramserver.client.errors import ClientError
 from paramserver.client.progress import RichProgress
 from paramserver.client.pull import PullReport, pull
+from paramserver.client.session import ClusterClient
 from paramserver.client.push import push
 from worker.config import CacheConfig
 from worker.loader import load
@@ -77,7 +78,8 @@ def run(root: Path, keep: bool, servers: int, console: Console) -> int:
 
     from chunking.synthetic import resnet50_state_dict
 
-    cluster = LocalCluster(LocalClusterConfig(root=root / "cluster", servers=servers))
+    # Secure as 'deploy.local up' is: generated tokens and cluster secret, in 0600 files.
+    cluster = LocalCluster(LocalClusterConfig(root=root / "cluster", servers=servers, generate_secrets=True))
     console.print(f"[bold]1.[/bold] starting a local {servers}-server cluster under {cluster.root} ...")
     try:
         cluster.up(wait=90)
@@ -86,7 +88,9 @@ def run(root: Path, keep: bool, servers: int, console: Console) -> int:
         raise
     ok = False
     try:
-        console.print(f"   up: {', '.join(f'{s.server_id} {s.grpc}' for s in cluster.slots)}")
+        console.print(f"   up: {', '.join(f'{s.server_id} {s.grpc}' for s in cluster.slots)}; "
+                      f"tokens and cluster secret generated under {cluster.root / 'secrets'}")
+        admin, read = cluster.config.admin_token, cluster.config.read_token
         state = resnet50_state_dict()
         model_file = root / "resnet50.safetensors"
         save_file(state, str(model_file))
@@ -95,13 +99,13 @@ def run(root: Path, keep: bool, servers: int, console: Console) -> int:
 
         console.print("[bold]3.[/bold] paramctl push resnet50.safetensors --model resnet50 --tag prod")
         with RichProgress(console=console) as bar:
-            first = push(cluster.seed, str(model_file), model="resnet50", tag="prod", progress=bar)
+            first = push(cluster.seed, str(model_file), model="resnet50", tag="prod", progress=bar, token=admin)
         console.print(push_summary(first), highlight=False)
 
         console.print("[bold]4.[/bold] paramctl pull resnet50:prod --out resnet50.pulled.safetensors")
         out = root / "resnet50.pulled.safetensors"
         with RichProgress(console=console) as bar:
-            pulled = pull(cluster.seed, "resnet50:prod", out, progress=bar)
+            pulled = pull(cluster.seed, "resnet50:prod", out, progress=bar, token=read)
         console.print(pull_summary(pulled), highlight=False)
         bad = mismatches(load_file(str(out)), load_file(str(model_file)))
         if bad:
@@ -110,7 +114,8 @@ def run(root: Path, keep: bool, servers: int, console: Console) -> int:
         console.print(f"   [green]bit-exact[/green]: all {len(state)} tensors match the pushed file byte for byte")
 
         console.print("[bold]4b.[/bold] paramworker load resnet50:prod   (the worker's path: the same client, its cache tiers)")
-        loaded = load(cluster.seed, "resnet50:prod", "cpu", CacheConfig())
+        with ClusterClient(cluster.addresses, token=read) as client:
+            loaded = load(client, "resnet50:prod", "cpu", CacheConfig())
         console.print(f"   {loaded.report.summary()}", highlight=False)
         bad = mismatches(loaded.tensors, state)
         if bad:
@@ -122,7 +127,7 @@ def run(root: Path, keep: bool, servers: int, console: Console) -> int:
         tuned, changed = finetune_bytes(state, 0.10)
         console.print(f"[bold]5.[/bold] push a fine-tune that changes {100 * changed / first.bytes_total:.1f}% of the bytes, tag prod")
         with RichProgress(console=console) as bar:
-            second = push(cluster.seed, tuned, model="resnet50", tag="prod", progress=bar)
+            second = push(cluster.seed, tuned, model="resnet50", tag="prod", progress=bar, token=admin)
         console.print(push_summary(second), highlight=False)
         console.print(
             f"   only {human_bytes(second.bytes_sent)} of {human_bytes(second.bytes_stored)} sent "
@@ -130,7 +135,7 @@ def run(root: Path, keep: bool, servers: int, console: Console) -> int:
             f"{second.chunks_unique} chunks were already in the cluster"
         )
         with RichProgress(console=console) as bar:
-            again = pull(cluster.seed, "resnet50:prod", root / "resnet50.v2.safetensors", progress=bar)
+            again = pull(cluster.seed, "resnet50:prod", root / "resnet50.v2.safetensors", progress=bar, token=read)
         bad = mismatches(load_file(str(root / "resnet50.v2.safetensors")), tuned)
         if bad or again.version != second.version:
             console.print(f"[red]MISMATCH[/red] after the fine-tune: {bad[:5]} (pulled v{again.version}, pushed v{second.version})")
@@ -142,7 +147,7 @@ def run(root: Path, keep: bool, servers: int, console: Console) -> int:
         if keep and ok:
             console.print(
                 f"\ncluster left running. Try:\n"
-                f"  export PARAMS_CLUSTER={cluster.seed}\n"
+                f"  export PARAMS_CONFIG={cluster.client_config_path}\n"
                 f"  paramctl status\n  paramctl ls resnet50\n  paramctl rollback resnet50 prod\n"
                 f"  paramctl pull resnet50:prod --out /tmp/resnet50.safetensors\n"
                 f"stop it with:  python -m deploy.local down --dir {cluster.root}"

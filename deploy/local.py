@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
 STATE_FILE = "cluster.json"
 CLIENT_CONFIG = "client.toml"  # the client config (paramserver.client.config) 'up' writes: export PARAMS_CONFIG=...
 TLS_DIR = "tls"
+SECRETS_DIR = "secrets"  # mode 0700; one 0600 file per secret, named on the servers' command lines by path only
+SECRET_FILES = {"admin_token": "admin.token", "read_token": "read.token", "secret": "cluster.secret"}
 CLIENT_CERT = "client"  # the one client certificate 'up --tls' issues
 NETNS_GRPC_PORT = 7070  # in namespace mode every server has its own port space, so all use the same ports
 NETNS_RAFT_PORT = 7071
@@ -73,6 +76,10 @@ class LocalClusterConfig:
     netns_prefix: str | None = None  # None: a fresh unique "pdp-xxxxxx-"
     netns_subnet: str | None = None  # None: a free 10.231.X.0/24
     netns_clients: int = 0  # extra client namespaces on the bridge (for drills)
+    # Generate what is not given of the admin token, the read token and the cluster secret (kept
+    # under root/secrets and reused on restart). Namespace mode always does: its servers bind
+    # non-loopback addresses, where a server refuses to start without them.
+    generate_secrets: bool = False
     # Mutual TLS: a private CA and per-server certificates under root/tls (deploy.certs), reused on
     # restart; servers call each other with their own certificate. The bulk read port is off under TLS.
     tls: bool = False
@@ -150,12 +157,11 @@ class LocalCluster:
         for other in self.slots:
             if other.server_id != slot.server_id:
                 args += ["--peer", other.raft]
-        if c.admin_token:
-            args += ["--admin-token", c.admin_token]
-        if c.read_token:
-            args += ["--read-token", c.read_token]
-        if c.secret:
-            args += ["--cluster-secret", c.secret]
+        # Secrets travel as paths to 0600 files, never as values: argv is visible to every user in ps.
+        for key, flag in (("admin_token", "--admin-token-file"), ("read_token", "--read-token-file"),
+                          ("secret", "--cluster-secret-file")):
+            if getattr(c, key):
+                args += [flag, str(self.secret_path(key))]
         if c.tls:
             tls = self.tls_dir
             args += ["--tls-cert", str(tls / f"{slot.server_id}.pem"), "--tls-key", str(tls / f"{slot.server_id}.key"),
@@ -174,6 +180,34 @@ class LocalCluster:
     @property
     def client_config_path(self) -> Path:
         return self.root / CLIENT_CONFIG
+
+    def secret_path(self, key: str) -> Path:
+        return self.root / SECRETS_DIR / SECRET_FILES[key]
+
+    def _prepare_secrets(self) -> None:
+        """Settle the admin token, read token and cluster secret and write each to its 0600 file.
+
+        Given values win; else, when generating, the files of an earlier start are reused (so
+        clients keep working across down/up) or fresh ones made. A secret this start does not use
+        loses its file.
+        """
+        c = self.config
+        generate = c.generate_secrets or c.netns
+        folder = self.root / SECRETS_DIR
+        folder.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(folder, 0o700)
+        values: dict[str, str | None] = {}
+        for key in SECRET_FILES:
+            value = getattr(c, key)
+            if value is None and generate:
+                value = _read_secret(self.secret_path(key)) or secrets.token_urlsafe(32)
+            values[key] = value
+            path = self.secret_path(key)
+            if value:
+                _write_private(path, value + "\n")
+            elif path.exists():
+                path.unlink()
+        self.config = replace(c, admin_token=values["admin_token"], read_token=values["read_token"], secret=values["secret"])
 
     def _make_certs(self) -> None:
         """The CA and one certificate per server (its host in the SANs) plus the client's; existing ones are reused."""
@@ -197,9 +231,10 @@ class LocalCluster:
                               read_token=self.config.read_token, **tls)
 
     def write_client_config(self) -> Path:
-        """Write ``client.toml`` (and the token files it names, mode 0600) into the cluster folder.
+        """Write ``client.toml`` into the cluster folder.
 
-        Paths in it are relative to the folder, so the folder can move; no token sits in the file itself.
+        Paths in it are relative to the folder, so the folder can move; no token sits in the file itself,
+        it names the 0600 files under ``secrets/``.
         """
         c = self.config
         lines = [
@@ -208,13 +243,12 @@ class LocalCluster:
             "# then paramctl and paramworker need no --cluster, --token or --tls-* flags.",
             f"cluster = [{', '.join(json.dumps(a) for a in self.addresses)}]",
         ]
-        for key, token, name in (("admin_token_file", c.admin_token, "admin.token"), ("read_token_file", c.read_token, "read.token")):
-            path = self.root / name
-            if token:
-                _write_private(path, token + "\n")
-                lines.append(f"{key} = {json.dumps(name)}")
-            elif path.exists():
-                path.unlink()  # a token of an earlier start that this one does not use
+        for key, name in (("admin_token_file", "admin_token"), ("read_token_file", "read_token")):
+            if getattr(c, name):
+                lines.append(f"{key} = {json.dumps(f'{SECRETS_DIR}/{SECRET_FILES[name]}')}")
+        for stale in ("admin.token", "read.token"):  # where launchers before the secrets folder kept them
+            if (self.root / stale).exists():
+                (self.root / stale).unlink()
         if c.tls:
             lines += [
                 f"tls_ca = {json.dumps(f'{TLS_DIR}/ca.pem')}",
@@ -261,6 +295,7 @@ class LocalCluster:
             if self.config.netns:
                 self.topology = self._create_topology()
             self.slots = previous or self._plan()
+            self._prepare_secrets()
             if self.config.tls:
                 self._make_certs()
             for slot in self.slots:
@@ -381,7 +416,8 @@ class LocalCluster:
 
     def _spawn(self, slot: ServerSlot) -> None:
         Path(slot.data_dir).mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ)
+        # A server's secrets are exactly the files on its command line, never ones exported in this shell.
+        env = {k: v for k, v in os.environ.items() if k not in ("PARAMS_ADMIN_TOKEN", "PARAMS_READ_TOKEN", "PARAMS_CLUSTER_SECRET")}
         env.update(dict(self.config.env))
         env.setdefault("PYTHONUNBUFFERED", "1")
         with open(slot.log_file, "ab") as log:  # the child keeps its own copy of the descriptor
@@ -534,7 +570,10 @@ class LocalCluster:
         cfg = data["config"]
         config = LocalClusterConfig(
             root=Path(cfg["root"]), servers=cfg["servers"], host=cfg["host"], base_port=cfg["base_port"],
-            admin_token=cfg.get("admin_token"), read_token=cfg.get("read_token"), secret=cfg.get("secret"),
+            admin_token=_read_secret(Path(root) / SECRETS_DIR / SECRET_FILES["admin_token"]),
+            read_token=_read_secret(Path(root) / SECRETS_DIR / SECRET_FILES["read_token"]),
+            secret=_read_secret(Path(root) / SECRETS_DIR / SECRET_FILES["secret"]),
+            generate_secrets=cfg.get("generate_secrets", False),
             replication=cfg.get("replication", 3), extra_args=tuple(cfg.get("extra_args", ())),
             env=tuple(tuple(x) for x in cfg.get("env", ())),
             netns=cfg.get("netns", False), netns_prefix=cfg.get("netns_prefix"), netns_subnet=cfg.get("netns_subnet"),
@@ -557,9 +596,18 @@ class LocalCluster:
 
 
 def _config_to_json(c: LocalClusterConfig) -> dict[str, Any]:
-    d = asdict(replace(c, root=Path(c.root).resolve()))
+    d = asdict(replace(c, root=Path(c.root).resolve(), admin_token=None, read_token=None, secret=None))
+    for key in SECRET_FILES:  # the secrets live in their 0600 files only
+        del d[key]
     d["root"] = str(d["root"])
     return d
+
+
+def _read_secret(path: Path) -> str | None:
+    try:
+        return path.read_text().strip() or None
+    except FileNotFoundError:
+        return None
 
 
 def _write_private(path: Path, text: str) -> None:
@@ -572,6 +620,18 @@ def _write_private(path: Path, text: str) -> None:
     finally:
         os.close(fd)
     tmp.replace(path)
+
+
+def _secret_arg(path: Path | None, env: str) -> str | None:
+    if path is None:
+        return os.environ.get(env) or None
+    try:
+        value = path.read_text().strip()
+    except OSError as exc:
+        raise LauncherError(f"cannot read {path}: {exc.strerror}") from None
+    if not value:
+        raise LauncherError(f"{path} is empty; write the secret into it")
+    return value
 
 
 def _alive(pid: int | None) -> bool:
@@ -612,10 +672,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--dir", default=".cluster", help="folder for data dirs, logs and cluster.json (default .cluster)")
     up.add_argument("--base-port", type=int, default=0, help="first port; gRPC = base+2i, Raft = base+2i+1 (default: free ports)")
     up.add_argument("--replication", type=int, default=3, help="replicas per chunk, capped by the cluster size (default 3)")
-    up.add_argument("--admin-token", default=os.environ.get("PARAMS_ADMIN_TOKEN"), help="token for writes (env PARAMS_ADMIN_TOKEN)")
-    up.add_argument("--read-token", default=os.environ.get("PARAMS_READ_TOKEN"), help="token for reads (env PARAMS_READ_TOKEN)")
-    up.add_argument("--cluster-secret", default=os.environ.get("PARAMS_CLUSTER_SECRET"),
-                    help="encrypts Raft traffic (env PARAMS_CLUSTER_SECRET)")
+    up.add_argument("--admin-token-file", type=Path, metavar="FILE",
+                    help="file with the token for writes (or env PARAMS_ADMIN_TOKEN; default: generated)")
+    up.add_argument("--read-token-file", type=Path, metavar="FILE",
+                    help="file with the token for reads (or env PARAMS_READ_TOKEN; default: generated)")
+    up.add_argument("--cluster-secret-file", type=Path, metavar="FILE",
+                    help="file with the secret that encrypts and authenticates Raft traffic (or env PARAMS_CLUSTER_SECRET; "
+                         "default: generated)")
+    up.add_argument("--no-secrets", action="store_true",
+                    help="generate no tokens and no cluster secret: every port open to anyone on this machine "
+                         "(loopback only; not with --netns)")
     up.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for a leader (default 60)")
     up.add_argument("--netns", action="store_true",
                     help="run each server in its own network namespace on a private bridge, so partitions can be cut "
@@ -640,9 +706,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         if args.cmd == "up":
+            if args.no_secrets and args.netns:
+                raise LauncherError("--no-secrets cannot be used with --netns: servers on non-loopback addresses need "
+                                    "a cluster secret and an admin token")
+            given = {key: _secret_arg(getattr(args, f"{flag}_file"), env)
+                     for key, flag, env in (("admin_token", "admin_token", "PARAMS_ADMIN_TOKEN"),
+                                            ("read_token", "read_token", "PARAMS_READ_TOKEN"),
+                                            ("secret", "cluster_secret", "PARAMS_CLUSTER_SECRET"))}
             cluster = LocalCluster(LocalClusterConfig(
                 root=Path(args.dir), servers=args.servers, base_port=args.base_port, replication=args.replication,
-                admin_token=args.admin_token, read_token=args.read_token, secret=args.cluster_secret,
+                generate_secrets=not args.no_secrets, **given,
                 netns=args.netns, netns_subnet=args.subnet, netns_clients=args.client_namespaces, tls=args.tls))
             try:
                 cluster.up(wait=args.timeout)
@@ -650,11 +723,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 cluster.down()
                 raise
             leader = cluster.leader_id()
-            security = ", ".join(x for x in ("mutual TLS" if args.tls else "", "tokens" if args.admin_token else "") if x) or "plaintext"
+            c = cluster.config
+            security = ", ".join(x for x in ("mutual TLS" if c.tls else "", "tokens" if c.admin_token else "",
+                                             "cluster secret" if c.secret else "") if x) or "open: no tokens, no secret"
             print(f"cluster of {len(cluster.slots)} servers up under {cluster.root} (leader {leader}; {security})")
             for s in cluster.slots:
                 where = f"  netns {s.netns}" if s.netns else ""
                 print(f"  {s.server_id}  grpc {s.grpc}  raft {s.raft}  pid {s.pid}{where}  log {s.log_file}")
+            if c.admin_token or c.secret:
+                print(f"  secrets (0600) under {cluster.root / SECRETS_DIR}; the client config names them")
             print(f"client config written to {cluster.client_config_path}; point paramctl and paramworker at it with:")
             print(f"export PARAMS_CONFIG={shlex.quote(str(cluster.client_config_path))}")
             print("then e.g.:  paramctl status   paramctl push FILE --model NAME --tag prod   paramworker load NAME:prod")

@@ -22,7 +22,7 @@ import grpc
 
 from chunking.errors import ChunkingError
 
-from paramserver.client.config import ClientSettings, add_client_arguments, settings_from_args
+from paramserver.client.config import ClientSettings, add_client_arguments, float_in, int_in, settings_from_args
 from paramserver.client.errors import ClientError
 from paramserver.client.exit_codes import (
     BAD_ARGUMENTS, CLIENT_ENV_HELP, EXIT_CODES_HELP, INTERRUPTED, Failure,
@@ -39,12 +39,15 @@ if TYPE_CHECKING:  # imported where used: `paramworker --help` stays quick
 def _common(p: argparse.ArgumentParser) -> None:
     add_client_arguments(p, write=False)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto = cuda:0 when CUDA is present (default auto)")
-    p.add_argument("--cache-mb", type=int, default=4096, help="memory tier (LRU-K) budget in MiB, 0 disables it (default 4096)")
-    p.add_argument("--cache-k", type=int, default=2, help="K of LRU-K (default 2)")
+    p.add_argument("--cache-mb", type=int_in(0, 16777216, "--cache-mb"),
+                   default=4096, help="memory tier (LRU-K) budget in MiB, 0 disables it (default 4096)")
+    p.add_argument("--cache-k", type=int_in(1, 8, "--cache-k"), default=2, help="K of LRU-K (default 2)")
     p.add_argument("--disk-cache", default=None, metavar="DIR", help="directory of the disk tier (default: no disk tier)")
-    p.add_argument("--disk-cache-mb", type=int, default=16384, help="disk tier budget in MiB (default 16384)")
-    p.add_argument("--streams", type=int, default=4, help="GetChunks streams in flight (default 4)")
-    p.add_argument("--chunks-per-call", type=int, default=64, help="chunk ids per GetChunks call (default 64)")
+    p.add_argument("--disk-cache-mb", type=int_in(0, 67108864, "--disk-cache-mb"),
+                   default=16384, help="disk tier budget in MiB (default 16384)")
+    p.add_argument("--streams", type=int_in(1, 256, "--streams"), default=4, help="GetChunks streams in flight (default 4)")
+    p.add_argument("--chunks-per-call", type=int_in(1, 4096, "--chunks-per-call"),
+                   default=64, help="chunk ids per GetChunks call (default 64)")
     p.add_argument("--no-heatmap", action="store_true", help="fetch in manifest order, ignoring the servers' heatmap")
     p.add_argument("--verify", choices=("crc", "content"), default=None,
                    help="crc: every chunk's size and CRC32C from the (content-verified) manifest; content: also its BLAKE3 id "
@@ -74,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Load MODEL:TAG or MODEL@N into memory (GPU when present) and print where the bytes came from.")
     load.add_argument("model", help="MODEL:TAG or MODEL@N")
     _common(load)
-    load.add_argument("--repeat", type=int, default=1, help="load this many times in one process (shows the cache tiers; default 1)")
+    load.add_argument("--repeat", type=int_in(1, 1000, "--repeat"),
+                      default=1, help="load this many times in one process (shows the cache tiers; default 1)")
     load.add_argument("--json", action="store_true", help="print the summary as JSON lines instead of text")
     load.add_argument("--no-progress", action="store_true", help="no progress bar")
     serve = sub.add_parser("serve", help="keep a module loaded, follow tag moves, answer inference over HTTP",
@@ -82,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", required=True, help="MODEL:TAG (followed) or MODEL@N (fixed)")
     serve.add_argument("--factory", required=True, help="package.module:function returning the nn.Module (built on the meta device)")
     serve.add_argument("--listen", default="127.0.0.1:8080", help="HTTP HOST:PORT, port 0 picks a free one (default 127.0.0.1:8080)")
-    serve.add_argument("--poll-s", type=float, default=2.0, help="seconds between tag checks, 0 = never (default 2.0)")
-    serve.add_argument("--heat-report-s", type=float, default=60.0,
+    serve.add_argument("--poll-s", type=float_in(0, 86400, "--poll-s", low_inclusive=True),
+                       default=2.0, help="seconds between tag checks, 0 = never (default 2.0)")
+    serve.add_argument("--heat-report-s", type=float_in(0, 86400, "--heat-report-s", low_inclusive=True), default=60.0,
                        help="seconds between reports of which chunks forward passes read, in order (default 60)")
     _common(serve)
     return p

@@ -24,11 +24,12 @@ from chunking.config import ChunkingConfig
 from chunking.errors import ChunkingError
 
 from paramserver.client.cluster_view import ClusterOptions, ClusterView
-from paramserver.client.config import ClientSettings, add_client_arguments, settings_from_args
+from paramserver.client.config import ClientSettings, add_client_arguments, float_in, int_in, settings_from_args
 from paramserver.client.errors import ClientError
 from paramserver.client.exit_codes import EXIT_CODES  # noqa: F401 - re-exported: paramctl's table is the shared one
 from paramserver.client.exit_codes import BAD_ARGUMENTS, CLIENT_ENV_HELP, EXIT_CODES_HELP, INTERRUPTED, describe_failure
 from paramserver.client.progress import RichProgress
+from paramserver.client.refs import MAX_VERSION
 from paramserver.wire.proto import pb
 from paramserver.client.pull import PullOptions, pull
 from paramserver.client.push import PushOptions, PushReport, push
@@ -62,12 +63,16 @@ def parse_size(text: str) -> int:
     return int(digits) * mult
 
 
+parse_version = int_in(1, MAX_VERSION, "a version number")
+
+
 def parse_parent(text: str) -> int | str | None:
     low = text.strip().lower()
     if low in ("head", "none"):
         return "head" if low == "head" else None
-    if not low.isdigit() or int(low) < 1:
-        raise argparse.ArgumentTypeError(f"--parent must be a version number >= 1, 'head' or 'none', got {text!r}")
+    if not low.isdigit() or not 1 <= int(low) <= MAX_VERSION:
+        raise argparse.ArgumentTypeError(f"--parent must be a version number from 1 to {MAX_VERSION}, 'head' or 'none', "
+                                         f"got {text!r}")
     return int(low)
 
 
@@ -86,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG, formatter_class=fmt,
     )  # fmt: skip
     add_client_arguments(p, write=True, cluster_default=DEFAULT_CLUSTER)
-    p.add_argument("--timeout", type=float, default=None,
+    p.add_argument("--timeout", type=float_in(0, 3600, "--timeout"), default=None,
                    help=f"seconds for each unary call (config file: timeout_s; default {DEFAULT_TIMEOUT_S:g})")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -111,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("pull", help="pull a version into a .safetensors file, verified chunk by chunk", formatter_class=fmt, epilog=EPILOG)
     sp.add_argument("ref", metavar="MODEL:TAG", help="MODEL:TAG, MODEL@VERSION or MODEL (its latest version)")
     sp.add_argument("--out", "-o", type=Path, required=True, help="output .safetensors file (written atomically)")
-    sp.add_argument("--streams", type=int, default=PullOptions().streams_per_server,
+    sp.add_argument("--streams", type=int_in(1, 256, "--streams"), default=PullOptions().streams_per_server,
                     help=f"parallel GetChunks streams per server (default {PullOptions().streams_per_server})")
     sp.add_argument(
         "--verify", choices=("content", "crc"), default=None,
@@ -125,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("tag", help="point TAG of MODEL at VERSION (history kept for rollback)", epilog=EPILOG, formatter_class=fmt)
     sp.add_argument("model", help="model name")
     sp.add_argument("tag", help="tag name, e.g. prod")
-    sp.add_argument("version", type=int, help="version number")
+    sp.add_argument("version", type=parse_version, help="version number")
 
     sp = sub.add_parser("rollback", help="move TAG of MODEL back to the version it pointed at before", epilog=EPILOG, formatter_class=fmt)
     sp.add_argument("model", help="model name")

@@ -14,6 +14,9 @@ class BadModelRef(ConfigError):
     """A model reference that is not MODEL:TAG, MODEL@N or MODEL."""
 
 
+MAX_VERSION = (1 << 63) - 1  # version numbers are int64 on the wire
+
+
 @dataclass(frozen=True)
 class ModelRef:
     model: str
@@ -23,9 +26,10 @@ class ModelRef:
     @classmethod
     def parse(cls, text: str) -> ModelRef:
         m = _REF.match(text.strip()) if isinstance(text, str) else None
-        if m is None or (m["version"] is not None and int(m["version"]) < 1):
+        if m is None or (m["version"] is not None and not 1 <= int(m["version"]) <= MAX_VERSION):
             raise BadModelRef(
-                f"model reference {text!r} is not MODEL:TAG (e.g. resnet50:prod), MODEL@VERSION (e.g. resnet50@3) or MODEL"
+                f"model reference {text!r} is not MODEL:TAG (e.g. resnet50:prod), MODEL@VERSION (e.g. resnet50@3, "
+                f"1 <= VERSION <= {MAX_VERSION}) or MODEL"
             )
         if m["version"] is not None:
             return cls(m["model"], None, int(m["version"]))

@@ -18,6 +18,10 @@ from typing import Any, Sequence
 
 from paramserver.server.config import DEFAULT_GET_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES, MiB, ServerConfig
 from paramserver.server.errors import ConfigError
+from paramserver.wire.auth import ADMIN_TOKEN_ENV, READ_TOKEN_ENV
+
+CLUSTER_SECRET_ENV = "PARAMS_CLUSTER_SECRET"
+_ENV = {"admin_token": ADMIN_TOKEN_ENV, "read_token": READ_TOKEN_ENV, "cluster_secret": CLUSTER_SECRET_ENV}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,9 +33,10 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("serve", help="run a server until SIGTERM/SIGINT", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    s = sub.add_parser("serve", help="run a server until SIGTERM/SIGINT",
                        description="Run one parameter server. The Raft port must be reachable only by cluster members: "
-                                   "pysyncobj unpickles peer messages. Set --cluster-secret to encrypt Raft traffic.")
+                                   "pysyncobj unpickles peer messages. On a non-loopback address the server refuses to start without "
+                                   "--cluster-secret-file (Raft) and --admin-token-file (gRPC) unless --insecure is given.")
     s.add_argument("--config", type=Path, help="TOML or JSON file with the same keys as these options (flags win)")
     s.add_argument("--id", dest="server_id", help="server id, unique in the cluster (required here or in --config)")
     s.add_argument("--data-dir", type=Path, help="chunk store, Raft journal and dump (required here or in --config)")
@@ -45,12 +50,20 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"replicas per chunk R, capped by the cluster size (default {d['replication_factor']})")
     s.add_argument("--write-quorum", type=int, dest="write_quorum", help="acks per chunk W before a commit (default: majority of R)")
     s.add_argument("--vnodes", type=int, help=f"virtual nodes per server on the hash ring (default {d['vnodes']})")
-    s.add_argument("--admin-token", default=os.environ.get("PARAMS_ADMIN_TOKEN"),
-                   help="token required for writes (env PARAMS_ADMIN_TOKEN; default: none, writes open)")
-    s.add_argument("--read-token", default=os.environ.get("PARAMS_READ_TOKEN"),
-                   help="token required for reads, admin token also accepted (env PARAMS_READ_TOKEN; default: none)")
-    s.add_argument("--cluster-secret", dest="raft_secret", default=os.environ.get("PARAMS_CLUSTER_SECRET"),
-                   help="shared secret that encrypts and authenticates Raft traffic; same on every member (env PARAMS_CLUSTER_SECRET)")
+    s.add_argument("--admin-token-file", type=Path, metavar="FILE",
+                   help="file holding the token required for writes (or env PARAMS_ADMIN_TOKEN); required when --listen "
+                        "is not loopback, unless --insecure")
+    s.add_argument("--read-token-file", type=Path, metavar="FILE",
+                   help="file holding the token required for reads, the admin token also accepted (or env PARAMS_READ_TOKEN; "
+                        "default: reads open)")
+    s.add_argument("--cluster-secret-file", type=Path, metavar="FILE",
+                   help="file holding the shared secret that encrypts and authenticates Raft traffic, the same on every "
+                        "member (or env PARAMS_CLUSTER_SECRET); required when --raft is not loopback, unless --insecure")
+    for flag in ("--admin-token", "--read-token", "--cluster-secret"):
+        s.add_argument(flag, dest=f"argv_{flag[2:].replace('-', '_')}", metavar="VALUE", help=argparse.SUPPRESS)
+    s.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback --raft without a cluster secret and a non-loopback --listen without an admin "
+                        "token (anyone who reaches the ports can then run code, push and change members; logged at WARNING)")
     s.add_argument("--tls-cert", type=Path, help="server certificate (PEM) to serve gRPC over TLS; also the client certificate "
                                                  "this server presents when it calls its peers, so it needs clientAuth as well "
                                                  "as serverAuth usage (deploy/certs.py issues such)")
@@ -78,16 +91,25 @@ def _parser() -> argparse.ArgumentParser:
                                          "advertised to clients, off when TLS is on")
     s.add_argument("--no-bulk", action="store_true", help="serve chunk bytes over gRPC GetChunks only (no bulk port)")
     s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default: off)")
-    s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level")
+    s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (default INFO)")
     return p
 
 
 def _overrides(a: argparse.Namespace) -> dict[str, Any]:
     o: dict[str, Any] = {k: getattr(a, k) for k in (
         "server_id", "data_dir", "listen", "advertise", "raft", "zone", "replication_factor", "write_quorum", "vnodes",
-        "admin_token", "read_token", "raft_secret", "tls_cert", "tls_key", "tls_ca", "repair_interval_s",
+        "tls_cert", "tls_key", "tls_ca", "repair_interval_s",
         "anti_entropy_interval_s", "gc_interval_s", "orphan_grace_s", "workers", "bulk_listen")}
     o["peers"] = tuple(a.peers) if a.peers else None
+    # Secrets: a file flag, else the environment; never a value on the command line (ps shows it to everyone).
+    for key, env in (("admin_token", ADMIN_TOKEN_ENV), ("read_token", READ_TOKEN_ENV), ("cluster_secret", CLUSTER_SECRET_ENV)):
+        path = getattr(a, f"{key}_file")
+        if path is not None:
+            o[f"{key}_file"] = path
+        elif os.environ.get(env):
+            o[key] = os.environ[env]
+    if a.insecure:
+        o["insecure"] = True
     if a.cache_mb is not None:
         o["cache_bytes"] = a.cache_mb * MiB
     if a.max_message_mb is not None:
@@ -105,6 +127,12 @@ def _overrides(a: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    for key in ("admin_token", "read_token", "cluster_secret"):
+        if getattr(args, f"argv_{key}") is not None:
+            flag = key.replace("_", "-")
+            print(f"paramserver: --{flag} VALUE would show the secret to every user in 'ps'; put it in a file readable only "
+                  f"by you and pass --{flag}-file FILE, or set ${_ENV[key]}", file=sys.stderr)
+            return 2
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.config is not None:
@@ -129,9 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("paramserver").error("start-up failed: %s", exc)
         server.stop()
         return 1
-    server.serve_forever()
+    code = server.serve_forever()
     server.stop()
-    return 0
+    return code
 
 
 if __name__ == "__main__":

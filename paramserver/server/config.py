@@ -6,7 +6,10 @@ or under a ``[server]`` table; command-line flags (paramserver CLI) override it.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
+import logging
+import stat
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +19,41 @@ from paramserver.server.errors import ConfigError
 from paramserver.wire.ring import replication_and_quorum
 
 from paramserver.wire.limits import DEFAULT_GET_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES, MiB
+
+
+SECRET_KEYS = ("admin_token", "read_token", "cluster_secret")  # each may come from a file: "<key>_file"
+
+
+def is_loopback_host(host: str) -> bool:
+    """True only for an address no other machine can reach: 127.0.0.0/8, ::1 or "localhost".
+
+    A wildcard ("0.0.0.0", "::", "") or any other name counts as reachable from the network.
+    """
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def read_secret_file(key: str, path: str | Path) -> str:
+    """The secret in ``path`` (surrounding whitespace stripped); ConfigError naming the file otherwise."""
+    p = Path(path)
+    try:
+        info = p.stat()
+        text = p.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ConfigError(f"{key}_file {p}: cannot read it ({why})") from None
+    if not text:
+        raise ConfigError(f"{key}_file {p} is empty; write the {key.replace('_', ' ')} into it")
+    if info.st_mode & stat.S_IRWXO:
+        # A warning, not a refusal: mounted secrets (Kubernetes' default mode 0644) are often group/other readable.
+        logging.getLogger("paramserver.config").warning(
+            "secret file readable by other users: file=%s mode=%o; run 'chmod 600 %s'", p, stat.S_IMODE(info.st_mode), p)
+    return text
 
 
 def _check_hostport(name: str, value: str) -> None:
@@ -38,7 +76,9 @@ class ServerConfig:
     vnodes: int = 128
     admin_token: str | None = None  # required for writes when set
     read_token: str | None = None  # required for reads when set (admin also accepted)
-    raft_secret: str | None = None  # pysyncobj password: encrypts Raft traffic
+    cluster_secret: str | None = None  # pysyncobj password: encrypts and authenticates Raft traffic
+    # Run on a non-loopback address without a cluster secret or an admin token (logged at WARNING on every start).
+    insecure: bool = False
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_ca: Path | None = None  # when set, clients must present a certificate signed by it
@@ -61,6 +101,17 @@ class ServerConfig:
     @property
     def advertise_address(self) -> str:
         return self.advertise or self.listen
+
+    def open_to_network(self) -> list[str]:
+        """What this config leaves open to anyone who can reach a non-loopback port ([] when nothing)."""
+        gaps = []
+        if not is_loopback_host(self.raft.rpartition(":")[0]) and not self.cluster_secret:
+            gaps.append(f"Raft port {self.raft} has no cluster secret: any peer that reaches it can run code in this "
+                        "process (pysyncobj unpickles what it receives) and change the membership")
+        if not is_loopback_host(self.listen.rpartition(":")[0]) and not self.admin_token:
+            gaps.append(f"gRPC port {self.listen} has no admin token: anyone who reaches it can push, commit, tag "
+                        "and change the membership")
+        return gaps
 
     @property
     def bulk_enabled(self) -> bool:
@@ -93,6 +144,20 @@ class ServerConfig:
             )
         if not 1 <= self.vnodes <= 4096:
             raise ConfigError(f"vnodes must be between 1 and 4096, got {self.vnodes}")
+        if not self.insecure:
+            if not is_loopback_host(self.raft.rpartition(":")[0]) and not self.cluster_secret:
+                raise ConfigError(
+                    f"the Raft address {self.raft} is not loopback and no cluster secret is set: anyone who reaches it "
+                    "could run code on this server; give the same secret to every member with --cluster-secret-file FILE "
+                    "or $PARAMS_CLUSTER_SECRET, or pass --insecure to run open anyway")
+            if not is_loopback_host(self.listen.rpartition(":")[0]) and not self.admin_token:
+                raise ConfigError(
+                    f"the gRPC address {self.listen} is not loopback and no admin token is set: anyone who reaches it "
+                    "could push, tag and change members; set --admin-token-file FILE or $PARAMS_ADMIN_TOKEN "
+                    "(and --read-token-file to protect reads), or pass --insecure to run open anyway")
+        if self.cluster_secret is not None and len(self.cluster_secret) < 16:
+            raise ConfigError("cluster_secret must be at least 16 characters (for example: python -c "
+                              "'import secrets; print(secrets.token_urlsafe(32))')")
         if self.read_token and not self.admin_token:
             raise ConfigError("read_token is set but admin_token is not: writes would be open while reads are protected; "
                               "set admin_token too")
@@ -134,6 +199,14 @@ class ServerConfig:
         data.update({k: v for k, v in overrides.items() if v is not None})
         known = {f.name for f in dataclasses.fields(cls)}
         extra = {k: v for k, v in data.items() if k not in known}
+        for key in SECRET_KEYS:
+            file_key = f"{key}_file"
+            path = data.pop(file_key, None)
+            if path is None:
+                continue
+            if data.get(key) is not None:
+                raise ConfigError(f"both {key} and {file_key} are set; give one")
+            data[key] = read_secret_file(key, path)
         kwargs = {k: v for k, v in data.items() if k in known}
         for key in ("data_dir", "tls_cert", "tls_key", "tls_ca"):
             if kwargs.get(key) is not None:
@@ -166,4 +239,5 @@ class ServerConfig:
         return cls.from_mapping(values, **overrides)
 
 
-__all__ = ["ServerConfig", "DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_GET_MESSAGE_BYTES", "MiB"]
+__all__ = ["ServerConfig", "is_loopback_host", "read_secret_file", "SECRET_KEYS", "DEFAULT_MAX_MESSAGE_BYTES",
+           "DEFAULT_GET_MESSAGE_BYTES", "MiB"]

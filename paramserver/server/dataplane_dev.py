@@ -2,7 +2,7 @@
 
     python -m paramserver.server.dataplane_dev --data-dir DIR [--listen 127.0.0.1:0] [--port-file F]
 
-Prints ``LISTENING host:port`` on stdout once serving (and writes the port to
+Tokens come from $PARAMS_ADMIN_TOKEN and $PARAMS_READ_TOKEN. Prints ``LISTENING host:port`` on stdout once serving (and writes the port to
 --port-file), then serves until SIGTERM/SIGINT. Metadata RPCs answer
 UNAVAILABLE. The real entry point is ``paramserver serve``.
 """
@@ -25,8 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", type=Path, required=True, help="data directory")
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT, port 0 picks a free one (default 127.0.0.1:0)")
     p.add_argument("--port-file", type=Path, help="write the bound port here")
-    p.add_argument("--admin-token", default=os.environ.get("PARAMS_ADMIN_TOKEN"), help="token for writes (default $PARAMS_ADMIN_TOKEN)")
-    p.add_argument("--read-token", default=os.environ.get("PARAMS_READ_TOKEN"), help="token for reads (default $PARAMS_READ_TOKEN)")
+    # Tokens from the environment only: a value on the command line is visible in 'ps'.
     p.add_argument("--cache-bytes", type=int, default=256 << 20, help="hot-chunk cache budget (default 256 MiB)")
     p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES, help="gRPC message limit (default 65 MiB)")
     p.add_argument("--get-message-bytes", type=int, default=DEFAULT_GET_MESSAGE_BYTES, help="GetChunks coalescing target (default 1 MiB)")
@@ -36,8 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         server_id=args.id,
         data_dir=args.data_dir,
         listen=args.listen,
-        admin_token=args.admin_token,
-        read_token=args.read_token,
+        admin_token=os.environ.get("PARAMS_ADMIN_TOKEN"),
+        read_token=os.environ.get("PARAMS_READ_TOKEN"),
         cache_bytes=args.cache_bytes,
         max_message_bytes=args.max_message_bytes,
         get_message_bytes=args.get_message_bytes,

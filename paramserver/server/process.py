@@ -14,14 +14,15 @@ from consensus.records import MemberRecord
 
 from paramserver.server.auth import AuthConfig
 from paramserver.server.background import Periodic
-from paramserver.server.bulk_port import BulkServer
-from paramserver.server.cluster import PeerSet, QuorumVersionCheck, ReplicaFetcher, cluster_blob_fetcher
-from paramserver.server.config import ServerConfig
+from paramserver.server.bulk_port import BulkServer, BulkServerConfig
+from paramserver.server.cluster import MemberCheck, PeerSet, QuorumVersionCheck, ReplicaFetcher, cluster_blob_fetcher
+from paramserver.server.config import ServerConfig, is_loopback_host
 from paramserver.server.gc import OrphanCollector, References
 from paramserver.server.metrics import ServerCollector, serve_metrics
 from paramserver.server.repair import RepairQueue, Repairer, Scrubber
 from paramserver.server.replication import ReReplicator
 from paramserver.wire.ring import RingConfig
+from paramserver.server.metaservice import cluster_id
 from paramserver.server.service import RunningServer, start_server
 from paramserver.server.store import ChunkStore
 
@@ -43,11 +44,16 @@ class ParamServer:
 
     def start(self) -> None:
         cfg = self.config.validate()
+        if cfg.insecure:
+            for gap in cfg.open_to_network() or ["nothing is open to the network (every address is loopback)"]:
+                log.warning("started with --insecure: %s", gap)
+        elif cfg.read_token is None and not is_loopback_host(cfg.listen.rpartition(":")[0]):
+            log.info("reads are open on %s (no read token): anyone who reaches it can read every model", cfg.listen)
         queue = RepairQueue()
         self.store = store = ChunkStore(cfg.data_dir, cache_bytes=cfg.cache_bytes, fsync=cfg.fsync, on_corrupt=queue.add)
         self.node = node = MetadataNode(RaftConfig(
             server_id=cfg.server_id, raft_address=cfg.raft, peers=tuple(cfg.peers),
-            data_dir=cfg.data_dir / "raft", secret=cfg.raft_secret, fsync=cfg.fsync,
+            data_dir=cfg.data_dir / "raft", secret=cfg.cluster_secret, fsync=cfg.fsync,
         ))
         node.start()
 
@@ -64,10 +70,12 @@ class ParamServer:
         fetcher = ReplicaFetcher(peers, store)
         fetch_blob = cluster_blob_fetcher(store, fetcher)
         self.running = start_server(cfg, store, metadata=node, repair_queue=queue, fetch_blob=fetch_blob,
-                                    version_check=QuorumVersionCheck(peers, store))
+                                    version_check=QuorumVersionCheck(peers, store),
+                                    member_probe=MemberCheck(peers, cluster_id(cfg.cluster_secret, cfg.vnodes)))
         log.info("%s serving gRPC on %s, Raft on %s", cfg.server_id, self.running.address, cfg.raft)
         if cfg.bulk_enabled:
-            self.bulk = BulkServer(store, AuthConfig(cfg.admin_token, cfg.read_token), cfg.bulk_listen_address).start()
+            self.bulk = BulkServer(store, AuthConfig(cfg.admin_token, cfg.read_token), cfg.bulk_listen_address,
+                                   BulkServerConfig.from_extra(cfg.extra)).start()
             log.info("%s serving bulk chunk reads on %s", cfg.server_id, self.bulk.address)
 
         references = References(node, fetch_blob)
@@ -131,9 +139,19 @@ class ParamServer:
         if self.peers is not None:
             self.peers.close()
 
-    def serve_forever(self) -> None:
-        while not self._stopped.wait(1.0):
-            pass
+    def serve_forever(self) -> int:
+        """Serve until stopped (0), or until the Raft journal cannot be written (1, logged).
+
+        A journal that cannot be written (disk full, I/O error) would make this server acknowledge
+        entries it cannot keep: it stops instead, and the others go on without it.
+        """
+        while not self._stopped.wait(0.5):
+            failure = self.node.failure() if self.node is not None else None
+            if failure is not None:
+                log.error("stopping: the Raft journal cannot be written: %s; free space or fix the disk under %s, "
+                          "then start the server again", failure, self.config.data_dir / "raft")
+                return 1
+        return 0
 
 
 __all__ = ["ParamServer"]

@@ -72,7 +72,8 @@ def _model(seed: int) -> dict[str, torch.Tensor]:
 def test_serve_help_documents_options() -> None:
     out = subprocess.run([sys.executable, "-m", "paramserver", "serve", "--help"], capture_output=True, text=True, check=True).stdout
     for flag in ("--id", "--data-dir", "--listen", "--raft", "--peer", "--config", "--replication", "--write-quorum",
-                 "--admin-token", "--read-token", "--cluster-secret", "--tls-cert", "--metrics-port"):
+                 "--admin-token-file", "--read-token-file", "--cluster-secret-file", "--insecure", "--tls-cert",
+                 "--metrics-port"):
         assert flag in out
     assert "default" in out
 

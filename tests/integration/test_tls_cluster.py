@@ -98,8 +98,9 @@ class TlsCluster:
 def tls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsCluster]:
     root = tmp_path_factory.mktemp("tls-cluster")
     # 1. What a user runs: the launcher's CLI.
-    up = run("deploy.local", "up", "--tls", "--dir", str(root), "--admin-token", ADMIN, "--read-token", READ, "--timeout", "90",
-             env=clean_env())
+    # Tokens through the environment (the launcher generates the cluster secret): never on a command line.
+    up = run("deploy.local", "up", "--tls", "--dir", str(root), "--timeout", "90",
+             env=clean_env(PARAMS_ADMIN_TOKEN=ADMIN, PARAMS_READ_TOKEN=READ))
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         status = run("paramserver.client.ctl", "status", env=clean_env(PARAMS_CONFIG=str(root / "client.toml")))
@@ -148,7 +149,10 @@ def test_up_prints_one_export_line_and_restart_reuses_the_certificates(tls: TlsC
     assert ADMIN not in text and READ not in text  # the config names token files, never tokens
     for key in ("cluster", "admin_token_file", "read_token_file", "tls_ca", "tls_cert", "tls_key"):
         assert key in text, key
-    assert oct((tls.config.parent / "admin.token").stat().st_mode & 0o777) == "0o600"
+    secrets = tls.config.parent / "secrets"
+    assert oct(secrets.stat().st_mode & 0o777) == "0o700"
+    assert oct((secrets / "admin.token").stat().st_mode & 0o777) == "0o600"
+    assert (secrets / "admin.token").read_text().strip() == ADMIN
     now = {p.name: p.read_bytes() for p in sorted((tls.config.parent / "tls").iterdir()) if p.suffix in (".pem", ".key")}
     assert now == tls.certs_before_restart and {"ca.pem", "client.pem", "ps1.pem", "ps3.key"} <= set(now)
     with tls.client("ps1") as c:

@@ -1,0 +1,47 @@
+"""Out-of-range integers on the command line end in exit 2 and one line, never a traceback."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("PARAMS_")}, "PARAMS_CLUSTER": "127.0.0.1:1"}
+
+
+def run(module: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=60, env=ENV)
+
+
+@pytest.mark.parametrize("args", [
+    ("tag", "m", "prod", "-1"),
+    ("tag", "m", "prod", "0"),
+    ("tag", "m", "prod", str(2**64)),
+    ("tag", "m", "prod", "1e3"),
+    ("pull", f"m@{2**64}", "--out", "/tmp/never-written.safetensors"),
+    ("pull", "m@-1", "--out", "/tmp/never-written.safetensors"),
+    ("pull", "m:prod", "--out", "/tmp/never-written.safetensors", "--streams", "0"),
+    ("push", "x.safetensors", "--model", "m", "--parent", str(2**64)),
+    ("--timeout", "nan", "status"),
+    ("--timeout", "-5", "status"),
+])  # fmt: skip
+def test_paramctl_refuses_bad_integers_in_one_line(args: tuple[str, ...]) -> None:
+    proc = run("paramserver.client.ctl", *args)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, proc.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ("load", "m:prod", "--cache-mb", "-1"),
+    ("load", "m:prod", "--streams", str(2**64)),
+    ("load", "m:prod", "--repeat", "0"),
+    ("load", f"m@{2**64}"),
+    ("serve", "--model", "m:prod", "--poll-s", "inf"),
+])  # fmt: skip
+def test_paramworker_refuses_bad_integers_in_one_line(args: tuple[str, ...]) -> None:
+    proc = run("worker.cli", *args)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr
