@@ -3,7 +3,9 @@
 The server never needs to *encode*; it only decodes to check that the stored
 bytes expand to exactly ``raw_size`` bytes whose hash is the chunk id. Each
 decoder must refuse to produce more than ``raw_size`` bytes (decompression
-bombs). Besides "raw" and "zstd" it knows chunking's "zstd+shuffleN" (zstd
+bombs), and :func:`decode` refuses a ``raw_size`` above its ``limit`` (by default
+chunking's largest chunk, 64 MiB) before any decoder runs, so decoding one chunk
+never allocates more than that limit per output buffer. Besides "raw" and "zstd" it knows chunking's "zstd+shuffleN" (zstd
 after a byte shuffle by element width N); others are added with
 :func:`register_codec`.
 """
@@ -15,10 +17,15 @@ from typing import Callable, Union
 import numpy as np
 import zstandard
 
+from chunking.config import MAX_CHUNK_SIZE
+
 from paramserver.server.errors import UnknownCodecError
 
 Decoded = Union[bytes, bytearray, memoryview]
 Decoder = Callable[[bytes, int], Decoded]
+
+# The largest raw size decode() accepts unless told otherwise: chunking's largest chunk.
+DEFAULT_MAX_RAW_BYTES = MAX_CHUNK_SIZE
 
 _registry: dict[str, Decoder] = {}
 _lock = threading.Lock()
@@ -42,7 +49,8 @@ def _zstd(data: bytes, raw_size: int) -> Decoded:
     try:
         # zstandard allocates a frame's *declared* content size and ignores
         # max_output_size when one is present, so check the header first; a
-        # frame without a declared size is capped by max_output_size instead.
+        # frame without a declared size (-1) gets a buffer of exactly raw_size
+        # (max_output_size) and fails when its content does not fit in it.
         declared = zstandard.frame_content_size(data)
         if declared > raw_size:
             raise DecodeError(f"zstd frame declares {declared} bytes, more than raw_size {raw_size}: refusing a decompression bomb")
@@ -89,7 +97,7 @@ def _shuffled(width: int) -> Decoder:
 
         if raw_size % width:
             raise DecodeError(f"raw_size {raw_size} is not a multiple of the shuffle width {width}")
-        shuffled = _zstd(data, raw_size)
+        shuffled = _zstd(data, raw_size)  # bounded by raw_size like plain zstd; then one raw_size output
         out = np.empty(raw_size, dtype=np.uint8)
         unshuffle_into(shuffled, width, out)
         return out.data
@@ -97,9 +105,15 @@ def _shuffled(width: int) -> Decoder:
     return decode_shuffled
 
 
-def decode(name: str, data: bytes, raw_size: int) -> Decoded:
-    """Raw bytes of a stored chunk. Raises DecodeError or UnknownCodecError."""
+def decode(name: str, data: bytes, raw_size: int, *, limit: int = DEFAULT_MAX_RAW_BYTES) -> Decoded:
+    """Raw bytes of a stored chunk. Raises DecodeError or UnknownCodecError.
+
+    A ``raw_size`` below 0 or above ``limit`` is refused before anything is decoded or allocated.
+    """
     decoder = get_decoder(name)
+    if raw_size < 0 or raw_size > limit:
+        raise DecodeError(f"raw_size {raw_size} is outside 0..{limit} (the largest chunk this server decodes): "
+                          "refusing a decompression bomb")
     try:
         return decoder(data, raw_size)
     except DecodeError:
@@ -113,4 +127,4 @@ def decode(name: str, data: bytes, raw_size: int) -> Decoded:
 register_codec("raw", _raw)
 register_codec("zstd", _zstd)
 
-__all__ = ["DecodeError", "Decoder", "register_codec", "get_decoder", "decode"]
+__all__ = ["DEFAULT_MAX_RAW_BYTES", "DecodeError", "Decoder", "register_codec", "get_decoder", "decode"]

@@ -2,16 +2,25 @@
 
 The server wires them to background threads: every ``repair_interval_s`` it
 calls ``Repairer.step()``, and every second ``Scrubber.step(scrub_bytes_per_s)``.
+
+Repairs are logged one line each (INFO when done, WARNING when a chunk's repair fails, on
+its 1st, 2nd, 4th, 8th ... attempt). A full local disk (StoreFullError) pauses repair: it
+is logged once at WARNING, nothing more is fetched until a back-off (30 s, doubling to 5 min)
+has passed, and then one repair tries again; the first one that stores logs the disk as
+writable again.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from paramserver.server.errors import ChunkCorruptError, ChunkNotFoundError, ParamServerError
+from paramserver.server.errors import ChunkCorruptError, ChunkNotFoundError, ParamServerError, StoreFullError
 from paramserver.server.store import ChunkStore, StoredChunk
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -46,12 +55,23 @@ class RepairQueue:
         with self._lock:
             self._items.pop(chunk_id, None)
 
-    def retry_later(self, chunk_id: str) -> None:
+    def retry_later(self, chunk_id: str) -> float:
+        """Count a failed attempt and schedule the next; returns the delay (0 when not queued)."""
+        with self._lock:
+            item = self._items.get(chunk_id)
+            if item is None:
+                return 0.0
+            item.attempts += 1
+            delay = min(self.max_backoff_s, 0.5 * 2.0 ** item.attempts)
+            item.next_try = self._clock() + delay
+            return delay
+
+    def defer(self, chunk_id: str, delay_s: float) -> None:
+        """Try ``chunk_id`` again after ``delay_s`` without counting an attempt (the fault was ours)."""
         with self._lock:
             item = self._items.get(chunk_id)
             if item is not None:
-                item.attempts += 1
-                item.next_try = self._clock() + min(self.max_backoff_s, 0.5 * 2 ** item.attempts)
+                item.next_try = self._clock() + delay_s
 
     def __contains__(self, chunk_id: object) -> bool:
         with self._lock:
@@ -70,15 +90,32 @@ Fetcher = Callable[[str], StoredChunk | None]
 class RepairReport:
     repaired: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
+    store_full: bool = False  # the local disk is full: repair is paused (nothing fetched) until the back-off ends
 
 
 class Repairer:
-    def __init__(self, store: ChunkStore, queue: RepairQueue, fetch: Fetcher) -> None:
+    def __init__(
+        self,
+        store: ChunkStore,
+        queue: RepairQueue,
+        fetch: Fetcher,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        full_backoff_s: float = 30.0,
+        max_full_backoff_s: float = 300.0,
+    ) -> None:
         self.store = store
         self.queue = queue
         self.fetch = fetch
+        self.clock = clock
+        self.full_backoff_s = full_backoff_s
+        self.max_full_backoff_s = max_full_backoff_s
+        self._full_until: float | None = None  # set while the local disk is full
+        self._full_delay = full_backoff_s
 
     def step(self, limit: int = 64) -> RepairReport:
+        if self._full_until is not None and self.clock() < self._full_until:
+            return RepairReport(store_full=True)  # do not fetch what cannot be stored
         report = RepairReport()
         for item in self.queue.due(limit):
             try:
@@ -86,13 +123,35 @@ class Repairer:
                 if chunk is None:
                     raise ChunkNotFoundError(item.chunk_id, "no replica has an intact copy")
                 self.store.put(chunk.id, chunk.data, chunk.codec, chunk.raw_size, chunk.crc32c)
-            except (ParamServerError, OSError):
-                self.queue.retry_later(item.chunk_id)
+            except StoreFullError as exc:
+                self._disk_full(item, exc)
                 report.failed.append(item.chunk_id)
+                return RepairReport(report.repaired, report.failed, store_full=True)
+            except (ParamServerError, OSError) as exc:
+                delay = self.queue.retry_later(item.chunk_id)
+                report.failed.append(item.chunk_id)
+                attempts = item.attempts  # the queue's own item, counted by retry_later
+                if attempts & (attempts - 1) == 0:  # 1st, 2nd, 4th, 8th ... failure: bounded log volume
+                    log.warning("chunk repair failed: id=%s reason=%r attempts=%d error=%s; next try in %.0f s",
+                                item.chunk_id, item.reason, attempts, exc, delay)
             else:
                 self.queue.done(item.chunk_id)
                 report.repaired.append(item.chunk_id)
+                log.info("chunk repaired: id=%s reason=%r attempts=%d", item.chunk_id, item.reason, item.attempts + 1)
+                if self._full_until is not None:
+                    self._full_until, self._full_delay = None, self.full_backoff_s
+                    log.info("repair resumed: the local chunk store accepts writes again (%s)", self.store.data_dir)
         return report
+
+    def _disk_full(self, item: RepairItem, exc: StoreFullError) -> None:
+        first = self._full_until is None
+        if not first:
+            self._full_delay = min(self.max_full_backoff_s, self._full_delay * 2)
+        self._full_until = self.clock() + self._full_delay
+        self.queue.defer(item.chunk_id, self._full_delay)
+        if first:
+            log.warning("repair paused: the local chunk store is full (%s); %d chunks wait, retrying every %.0f-%.0f s",
+                        exc, len(self.queue), self.full_backoff_s, self.max_full_backoff_s)
 
 
 @dataclass(frozen=True)
@@ -104,24 +163,33 @@ class ScrubReport:
 
 
 class Scrubber:
-    """Walks the store verifying CRC32C and content id, a bounded number of bytes per step.
+    """Walks the store verifying id, CRC32C and content id, a bounded number of bytes per step.
 
-    Corrupt chunks are quarantined by the store and added to the repair queue.
+    The budget counts *raw* (decoded) bytes, the work a check really costs: a small stored
+    chunk that inflates to 64 MiB costs 64 MiB. A chunk that overruns a step's budget is paid
+    for by the next steps (they check nothing until the debt is paid), so the long-run rate
+    stays at ``budget_bytes`` per step. Corrupt chunks are quarantined by the store and added
+    to the repair queue.
     """
 
     def __init__(self, store: ChunkStore, queue: RepairQueue) -> None:
         self.store = store
         self.queue = queue
         self._walk: Iterator[str] | None = None
+        self._debt = 0  # raw bytes checked beyond earlier steps' budgets
         self.passes = 0
 
     def step(self, budget_bytes: int) -> ScrubReport:
         checked = nbytes = 0
         corrupt: list[str] = []
         finished = False
+        if self._debt >= budget_bytes:
+            self._debt -= budget_bytes
+            return ScrubReport(0, 0, corrupt, False)
+        budget, self._debt = budget_bytes - self._debt, 0
         if self._walk is None:
             self._walk = self.store.iter_ids()
-        while nbytes < budget_bytes:
+        while nbytes < budget:
             chunk_id = next(self._walk, None)
             if chunk_id is None:
                 self._walk = None
@@ -130,7 +198,7 @@ class Scrubber:
                 break
             try:
                 chunk = self.store.verify(chunk_id)
-                nbytes += chunk.stored_size
+                nbytes += max(chunk.raw_size, chunk.stored_size)
             except ChunkNotFoundError:
                 continue  # deleted since the walk listed it
             except ChunkCorruptError:
@@ -139,6 +207,7 @@ class Scrubber:
             except ParamServerError:
                 continue  # unknown codec: cannot prove, do not condemn
             checked += 1
+        self._debt = max(0, nbytes - budget)
         return ScrubReport(checked, nbytes, corrupt, finished)
 
 

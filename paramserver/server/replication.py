@@ -12,10 +12,16 @@ after a clean pass (every replica complete, every peer reached) the next ones ar
 while nothing that could leave a replica missing has changed: the members, R, this store's
 contents and the set of committed chunks. Every ``full_pass_every`` steps a pass runs
 anyway, for what this server cannot see (a peer that lost files while it stayed up).
+
+A peer whose disk is full answers a push with RESOURCE_EXHAUSTED: it is then left alone (no
+HasChunks, no push) for a back-off of ``full_backoff_s`` (doubling, up to
+``max_full_backoff_s``, while it stays full) and tried again after; this is logged once at
+WARNING when it starts and once at INFO when the peer takes copies again, never per chunk.
 """
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterator
 
@@ -39,6 +45,7 @@ class ReplicationReport:
     bytes_copied: int = 0
     missing: int = 0  # (chunk, replica) pairs found missing (and sent)
     unreachable: list[str] = field(default_factory=list)
+    full: list[str] = field(default_factory=list)  # replicas whose disk is full: not pushed to this pass
     skipped: bool = False  # nothing changed since the last clean pass
 
 
@@ -74,6 +81,9 @@ class ReReplicator:
         batch: int = 1024,
         push_batch_bytes: int = 4 << 20,
         full_pass_every: int = 10,
+        full_backoff_s: float = 30.0,
+        max_full_backoff_s: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.peers = peers
         # Only chunks of committed versions are copied: copying orphans would hand
@@ -83,6 +93,10 @@ class ReReplicator:
         self.batch = batch
         self.push_batch_bytes = push_batch_bytes
         self.gate = PassGate(full_pass_every)
+        self.full_backoff_s = full_backoff_s
+        self.max_full_backoff_s = max_full_backoff_s
+        self.clock = clock
+        self._full: dict[str, tuple[float, float]] = {}  # server -> (retry at, current back-off)
 
     def step(self) -> ReplicationReport:
         report = ReplicationReport()
@@ -97,7 +111,7 @@ class ReReplicator:
             report.skipped = True
             return report
         report = self._pass(report, ring, r, members, refs)
-        self.gate.record(state, clean=not report.unreachable and not report.missing)
+        self.gate.record(state, clean=not report.unreachable and not report.missing and not report.full)
         return report
 
     def _pass(self, report: ReplicationReport, ring: Ring, r: int, members: dict[str, MemberRecord],
@@ -110,9 +124,14 @@ class ReReplicator:
             for server in ring.replicas(chunk_id, r):
                 if server != self.peers.self_id:
                     wanted.setdefault(server, []).append(chunk_id)
+        now = self.clock()
         for server, ids in wanted.items():
             member = members.get(server)
             if member is None:
+                continue
+            backoff = self._full.get(server)
+            if backoff is not None and now < backoff[0]:
+                report.full.append(server)  # its disk was full a moment ago: do not push at it yet
                 continue
             client = self.peers.client(member)
             try:
@@ -125,12 +144,35 @@ class ReReplicator:
                         reply = client.put_chunks(self._chunks(missing, report), batch_bytes=self.push_batch_bytes)
                         report.copied += int(reply.chunks_stored)
             except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    self._target_full(server, exc)
+                    report.full.append(server)
+                    continue
                 # A replica that is down is the normal case this task exists for; try it next round.
                 report.unreachable.append(server)
-                log.debug("re-replication to %s skipped: %s", server, exc.code() if hasattr(exc, "code") else exc)
+                log.debug("re-replication to %s skipped: %s", server, code or exc)
+                continue
+            if backoff is not None:
+                del self._full[server]
+                log.info("re-replication to %s resumed: it accepts copies again", server)
         if report.copied:
             log.info("re-replication copied %d chunks (%d bytes)", report.copied, report.bytes_copied)
         return report
+
+    def _target_full(self, server: str, exc: grpc.RpcError) -> None:
+        previous = self._full.get(server)
+        delay = self.full_backoff_s if previous is None else min(self.max_full_backoff_s, previous[1] * 2)
+        self._full[server] = (self.clock() + delay, delay)
+        if previous is None:
+            details = exc.details() if hasattr(exc, "details") else str(exc)
+            log.warning("re-replication to %s paused: it refused copies with RESOURCE_EXHAUSTED (%s); retrying in %.0f s, "
+                        "backing off up to %.0f s while it stays full", server, details, delay, self.max_full_backoff_s)
+
+    def full_targets(self) -> list[str]:
+        """The replicas re-replication currently leaves alone because their disk was full."""
+        now = self.clock()
+        return sorted(s for s, (until, _) in self._full.items() if now < until)
 
     def _chunks(self, ids: list[str], report: ReplicationReport) -> Iterator[ChunkData]:
         for cid in ids:

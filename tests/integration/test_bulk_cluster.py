@@ -163,7 +163,7 @@ def test_replica_serving_wrong_bytes_with_its_own_crc_is_caught_in_place_and_ref
             path = Path(cluster.slot(sid).data_dir) / "chunks" / cid[0:2] / cid[2:4] / cid
             data = bytearray(path.read_bytes()[HEADER_SIZE:])
             data[1000] ^= 0x01
-            path.write_bytes(store_header("raw", len(data), len(data), crc32c(bytes(data))) + bytes(data))
+            path.write_bytes(store_header("raw", len(data), len(data), crc32c(bytes(data)), cid) + bytes(data))
     got, report = pull_tensors(cluster.seed, f"{model}:prod", token=READ, options=PullOptions(verify=verify))
     assert_bit_exact(got, want)
     assert report.bulk_fallbacks == 0 and report.bulk_bytes > report.bytes_fetched  # all over bulk (rejected copies too)

@@ -196,7 +196,7 @@ def _rewrite_stored(path: Path, flip_at: int, fix_crc: bool) -> None:
     data[flip_at % len(data)] ^= 0x5A
     if fix_crc:  # the server's own CRC check passes: only the worker's check against the manifest can catch it
         crc = crc32c(bytes(data))
-    path.write_bytes(encode_header(codec, raw_size, stored_size, crc) + bytes(data))
+    path.write_bytes(encode_header(codec, raw_size, stored_size, crc, path.name) + bytes(data))
 
 
 def test_corrupt_replica_is_detected_read_elsewhere_and_reported(cluster: Cluster) -> None:

@@ -12,7 +12,7 @@ from paramserver.client.pull import PullOptions
 
 
 def config(tmp_path: Path, **kw: object) -> ServerConfig:
-    return ServerConfig(server_id="ps1", data_dir=tmp_path, listen="10.1.2.3:7000", **kw).validate()  # type: ignore[arg-type]
+    return ServerConfig(server_id="ps1", data_dir=tmp_path, listen="10.1.2.3:7000", admin_token="admin-token-1", **kw).validate()  # type: ignore[arg-type]
 
 
 def test_default_is_on_with_a_free_port_on_the_grpc_host(tmp_path: Path) -> None:
