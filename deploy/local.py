@@ -709,13 +709,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.no_secrets and args.netns:
                 raise LauncherError("--no-secrets cannot be used with --netns: servers on non-loopback addresses need "
                                     "a cluster secret and an admin token")
-            given = {key: _secret_arg(getattr(args, f"{flag}_file"), env)
-                     for key, flag, env in (("admin_token", "admin_token", "PARAMS_ADMIN_TOKEN"),
-                                            ("read_token", "read_token", "PARAMS_READ_TOKEN"),
-                                            ("secret", "cluster_secret", "PARAMS_CLUSTER_SECRET"))}
             cluster = LocalCluster(LocalClusterConfig(
                 root=Path(args.dir), servers=args.servers, base_port=args.base_port, replication=args.replication,
-                generate_secrets=not args.no_secrets, **given,
+                generate_secrets=not args.no_secrets,
+                admin_token=_secret_arg(args.admin_token_file, "PARAMS_ADMIN_TOKEN"),
+                read_token=_secret_arg(args.read_token_file, "PARAMS_READ_TOKEN"),
+                secret=_secret_arg(args.cluster_secret_file, "PARAMS_CLUSTER_SECRET"),
                 netns=args.netns, netns_subnet=args.subnet, netns_clients=args.client_namespaces, tls=args.tls))
             try:
                 cluster.up(wait=args.timeout)

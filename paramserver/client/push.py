@@ -201,7 +201,8 @@ class _Push:
                 return found
             except grpc.RpcError as exc:
                 if rpc_code(exc) in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                    raise TransferError(f"{server}: {rpc_details(exc)}", rpc_code(exc)) from None
+                    # The dedup check claims chunks, a write: a read token stops the push here, before any byte is sent.
+                    raise PushError(f"{server}: {rpc_details(exc)}; nothing was committed", rpc_code(exc)) from None
                 return None
 
         if not wanted:

@@ -39,7 +39,7 @@ from paramserver.client.refs import ModelRef
 from paramserver.client.rpc import ParamServerClient
 from paramserver.client.transport import ClusterTransport
 from paramserver.client.verify import VERIFY_MODES, Verifier
-from paramserver.wire.limits import DEFAULT_MAX_MESSAGE_BYTES
+from paramserver.wire.limits import DEFAULT_MAX_MESSAGE_BYTES, HEAT_ENTRIES_PER_CALL
 from paramserver.wire.proto import pb
 
 if TYPE_CHECKING:
@@ -421,7 +421,10 @@ class ClusterClient:
             if m.state != "up":
                 continue
             try:
-                self.server(m.grpc_address).report_heat(model, version, self.worker_id, entries)
+                # Servers refuse oversized reports (paramserver.wire.limits): send slices that always fit.
+                for start in range(0, len(entries), HEAT_ENTRIES_PER_CALL):
+                    self.server(m.grpc_address).report_heat(model, version, self.worker_id,
+                                                            entries[start : start + HEAT_ENTRIES_PER_CALL])
                 ok += 1
             except grpc.RpcError:
                 continue

@@ -46,6 +46,11 @@ def _matches(given: str | None, expected: str | None) -> bool:
     return given is not None and expected is not None and hmac.compare_digest(given.encode(), expected.encode())
 
 
+def has_admin_token(metadata: Iterable[tuple[str, Any]] | None, config: AuthConfig) -> bool:
+    """Whether a call may do what needs the admin token: no admin token configured, or it was sent."""
+    return config.admin_token is None or _matches(_bearer(metadata), config.admin_token)
+
+
 def check_call(method: str, metadata: Iterable[tuple[str, Any]] | None, config: AuthConfig) -> str | None:
     """None when the call may proceed, else the UNAUTHENTICATED message (never echoing the token)."""
     if method.startswith(OPEN_PREFIXES):
@@ -105,4 +110,4 @@ def server_credentials(cert: str | Path, key: str | Path, client_ca: str | Path 
     return grpc.ssl_server_credentials([(key_bytes, cert_bytes)], root_certificates=ca, require_client_auth=ca is not None)
 
 
-__all__ = ["AuthConfig", "TokenAuthInterceptor", "check_call", "server_credentials"]
+__all__ = ["AuthConfig", "TokenAuthInterceptor", "check_call", "has_admin_token", "server_credentials"]

@@ -3,6 +3,11 @@
 Reads go through ``ChunkStore.get`` (hot cache, CRC32C checked on every disk read): a corrupt
 chunk is answered CORRUPT and never sent, and the store quarantines it and queues its repair
 exactly as on the gRPC path. Tokens follow the gRPC rule for reads.
+
+Silent or slow clients cannot fill the port: the hello must arrive in full within
+``hello_timeout_s`` (a deadline for the whole hello, not per byte), and one client IP holds at
+most ``max_per_ip`` connections. A refused connection is answered "bad hello" with the reason
+and logged at WARNING with its address (at most one line per reason every few seconds).
 """
 from __future__ import annotations
 
@@ -10,16 +15,19 @@ import hmac
 import logging
 import socket
 import threading
+import time
 from dataclasses import dataclass
+from typing import Mapping
 
 from paramserver.server.auth import AuthConfig
+from paramserver.server.dataplane import RateLimitedLog
 from paramserver.server.errors import ChunkCorruptError, ChunkNotFoundError, ConfigError, InvalidChunkError
 from paramserver.server.store import ChunkStore
 from paramserver.wire.auth import ADMIN_TOKEN_ENV, READ_TOKEN_ENV
 from paramserver.wire.bulk_frames import (
     CORRUPT, ERROR, HELLO, ID_BYTES, MAGIC, MAX_BATCH_ITEMS, MAX_IDS, MAX_TOKEN_BYTES, MISSING, OK, REQUEST, SEND_BATCH_BYTES,
     SOCKET_BUFFER_BYTES, VERSION, W_BAD_HELLO, W_OK, W_UNAUTHENTICATED, ProtocolError, encode_batch, encode_header, encode_message,
-    encode_welcome, recv_bytes, send_all,
+    encode_welcome, send_all,
 )
 
 log = logging.getLogger(__name__)
@@ -47,13 +55,49 @@ class BulkServerConfig:
     max_connections: int = 64
     idle_timeout_s: float = 300.0  # a connection with no request for this long is closed
     io_timeout_s: float = 30.0  # one send or the rest of a frame must not take longer
+    hello_timeout_s: float = 5.0  # the whole hello must arrive within this
+    max_per_ip: int = 16  # connections one client address may hold
 
     def validate(self) -> BulkServerConfig:
         if not 1 <= self.max_connections <= 4096:
             raise ConfigError(f"bulk max_connections must be 1..4096, got {self.max_connections}")
-        if self.idle_timeout_s <= 0 or self.io_timeout_s <= 0:
-            raise ConfigError("bulk idle_timeout_s and io_timeout_s must be > 0")
+        if not 1 <= self.max_per_ip <= 4096:
+            raise ConfigError(f"bulk max_per_ip must be 1..4096, got {self.max_per_ip}")
+        if self.idle_timeout_s <= 0 or self.io_timeout_s <= 0 or self.hello_timeout_s <= 0:
+            raise ConfigError("bulk idle_timeout_s, io_timeout_s and hello_timeout_s must be > 0")
         return self
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, object]) -> BulkServerConfig:
+        """From a server config file's extra keys ``bulk_max_connections``, ``bulk_max_per_ip``,
+        ``bulk_hello_timeout_s``, ``bulk_idle_timeout_s`` and ``bulk_io_timeout_s``."""
+        values: dict[str, float | int] = {}
+        for name, kind in (("max_connections", int), ("max_per_ip", int), ("hello_timeout_s", float),
+                           ("idle_timeout_s", float), ("io_timeout_s", float)):
+            value = extra.get(f"bulk_{name}")
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and not isinstance(value, int)):
+                raise ConfigError(f"bulk_{name} must be a{'n integer' if kind is int else ' number'}, got {value!r}")
+            values[name] = kind(value)
+        return cls(**values).validate()  # type: ignore[arg-type]
+
+
+def _recv_by(conn: socket.socket, n: int, deadline: float) -> bytes:
+    """``n`` bytes that must all arrive before ``deadline`` (time.monotonic): TimeoutError else."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{got} of {n} bytes arrived in time")
+        conn.settimeout(left)
+        k = conn.recv_into(view[got:], n - got)
+        if k == 0:
+            raise EOFError(f"connection closed after {got} of {n} bytes")
+        got += k
+    return bytes(buf)
 
 
 class BulkServer:
@@ -71,6 +115,10 @@ class BulkServer:
         self.host = host
         self.port: int = self._sock.getsockname()[1]
         self._slots = threading.BoundedSemaphore(self.config.max_connections)
+        self._per_ip: dict[str, int] = {}  # open connections by client address (under _lock)
+        self._peer_of: dict[socket.socket, tuple[str, int]] = {}  # accepted, until its thread takes it
+        self._refusals = RateLimitedLog(log)
+        self.refused = 0  # connections refused (limits, hello timeout)
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._stopped = threading.Event()
@@ -105,16 +153,44 @@ class BulkServer:
     def _accept_loop(self) -> None:
         while not self._stopped.is_set():
             try:
-                conn, _peer = self._sock.accept()
+                conn, peer = self._sock.accept()
             except OSError:
                 return  # closed by stop()
-            if not self._slots.acquire(blocking=False):
-                self._refuse(conn, f"too many bulk connections (limit {self.config.max_connections}); use GetChunks or retry later")
+            ip = str(peer[0])
+            with self._lock:
+                mine = self._per_ip.get(ip, 0)
+                if mine < self.config.max_per_ip:
+                    self._per_ip[ip] = mine + 1
+            if mine >= self.config.max_per_ip:
+                self._refuse(conn, peer, "per_ip_limit",
+                             f"too many bulk connections from this address (limit {self.config.max_per_ip} per client "
+                             "address); reuse them, use GetChunks, or retry later")
                 continue
+            if not self._slots.acquire(blocking=False):
+                self._drop_ip(ip)
+                self._refuse(conn, peer, "connection_limit",
+                             f"too many bulk connections (limit {self.config.max_connections}); use GetChunks or retry later")
+                continue
+            with self._lock:
+                self._peer_of[conn] = (ip, int(peer[1]) if len(peer) > 1 else 0)
             threading.Thread(target=self._serve, args=(conn,), name="bulk-conn", daemon=True).start()
 
-    @staticmethod
-    def _refuse(conn: socket.socket, message: str) -> None:
+    def _drop_ip(self, ip: str) -> None:
+        with self._lock:
+            left = self._per_ip.get(ip, 1) - 1
+            if left > 0:
+                self._per_ip[ip] = left
+            else:
+                self._per_ip.pop(ip, None)
+
+    def _log_refusal(self, peer: object, reason: str, message: str) -> None:
+        self.refused += 1
+        address = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) and len(peer) >= 2 else str(peer)
+        self._refusals.warning(reason, "bulk connection refused: address=%s server=%s reason=%s detail=%s",
+                               address, self.address, reason, message)
+
+    def _refuse(self, conn: socket.socket, peer: object, reason: str, message: str) -> None:
+        self._log_refusal(peer, reason, message)
         try:
             conn.settimeout(1.0)
             conn.sendall(encode_welcome(W_BAD_HELLO, message))
@@ -126,11 +202,17 @@ class BulkServer:
     def _serve(self, conn: socket.socket) -> None:
         with self._lock:
             self._conns.add(conn)
+            peer = self._peer_of.pop(conn)
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+            try:
+                ok = self._handshake(conn, peer)
+            except TimeoutError:
+                self._log_refusal(peer, "hello_timeout", f"no complete hello within {self.config.hello_timeout_s:g} s")
+                return
             conn.settimeout(self.config.io_timeout_s)
-            if self._handshake(conn):
+            if ok:
                 self._requests(conn)
         except (OSError, EOFError, ProtocolError) as exc:
             log.debug("bulk connection ended: %s", exc)
@@ -140,25 +222,32 @@ class BulkServer:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+            self._drop_ip(str(peer[0]))
             self._slots.release()
 
-    def _handshake(self, conn: socket.socket) -> bool:
-        magic, version, token_len = HELLO.unpack(recv_bytes(conn, HELLO.size))
+    def _handshake(self, conn: socket.socket, peer: tuple[str, int]) -> bool:
+        deadline = time.monotonic() + self.config.hello_timeout_s
+        magic, version, token_len = HELLO.unpack(_recv_by(conn, HELLO.size, deadline))
         if magic != MAGIC:
-            conn.sendall(encode_welcome(W_BAD_HELLO, "not a bulk hello (bad magic): this port speaks the paramserver bulk protocol, "
-                                                     "use the gRPC port for gRPC"))
-            return False
+            return self._turn_away(conn, peer, W_BAD_HELLO, "bad_hello",
+                                   "not a bulk hello (bad magic): this port speaks the paramserver bulk protocol, "
+                                   "use the gRPC port for gRPC")
         if version != VERSION or token_len > MAX_TOKEN_BYTES:
-            conn.sendall(encode_welcome(W_BAD_HELLO, f"bulk protocol version {version} is not served here "
-                                                     f"(this server speaks {VERSION}); fall back to GetChunks"))
-            return False
-        token = recv_bytes(conn, token_len).decode("utf-8", "replace")
+            return self._turn_away(conn, peer, W_BAD_HELLO, "bad_hello", f"bulk protocol version {version} is not served here "
+                                                                         f"(this server speaks {VERSION}); fall back to GetChunks")
+        token = _recv_by(conn, token_len, deadline).decode("utf-8", "replace")
+        conn.settimeout(self.config.io_timeout_s)
         problem = check_token(token, self.auth)
         if problem is not None:
-            conn.sendall(encode_welcome(W_UNAUTHENTICATED, problem))
-            return False
+            return self._turn_away(conn, peer, W_UNAUTHENTICATED, "unauthenticated", problem)
         conn.sendall(encode_welcome(W_OK))
         return True
+
+    def _turn_away(self, conn: socket.socket, peer: tuple[str, int], status: int, reason: str, message: str) -> bool:
+        self._log_refusal(peer, reason, message)
+        conn.settimeout(self.config.io_timeout_s)
+        conn.sendall(encode_welcome(status, message))
+        return False
 
     def _error(self, conn: socket.socket, message: str) -> None:
         raw = encode_message(message)
@@ -173,9 +262,9 @@ class BulkServer:
                 return  # idle: the client reconnects when it needs us again
             if not first:
                 return
-            conn.settimeout(self.config.io_timeout_s)
+            deadline = time.monotonic() + self.config.io_timeout_s  # for the rest of the request, all of it
             if len(first) < REQUEST.size:
-                first += recv_bytes(conn, REQUEST.size - len(first))
+                first += _recv_by(conn, REQUEST.size - len(first), deadline)
             (count,) = REQUEST.unpack(first)
             if count == 0:
                 return
@@ -183,9 +272,10 @@ class BulkServer:
                 self._error(conn, f"a bulk request carries at most {MAX_IDS} ids, got {count}; split it")
                 return
             try:
-                raw_ids = recv_bytes(conn, count * ID_BYTES)
+                raw_ids = _recv_by(conn, count * ID_BYTES, deadline)
             except EOFError:
                 return  # truncated request: nothing to answer
+            conn.settimeout(self.config.io_timeout_s)
             self._answer(conn, [raw_ids[i : i + ID_BYTES].hex() for i in range(0, len(raw_ids), ID_BYTES)])
 
     def _answer(self, conn: socket.socket, ids: list[str]) -> None:

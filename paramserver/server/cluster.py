@@ -1,14 +1,17 @@
 """Cluster-side helpers the server plugs into its services: placement over the
-current members, the pre-commit quorum check (invariant 2), and fetching a
-chunk from another replica for repair or for a manifest this server lacks.
+current members, the pre-commit quorum check (invariant 2), the check that a new
+member answers and runs this cluster (AddMember), and fetching a chunk from
+another replica for repair or for a manifest this server lacks.
 
 All of them take the member list as a callable (the metadata plane's
 ``members().value``), so they follow membership changes without restarts.
 """
 from __future__ import annotations
 
+import hmac
 import threading
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -22,12 +25,16 @@ from paramserver.server import codecs
 # The server's one way into the client stack: its peer clients (tests/unit/test_layers.py).
 from paramserver.client.rpc import ChunkData, ClientConfig, ParamServerClient
 from paramserver.server.errors import ChunkNotFoundError, InvalidChunkError, ParamServerError
-from paramserver.server.metaservice import VersionFacts
+from paramserver.server.metaservice import CLUSTER_ID_KEY, VersionFacts
+from paramserver.wire.proto import pb
 from paramserver.wire.ring import Ring, RingConfig, replication_and_quorum
 from paramserver.server.rpc_errors import PreconditionFailed
 from paramserver.server.store import ChunkStore, StoredChunk
 
+
 MembersFn = Callable[[], Sequence[MemberRecord]]
+# What one replica holds of the ids asked: id -> (CRC32C, codec) its copy declares (None: not said).
+Holdings = dict[str, tuple[int, str] | None]
 
 
 class PeerSet:
@@ -103,8 +110,16 @@ class PeerSet:
 
 
 class QuorumVersionCheck:
-    """CommitVersion's ``version_check``: every chunk of the manifest (and the
-    manifest itself) must be on at least W of its R replicas."""
+    """CommitVersion's ``version_check``: every chunk of the manifest (and the manifest
+    itself) must be on at least W of its R replicas, and the stored copies must agree with the
+    manifest's CRC32C. The facts returned name the manifest's model, which CommitVersion
+    compares with the request's.
+
+    A chunk has one raw encoding: a raw copy with another CRC than a raw manifest entry means the
+    manifest describes bytes no server holds (a reader would refuse every copy), so
+    InvalidChunkError (INVALID_ARGUMENT) naming the chunk. A copy in another encoding (pushed
+    earlier with another codec or zstd level; the content id was proven on ingest) differs
+    legitimately: readers prove such a copy by its content id (paramserver.client.verify)."""
 
     def __init__(self, peers: PeerSet, local: ChunkStore, *, max_parallel: int = 8, peer_timeout_s: float = 3.0) -> None:
         self.peers = peers
@@ -117,7 +132,13 @@ class QuorumVersionCheck:
             parsed = Manifest.from_bytes(manifest, expected_id=manifest_id)
         except ManifestError as exc:
             raise InvalidChunkError(manifest_id, f"manifest {manifest_id} cannot be committed: {exc}") from None
-        ids = [manifest_id, *dict.fromkeys(parsed.chunk_ids())]
+        expected: dict[str, tuple[int, str] | None] = {manifest_id: None}  # the manifest's own CRC is not in it
+        for ref in parsed.chunks:
+            first = expected.setdefault(ref.id, (ref.crc32c, ref.codec))
+            if first is not None and first[1] == ref.codec == "raw" and first[0] != ref.crc32c:
+                raise InvalidChunkError(ref.id, f"manifest {manifest_id} gives chunk {ref.id} two CRC32Cs "
+                                                f"({first[0]:08x} and {ref.crc32c:08x}); pack the model again")
+        ids = list(expected)
         ring = self.peers.ring()
         r = min(self.peers.replication_factor, len(ring))
         placement = {cid: ring.replicas(cid, r) for cid in ids}
@@ -128,22 +149,39 @@ class QuorumVersionCheck:
         members = self.peers.members()
         w = self.peers.quorum(r)
         present: dict[str, set[str]] = {server: set() for server in by_server}
+        wrong: list[tuple[str, str, int]] = []  # (chunk, server, the CRC it holds)
 
         def short_of_quorum() -> list[tuple[str, int]]:
             counts = ((cid, sum(cid in present[s] for s in servers)) for cid, servers in placement.items())
             return [(cid, n) for cid, n in counts if n < w]
+
+        def record(server: str, held: Holdings) -> None:
+            for cid, stored in held.items():
+                want = expected[cid]
+                if stored is not None and want is not None and stored[1] == want[1] == "raw" and stored[0] != want[0]:
+                    wrong.append((cid, server, stored[0]))
+                else:
+                    present[server].add(cid)
 
         # Answers are awaited only until every chunk has W copies: a replica that is down or cut
         # off must not hold a commit for its full deadline when the others already prove the quorum.
         pool = ThreadPoolExecutor(max_workers=self.max_parallel)
         try:
             pending = {pool.submit(self._present_on, members.get(server), server, wanted): server for server, wanted in by_server.items()}
-            while pending and short_of_quorum():
+            while pending and short_of_quorum() and not wrong:
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for future in done:
-                    present[pending.pop(future)] = future.result()
+                    record(pending.pop(future), future.result())
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
+        if wrong:
+            cid, server, crc = wrong[0]
+            want = expected[cid]
+            assert want is not None
+            raise InvalidChunkError(
+                cid, f"chunk {cid} of manifest {manifest_id}: the manifest says CRC32C {want[0]:08x} but server {server} "
+                     f"stores it with CRC32C {crc:08x}; the manifest does not describe the stored chunk, pack and push again",
+            )
         short = short_of_quorum()
         if short:
             cid, n = short[0]
@@ -151,18 +189,63 @@ class QuorumVersionCheck:
                 f"{len(short)} of {len(ids)} chunks of manifest {manifest_id} have not reached their write quorum "
                 f"(W={w} of R={r}); e.g. chunk {cid} is on {n}. Push the missing chunks again, then commit"
             )
-        return VersionFacts(nbytes=parsed.raw_bytes, chunk_count=len(parsed.chunks))
+        return VersionFacts(nbytes=parsed.raw_bytes, chunk_count=len(parsed.chunks), model=parsed.model)
 
-    def _present_on(self, member: MemberRecord | None, server: str, ids: list[str]) -> set[str]:
+    def _present_on(self, member: MemberRecord | None, server: str, ids: list[str]) -> Holdings:
         if server == self.peers.self_id:
-            return {cid for cid, ok in zip(ids, self.local.claim(ids)) if ok}
+            flags = self.local.claim(ids)
+            return {cid: h for cid, h in zip(ids, self.local.stored_headers(ids, flags)) if h is not None}
         if member is None:
-            return set()
+            return {}
         try:
-            flags = self.peers.client(member).has_chunks(ids, claim=True, timeout=self.peer_timeout_s)
+            reply = self.peers.client(member).stub.HasChunks(
+                pb.HasChunksRequest(ids=ids, claim=True, with_crc=True), timeout=self.peer_timeout_s)
         except grpc.RpcError:
-            return set()  # an unreachable replica holds nothing we can count on
-        return {cid for cid, ok in zip(ids, flags) if ok}
+            return {}  # an unreachable replica holds nothing we can count on
+        if len(reply.crc32c) == len(reply.codec) == len(ids):
+            headers: Sequence[tuple[int, str] | None] = list(zip(reply.crc32c, reply.codec))
+        else:
+            headers = [None] * len(ids)  # a server from before with_crc: presence only
+        return {cid: h for cid, ok, h in zip(ids, reply.present, headers) if ok}
+
+
+class MemberCheck:
+    """AddMember's ``member_probe``: the new member must answer ServerStatus (with this server's
+    peer credentials: its admin token and, under TLS, its certificate) as the server id it is
+    added under, and report this cluster's id. Raises PreconditionFailed naming the address."""
+
+    def __init__(self, peers: PeerSet, cluster_id: str, *, timeout_s: float = 3.0) -> None:
+        self.peers = peers
+        self.cluster_id = cluster_id
+        self.timeout_s = timeout_s
+
+    def __call__(self, member: MemberRecord) -> None:
+        address = member.grpc_address
+        config = replace(self.peers.client_config(address), timeout_s=self.timeout_s)
+        try:
+            client = ParamServerClient(config)
+        except ValueError as exc:
+            raise PreconditionFailed(f"new member {member.server_id}: its address {address!r} is not usable ({exc})") from None
+        try:
+            status = client.server_status()
+        except grpc.RpcError as exc:
+            code = exc.code().name if hasattr(exc, "code") else "UNAVAILABLE"
+            details = exc.details() if hasattr(exc, "details") else str(exc)
+            raise PreconditionFailed(
+                f"new member {member.server_id} at {address} does not answer ServerStatus ({code}: {str(details)[:200]}); "
+                "start it with this cluster's secret and tokens, check that this server can reach that address, then add it"
+            ) from None
+        finally:
+            client.close()
+        if status.server_id != member.server_id:
+            raise PreconditionFailed(f"the server at {address} is {status.server_id!r}, not {member.server_id!r}: "
+                                     "add it under its own id, or fix the address")
+        theirs = status.extra.get(CLUSTER_ID_KEY, "")
+        if not hmac.compare_digest(theirs.encode(), self.cluster_id.encode()):
+            raise PreconditionFailed(
+                f"new member {member.server_id} at {address} runs cluster id {theirs[:40] or '(none)'}, this cluster's is "
+                f"{self.cluster_id}: start it with this cluster's --cluster-secret-file and --vnodes"
+            )
 
 
 class ReplicaFetcher:
@@ -206,4 +289,4 @@ def cluster_blob_fetcher(local: ChunkStore, fetch: ReplicaFetcher) -> Callable[[
     return fetch_blob
 
 
-__all__ = ["ChunkData", "PeerSet", "QuorumVersionCheck", "ReplicaFetcher", "cluster_blob_fetcher", "MembersFn"]
+__all__ = ["ChunkData", "MemberCheck", "MembersFn", "PeerSet", "QuorumVersionCheck", "ReplicaFetcher", "cluster_blob_fetcher"]

@@ -3,23 +3,192 @@
 Typed store errors become status codes here (via rpc_errors) and nowhere else:
 a chunk whose bytes do not match its id -> INVALID_ARGUMENT; received bytes
 failing their CRC32C, or a stored copy failing verification -> DATA_LOSS; an
-unknown chunk -> NOT_FOUND. Every message names the chunk.
+unknown chunk -> NOT_FOUND; a full disk -> RESOURCE_EXHAUSTED. Every message
+names the chunk (and, for PutChunks, this server).
+
+No client can make this server stop serving others (DESIGN invariant 6):
+
+- Write streams (PutChunks) have their own concurrency limit, below the gRPC worker
+  pool (``WriteLimits.max_streams``, half the pool by default): a stream beyond it is
+  answered RESOURCE_EXHAUSTED at once, so reads and status calls always find a thread.
+- A write stream that sends no message for ``WriteLimits.idle_s`` is ended
+  DEADLINE_EXCEEDED by one watchdog thread (a blocked read of the request iterator is
+  woken by cancelling the call), freeing its thread and its slot.
+- GetChunks answers each distinct id once, keeps every reply message (chunks and
+  per-chunk errors together) near the coalescing target, and answers at most
+  ``max_call_bytes`` of chunk data per call.
+- HasChunks(claim=true) keeps chunks from orphan collection, a write: it needs the
+  admin token when one is configured.
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+import importlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Mapping
 
 import grpc
 
+from paramserver.server.auth import AuthConfig, has_admin_token
 from paramserver.server.config import DEFAULT_GET_MESSAGE_BYTES
-from paramserver.server.errors import ChunkCorruptError, ChunkNotFoundError, InvalidChunkError
+from paramserver.server.errors import ChunkCorruptError, ChunkNotFoundError, ConfigError, InvalidChunkError, ParamServerError
 from paramserver.wire.proto import pb
 from paramserver.server.repair import RepairQueue
-from paramserver.server.rpc_errors import abort_with, invalid
+from paramserver.server.rpc_errors import abort_with, invalid, status_for
 from paramserver.server.store import ChunkStore
 from paramserver.wire.getchunks import ReplyBuilder
 
+log = logging.getLogger(__name__)
+
 MAX_IDS_PER_CALL = 1 << 20
+DEFAULT_MAX_CALL_BYTES = 1 << 30  # GetChunks chunk data per call; clients read at most 64 MiB per call
+MAX_REPORT_IDS = 4096  # ReportCorrupt: each id costs a full read and verification
+MAX_ERROR_MESSAGE = 512  # characters of one per-chunk error message in a GetChunks reply
+
+
+class RateLimitedLog:
+    """WARNING lines at most once per ``every_s`` per key; the next line says how many were not logged."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = 10.0) -> None:
+        self.logger = logger
+        self.every_s = every_s
+        self._last: dict[str, float] = {}
+        self._skipped: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def warning(self, key: str, message: str, *args: object) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(key, -self.every_s) < self.every_s:
+                self._skipped[key] = self._skipped.get(key, 0) + 1
+                return False
+            self._last[key] = now
+            skipped = self._skipped.pop(key, 0)
+            if len(self._last) > 1024:  # keys are reasons, not addresses; stay bounded anyway
+                self._last, self._skipped = {key: now}, {}
+        self.logger.warning(message + " suppressed_since_last=%d", *args, skipped)
+        return True
+
+
+@dataclass(frozen=True)
+class WriteLimits:
+    """Write-stream limits. ``max_streams`` None: half the gRPC worker pool (at least 1)."""
+
+    max_streams: int | None = None
+    idle_s: float = 30.0  # a write stream with no message for this long is ended DEADLINE_EXCEEDED
+
+    def streams_for(self, workers: int) -> int:
+        return self.max_streams if self.max_streams is not None else max(1, workers // 2)
+
+    def validate(self, workers: int) -> WriteLimits:
+        n = self.streams_for(workers)
+        if n < 1 or (workers > 1 and n >= workers):
+            raise ConfigError(f"max_write_streams must be between 1 and workers - 1 ({workers - 1}) so that reads always find "
+                              f"a thread, got {n}")
+        if self.idle_s <= 0:
+            raise ConfigError(f"write_stream_idle_s must be > 0, got {self.idle_s}")
+        return self
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, object]) -> WriteLimits:
+        """From a server config file's extra keys ``max_write_streams`` and ``write_stream_idle_s``."""
+        streams, idle = extra.get("max_write_streams"), extra.get("write_stream_idle_s", cls.idle_s)
+        if (streams is not None and (not isinstance(streams, int) or isinstance(streams, bool))) or \
+                not isinstance(idle, int | float) or isinstance(idle, bool):
+            raise ConfigError(f"max_write_streams must be an integer and write_stream_idle_s a number of seconds, got "
+                              f"{streams!r} and {idle!r}")
+        return cls(streams, float(idle))
+
+
+def _end_call(context: grpc.ServicerContext, code: grpc.StatusCode, details: str) -> None:
+    """End a call from another thread, waking a handler blocked on its request iterator.
+
+    grpcio's call object can cancel with a status (what the client then sees); the public
+    ``context.cancel()`` sends CANCELLED. Both make the blocked iterator return."""
+    call = getattr(getattr(context, "_rpc_event", None), "call", None)
+    try:
+        cygrpc = importlib.import_module("grpc._cython.cygrpc")  # grpcio's own: the status-carrying cancel
+        call.cancel(getattr(cygrpc.StatusCode, code.name.lower()), details)  # type: ignore[union-attr]
+        return
+    except Exception:  # noqa: BLE001 - another grpcio: fall back to the public cancel
+        pass
+    context.cancel()
+
+
+class _Watch:
+    __slots__ = ("context", "last", "busy", "expired", "peer")
+
+    def __init__(self, context: grpc.ServicerContext) -> None:
+        self.context = context
+        self.last = time.monotonic()
+        self.busy = False  # storing a message: not idle
+        self.expired = False
+        self.peer = context.peer()
+
+    def touch(self, busy: bool) -> None:
+        self.last = time.monotonic()
+        self.busy = busy
+
+
+class StreamWatchdog:
+    """One thread ending the watched streams that sent nothing for ``idle_s`` (started on first use)."""
+
+    def __init__(self, idle_s: float, server_id: str = "") -> None:
+        self.idle_s = idle_s
+        self.server_id = server_id
+        self._watches: set[_Watch] = set()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.expired = 0  # streams ended for idleness
+
+    def watch(self, context: grpc.ServicerContext) -> _Watch:
+        w = _Watch(context)
+        with self._cond:
+            self._watches.add(w)
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._run, name="write-watchdog", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        return w
+
+    def release(self, w: _Watch) -> None:
+        with self._cond:
+            self._watches.discard(w)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            now = time.monotonic()
+            due: list[_Watch] = []
+            with self._cond:
+                if self._closed:
+                    return
+                wake = self.idle_s
+                for w in self._watches:
+                    if w.expired or w.busy:
+                        continue
+                    left = w.last + self.idle_s - now
+                    if left <= 0:
+                        w.expired = True
+                        due.append(w)
+                    else:
+                        wake = min(wake, left)
+            for w in due:
+                self.expired += 1
+                log.warning("write stream ended: idle server=%s peer=%s idle_s=%g", self.server_id, w.peer, self.idle_s)
+                _end_call(w.context, grpc.StatusCode.DEADLINE_EXCEEDED,
+                          f"server {self.server_id}: PutChunks stream sent no message for {self.idle_s:g} s; send chunks "
+                          "without pauses, or end the stream and open a new one")
+            with self._cond:
+                if not self._closed:
+                    self._cond.wait(timeout=max(0.05, wake))
 
 
 class ChunkService:
@@ -31,24 +200,65 @@ class ChunkService:
         repair_queue: RepairQueue | None = None,
         get_message_bytes: int = DEFAULT_GET_MESSAGE_BYTES,
         max_message_bytes: int = 64 << 20,
+        auth: AuthConfig = AuthConfig(),
+        workers: int = 16,
+        write_limits: WriteLimits = WriteLimits(),
+        max_call_bytes: int = DEFAULT_MAX_CALL_BYTES,
     ) -> None:
         self.store = store
         self.server_id = server_id
         self.repair_queue = repair_queue
         self.get_message_bytes = get_message_bytes
         self.max_message_bytes = max_message_bytes
+        self.auth = auth
+        self.write_limits = write_limits.validate(workers)
+        self.max_write_streams = write_limits.streams_for(workers)
+        self._write_slots = threading.BoundedSemaphore(self.max_write_streams)
+        self.watchdog = StreamWatchdog(write_limits.idle_s, server_id)
+        self.max_call_bytes = max_call_bytes
+        self._refusals = RateLimitedLog(log)
+
+    def close(self) -> None:
+        self.watchdog.close()
 
     # ----------------------------------------------------------- PutChunks
 
     def PutChunks(self, request_iterator: Iterable[pb.PutChunksRequest], context: grpc.ServicerContext) -> pb.PutChunksReply:
+        if not self._write_slots.acquire(blocking=False):
+            self._refusals.warning("write_limit", "write stream refused: server=%s peer=%s reason=write_limit limit=%d",
+                                   self.server_id, context.peer(), self.max_write_streams)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"server {self.server_id} is serving {self.max_write_streams} PutChunks streams, its limit; "
+                          "retry in a moment")
+        try:
+            watch = self.watchdog.watch(context)
+            try:
+                reply = self._put(request_iterator, context, watch)
+            except grpc.RpcError:
+                if not watch.expired:
+                    raise  # the client went away
+                reply = None
+            finally:
+                self.watchdog.release(watch)
+        finally:
+            self._write_slots.release()
+        if reply is None or watch.expired:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                          f"server {self.server_id}: PutChunks stream sent no message for {self.watchdog.idle_s:g} s")
+        return reply
+
+    def _put(self, request_iterator: Iterable[pb.PutChunksRequest], context: grpc.ServicerContext, watch: _Watch) -> pb.PutChunksReply:
         reply = pb.PutChunksReply(server_id=self.server_id)
         stored = present = nbytes = 0
         for request in request_iterator:
+            if watch.expired:
+                break
+            watch.touch(busy=True)
             batch = [(c.id, c.data, c.codec, c.raw_size, c.crc32c) for c in request.chunks]
             try:
                 results = self.store.put_many(batch)
-            except InvalidChunkError as exc:
-                abort_with(context, exc)
+            except ParamServerError as exc:  # invalid chunk, damaged in transit, disk full, ...
+                context.abort(status_for(exc), f"server {self.server_id}: {exc}")
             for (chunk_id, data, *_rest), was_stored in zip(batch, results):
                 if was_stored:
                     stored += 1
@@ -59,34 +269,58 @@ class ChunkService:
                     reply.acks.add(id=chunk_id, status=pb.ALREADY_PRESENT)
                 if self.repair_queue is not None:
                     self.repair_queue.done(chunk_id)  # a fresh verified copy arrived
+            watch.touch(busy=False)
         reply.chunks_stored, reply.chunks_present, reply.bytes_stored = stored, present, nbytes
         return reply
 
     # ----------------------------------------------------------- GetChunks
 
     def GetChunks(self, request: pb.GetChunksRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """The stored chunks of ``request.ids``: each distinct id once, in the order of its first
+        mention (a repeated id is answered once, not refused).
+
+        Chunks and per-chunk errors (``allow_partial``) are coalesced into messages of about
+        the target size; a chunk larger than the target goes alone. A call answers at most
+        ``max_call_bytes`` of chunk data: past that it ends RESOURCE_EXHAUSTED naming the
+        limit and the first id not sent (ask for the rest in another call).
+        """
         if len(request.ids) > MAX_IDS_PER_CALL:
             invalid(context, f"GetChunks asks for {len(request.ids)} chunks; split the request into calls of at most {MAX_IDS_PER_CALL}")
+        ids = list(dict.fromkeys(request.ids))
         target = request.max_message_bytes or self.get_message_bytes
         # Payload is capped at 3/4 of the hard limit so per-chunk envelopes never overflow it.
         target = max(1, min(target, self.max_message_bytes * 3 // 4))
         partial = request.allow_partial
+        sent = 0
         # Replies are pre-encoded bytes (wire.ReplyBuilder); the server registers
         # GetChunks with a pass-through serializer (service.register_servicer).
         reply = ReplyBuilder()
-        for chunk_id in request.ids:
+        for n, chunk_id in enumerate(ids):
             try:
                 chunk = self.store.get(chunk_id)
             except (ChunkNotFoundError, ChunkCorruptError) as exc:
                 if not partial:
-                    if reply.count:
+                    if reply:
                         yield reply.encode()
                     abort_with(context, exc)
-                reply.add_error(chunk_id, pb.MISSING if isinstance(exc, ChunkNotFoundError) else pb.CORRUPT, str(exc))
+                if reply and reply.size > target:
+                    yield reply.encode()
+                    reply = ReplyBuilder()
+                reply.add_error(chunk_id, pb.MISSING if isinstance(exc, ChunkNotFoundError) else pb.CORRUPT,
+                                str(exc)[:MAX_ERROR_MESSAGE])
                 continue
             except InvalidChunkError as exc:
+                if reply:
+                    yield reply.encode()
                 abort_with(context, exc)
-            if reply.count and reply.payload_bytes + len(chunk.data) > target:
+            if sent + len(chunk.data) > self.max_call_bytes:
+                if reply:
+                    yield reply.encode()
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"GetChunks answers at most {self.max_call_bytes} bytes of chunk data per call; {len(ids) - n} of "
+                              f"{len(ids)} distinct ids were not sent, from {chunk_id}: ask for them in another call")
+            sent += len(chunk.data)
+            if reply and reply.size + len(chunk.data) > target:
                 yield reply.encode()
                 reply = ReplyBuilder()
             # The bytes read from disk go into the message as-is: one join, no re-encoding.
@@ -97,23 +331,41 @@ class ChunkService:
     # ----------------------------------------------------------- HasChunks
 
     def HasChunks(self, request: pb.HasChunksRequest, context: grpc.ServicerContext) -> pb.HasChunksReply:
+        """Which ids are here. ``claim`` (keep them from orphan collection) needs the admin token;
+        ``with_crc`` adds the CRC32C and codec each present chunk's stored copy declares (0 and ""
+        when absent; a copy whose header cannot be read counts as absent)."""
         if len(request.ids) > MAX_IDS_PER_CALL:
             invalid(context, f"HasChunks asks about {len(request.ids)} chunks; split it into calls of at most {MAX_IDS_PER_CALL}")
         if request.claim:
+            if not has_admin_token(context.invocation_metadata(), self.auth):
+                context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                              "HasChunks with claim keeps chunks from orphan collection, a write: it needs the admin token "
+                              "(paramctl --token or $PARAMS_ADMIN_TOKEN); ask without claim to only look")
             # A chunk reported present to a push will not be sent again: it must not be
             # collected as an orphan before that push commits (see paramserver.server.gc).
             present = self.store.claim(request.ids)
         else:
             has = self.store.has
             present = [has(chunk_id) for chunk_id in request.ids]
-        return pb.HasChunksReply(present=present, present_count=sum(present))
+        headers: list[tuple[int, str] | None] = []
+        if request.with_crc:  # a copy whose header cannot be read is not one this server can serve
+            headers = self.store.stored_headers(request.ids, present)
+            present = [h is not None for h in headers]
+        reply = pb.HasChunksReply(present=present, present_count=sum(present))
+        reply.crc32c.extend(0 if h is None else h[0] for h in headers)
+        reply.codec.extend("" if h is None else h[1] for h in headers)
+        return reply
 
     # ----------------------------------------------------------- ReportCorrupt
 
     def ReportCorrupt(self, request: pb.ReportCorruptRequest, context: grpc.ServicerContext) -> pb.ReportCorruptReply:
-        """A client saw bad bytes from a replica. If that replica is us, re-verify now."""
+        """A client saw bad bytes from a replica. If that replica is us, re-verify now (each
+        distinct id once; at most MAX_REPORT_IDS per call, as each costs a full read)."""
+        ids = list(dict.fromkeys(request.chunk_ids))
+        if len(ids) > MAX_REPORT_IDS:
+            invalid(context, f"ReportCorrupt names {len(ids)} chunks; report at most {MAX_REPORT_IDS} per call")
         accepted = 0
-        for chunk_id in request.chunk_ids:
+        for chunk_id in ids:
             if not self.store.has(chunk_id):
                 continue
             if request.server_id and request.server_id != self.server_id:
@@ -127,4 +379,6 @@ class ChunkService:
         return pb.ReportCorruptReply(accepted=accepted)
 
 
-__all__ = ["ChunkService", "MAX_IDS_PER_CALL"]
+__all__ = [
+    "ChunkService", "DEFAULT_MAX_CALL_BYTES", "MAX_IDS_PER_CALL", "MAX_REPORT_IDS", "RateLimitedLog", "StreamWatchdog", "WriteLimits",
+]

@@ -6,11 +6,21 @@ NoQuorum / CommitTimeout -> UNAVAILABLE (NotLeader adds the leader's address
 as trailing metadata ``pdparams-leader``).
 
 Before a commit, ``version_check`` (a hook the cluster layer provides) must
-prove invariant 2: every chunk of the manifest reached its write quorum. The
-default only proves that the manifest itself is readable here.
+prove invariant 2: every chunk of the manifest reached its write quorum with the
+manifest's CRC, and say which model the manifest names (a commit under another
+model is refused). The default only proves that the manifest itself is readable here.
+
+Before AddMember, ``member_probe`` (also from the cluster layer) must show that the
+new member answers ServerStatus as the server id it is added under and runs this
+cluster's id (``cluster_id``: derived from the cluster secret and the ring's vnodes);
+a refusal is FAILED_PRECONDITION naming the address, and is logged at WARNING.
+Self-registration (paramserver.server.process) calls the metadata plane directly.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -27,11 +37,23 @@ from paramserver.wire.ring import replication_and_quorum
 from paramserver.server.rpc_errors import MAPPED, PreconditionFailed, abort_with, invalid
 from paramserver.server.store import ChunkStore
 
+log = logging.getLogger(__name__)
+
+CLUSTER_ID_KEY = "cluster_id"  # ServerStatusReply.extra key
+
+
+def cluster_id(secret: str | None, vnodes: int, hash_name: str = "blake3") -> str:
+    """What every member of one cluster shares: an HMAC of the ring parameters under the cluster
+    secret (never the secret itself). Members with another secret, or another ring, differ."""
+    message = f"pdparams cluster id v1|vnodes={vnodes}|hash={hash_name}".encode()
+    return hmac.new((secret or "").encode(), message, hashlib.sha256).hexdigest()[:32]
+
 
 @dataclass(frozen=True)
 class VersionFacts:
     nbytes: int
     chunk_count: int
+    model: str | None = None  # the model the manifest names; None when the check did not read it
 
 
 class VersionCheck(Protocol):
@@ -41,6 +63,9 @@ class VersionCheck(Protocol):
 
 # Manifest bytes by id (decoded, content-verified); raise a ChunkError when unavailable.
 BlobFetcher = Callable[[str], bytes]
+
+# Raise PreconditionFailed (naming the address) unless the member answers and runs this cluster.
+MemberProbe = Callable[[MemberRecord], None]
 
 
 @dataclass(frozen=True)
@@ -114,12 +139,14 @@ class MetadataService:
         *,
         fetch_blob: BlobFetcher | None = None,
         version_check: VersionCheck | None = None,
+        member_probe: MemberProbe | None = None,
     ) -> None:
         self.metadata = metadata
         self.store = store
         self.ring = ring
         self.fetch_blob = fetch_blob or local_blob_fetcher(store)
         self.version_check = version_check
+        self.member_probe = member_probe
 
     def _ring_pb(self, cluster_size: int) -> pb.RingParams:
         r, w = replication_and_quorum(self.ring.replication_factor, self.ring.write_quorum, cluster_size)
@@ -164,6 +191,9 @@ class MetadataService:
             if self.version_check is not None:
                 facts = self.version_check(request.manifest_id, manifest)
                 if facts is not None:
+                    if facts.model is not None and facts.model != request.model:
+                        invalid(context, f"manifest {request.manifest_id} is of model {facts.model[:200]!r}, not "
+                                         f"{request.model[:200]!r}: commit it under its own model, or pack the model again")
                     nbytes, chunk_count = facts.nbytes, facts.chunk_count
             record = self.metadata.commit_version(
                 request.model,
@@ -210,13 +240,27 @@ class MetadataService:
     def AddMember(self, request: pb.AddMemberRequest, context: grpc.ServicerContext) -> pb.MembershipReply:
         m = request.member
         _need(context, server_id=m.server_id, grpc_address=m.grpc_address, raft_address=m.raft_address)
+        record = MemberRecord(m.server_id, m.grpc_address, m.raft_address, m.state or "up", m.zone, m.bulk_address)
         try:
-            self.metadata.add_member(MemberRecord(m.server_id, m.grpc_address, m.raft_address, m.state or "up", m.zone,
-                                                     m.bulk_address))
+            if self.member_probe is not None and self._needs_probe(record):
+                try:
+                    self.member_probe(record)
+                except PreconditionFailed as exc:
+                    log.warning("member refused: server_id=%s grpc_address=%s raft_address=%s reason=%s",
+                                record.server_id, record.grpc_address, record.raft_address, exc)
+                    raise
+            self.metadata.add_member(record)
             members = self.metadata.members()
         except MAPPED as exc:
             abort_with(context, exc)
         return pb.MembershipReply(members=[_member_pb(x) for x in members.value], read=_read_pb(members))
+
+    def _needs_probe(self, record: MemberRecord) -> bool:
+        """A member joining the ring (or moving) must answer; marking a known member
+        leaving at the same addresses need not (it may be down: that is why it leaves)."""
+        known = {x.server_id: x for x in self.metadata.members().value}.get(record.server_id)
+        same_place = known is not None and (known.grpc_address, known.raft_address) == (record.grpc_address, record.raft_address)
+        return not (same_place and record.state != "up")
 
     def RemoveMember(self, request: pb.RemoveMemberRequest, context: grpc.ServicerContext) -> pb.MembershipReply:
         _need(context, server_id=request.server_id)
@@ -295,4 +339,7 @@ class MetadataService:
         return pb.ListTagsReply(tags=[_tag_pb(t) for t in result.value], read=_read_pb(result))
 
 
-__all__ = ["MetadataService", "RingInfo", "VersionFacts", "VersionCheck", "BlobFetcher", "local_blob_fetcher"]
+__all__ = [
+    "CLUSTER_ID_KEY", "BlobFetcher", "MemberProbe", "MetadataService", "RingInfo", "VersionCheck", "VersionFacts", "cluster_id",
+    "local_blob_fetcher",
+]

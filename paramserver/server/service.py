@@ -5,6 +5,14 @@ metadata plane (present once a MetadataPlane is wired in; until then its RPCs
 answer UNAVAILABLE). ``start_server`` builds a grpc.Server with explicit
 message limits, the token interceptor, the standard health service, and
 optional TLS, and returns a handle that stops it cleanly.
+
+ReportHeat is a read call, so it is bounded (issue 11): the version must exist on the
+metadata plane (a server without one takes indexes below ``MAX_HEAT_ENTRIES_PER_CALL``),
+one call carries at most the version's chunk count of entries (and at most
+``MAX_HEAT_REQUEST_BYTES`` of message, refused before it is parsed), every index below
+the chunk count, and the aggregated heat is bounded (paramserver.server.heat).
+ServerStatus carries this server's cluster id (``extra["cluster_id"]``, see
+metaservice.cluster_id), which AddMember checks on a new member.
 """
 from __future__ import annotations
 
@@ -16,18 +24,38 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from consensus.api import MetadataPlane
+from consensus.errors import MetadataError
+from consensus.validation import MAX_NAME_LENGTH
 
 from paramserver.server.auth import AuthConfig, TokenAuthInterceptor, server_credentials
 from paramserver.server.config import ServerConfig
-from paramserver.server.dataplane import ChunkService
-from paramserver.server.heat import HeatAggregator, HeatEntry
+from paramserver.server.dataplane import DEFAULT_MAX_CALL_BYTES, ChunkService, WriteLimits
+from paramserver.server.errors import ConfigError
+from paramserver.server.heat import HeatAggregator, request_arrays
 from paramserver.wire.grpc_options import server_options
-from paramserver.server.metaservice import BlobFetcher, MetadataService, RingInfo, VersionCheck
+from paramserver.wire.limits import MAX_HEAT_ENTRIES_PER_CALL, MAX_HEAT_REQUEST_BYTES
+from paramserver.server.metaservice import (
+    CLUSTER_ID_KEY, BlobFetcher, MemberProbe, MetadataService, RingInfo, VersionCheck, cluster_id,
+)
 from paramserver.wire.proto import SERVICE_NAME, pb, pb_grpc
 from paramserver.server.repair import RepairQueue
-from paramserver.server.rpc_errors import invalid
+from paramserver.server.rpc_errors import abort_with, invalid
 from paramserver.server.store import ChunkStore
 from paramserver.wire.getchunks import passthrough_serializer
+
+
+
+class _Oversized:
+    """A ReportHeat message over MAX_HEAT_REQUEST_BYTES, kept unparsed (its size only)."""
+
+    __slots__ = ("size",)
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+
+def _heat_request(raw: bytes) -> pb.ReportHeatRequest | _Oversized:
+    return _Oversized(len(raw)) if len(raw) > MAX_HEAT_REQUEST_BYTES else pb.ReportHeatRequest.FromString(raw)
 
 
 def _no_metadata(context: grpc.ServicerContext) -> Any:
@@ -41,11 +69,13 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
         metadata: MetadataService | None = None,
         heat: HeatAggregator | None = None,
         repair_queue: RepairQueue | None = None,
+        cluster_id: str = "",
     ) -> None:
         self.chunks = chunks
         self.metadata = metadata
         self.heat = heat or HeatAggregator()
         self.repair_queue = repair_queue
+        self.cluster_id = cluster_id
 
     # data plane
     def PutChunks(self, request_iterator: Iterable[pb.PutChunksRequest], context: grpc.ServicerContext) -> pb.PutChunksReply:
@@ -75,25 +105,54 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
                 hits=c.hits, misses=c.misses, evictions=c.evictions,
             ),
         )
+        reply.extra[CLUSTER_ID_KEY] = self.cluster_id
         if self.metadata is not None:
             plane = self.metadata.metadata
             reply.is_leader, reply.term, reply.commit_index = plane.is_leader(), plane.term(), plane.commit_index()
         return reply
 
-    def ReportHeat(self, request: pb.ReportHeatRequest, context: grpc.ServicerContext) -> pb.ReportHeatReply:
-        if not request.model or not request.version:
+    def ReportHeat(self, request: pb.ReportHeatRequest | _Oversized, context: grpc.ServicerContext) -> pb.ReportHeatReply:
+        if isinstance(request, _Oversized):
+            invalid(context, f"ReportHeat message is {request.size} bytes; the limit is {MAX_HEAT_REQUEST_BYTES} "
+                             f"(at most {MAX_HEAT_ENTRIES_PER_CALL} entries, and no more than the version's chunk count)")
+        model, version, n = request.model, request.version, len(request.entries)
+        if not model or not version:
             invalid(context, "ReportHeat needs model and version")
-        self.heat.report(request.model, request.version, (HeatEntry(e.chunk_index, e.count, e.first_access_order) for e in request.entries))
+        if len(model) > MAX_NAME_LENGTH:
+            invalid(context, f"model name is {len(model)} characters; model names have at most {MAX_NAME_LENGTH}")
+        limit, what = MAX_HEAT_ENTRIES_PER_CALL, "the per-call limit"
+        size = self._chunk_count(model, version, context)
+        if size is not None and size < limit:
+            limit, what = size, f"the chunk count of {model} version {version}"
+        if n > limit:
+            invalid(context, f"ReportHeat carries {n} entries; the limit is {limit} ({what}): one entry per chunk of the version")
+        arrays = request_arrays(request)  # vectorised: no Python step per entry
+        if n and int(arrays.index.max()) >= limit:
+            bad = int(arrays.index.max())
+            invalid(context, f"ReportHeat names chunk_index {bad}; the indexes of {model} version {version} are 0..{limit - 1} "
+                             f"({what})")
+        try:
+            self.heat.report(model, version, arrays, size=size)
+        except ValueError as exc:
+            invalid(context, f"ReportHeat: {exc}")
         return pb.ReportHeatReply()
 
-    def GetHeat(self, request: pb.GetHeatRequest, context: grpc.ServicerContext) -> pb.GetHeatReply:
-        entries, reports = self.heat.get(request.model, request.version)
-        return pb.GetHeatReply(
-            model=request.model,
-            version=request.version,
-            entries=[pb.HeatEntry(chunk_index=e.chunk_index, count=e.count, first_access_order=e.first_access_order) for e in entries],
-            reports=reports,
-        )
+    def _chunk_count(self, model: str, version: int, context: grpc.ServicerContext) -> int | None:
+        """The version's chunk count from the metadata plane (NOT_FOUND when it has no such version);
+        None without a metadata plane, or for a version recorded without a count."""
+        if self.metadata is None:
+            return None
+        try:
+            record = self.metadata.metadata.get_version(model, version).value
+        except (MetadataError, ValueError) as exc:
+            abort_with(context, exc)
+        return record.chunk_count or None
+
+    def GetHeat(self, request: pb.GetHeatRequest, context: grpc.ServicerContext) -> bytes:
+        """The encoded GetHeatReply (registered with a pass-through serializer): cached per version."""
+        if len(request.model) > MAX_NAME_LENGTH:
+            invalid(context, f"model name is {len(request.model)} characters; model names have at most {MAX_NAME_LENGTH}")
+        return self.heat.get_reply(request.model, request.version)
 
 
 def _delegate(name: str) -> Callable[..., Any]:
@@ -127,8 +186,9 @@ class _HandlerCapture:
 
 
 def register_servicer(servicer: pb_grpc.ParamServerServicer, server: grpc.Server) -> None:
-    """Like the generated add_ParamServerServicer_to_server, but GetChunks sends
-    pre-encoded bytes (paramserver.wire.getchunks), skipping protobuf's slow serializer."""
+    """Like the generated add_ParamServerServicer_to_server, but GetChunks and GetHeat send
+    pre-encoded bytes (paramserver.wire.getchunks, paramserver.server.heat), skipping protobuf's
+    slow serializer, and ReportHeat refuses an oversized message before parsing it."""
     capture = _HandlerCapture()
     pb_grpc.add_ParamServerServicer_to_server(servicer, capture)
     handlers = capture.handlers
@@ -136,6 +196,16 @@ def register_servicer(servicer: pb_grpc.ParamServerServicer, server: grpc.Server
     assert get.unary_stream is not None  # GetChunks is unary -> stream in paramserver.proto
     handlers["GetChunks"] = grpc.unary_stream_rpc_method_handler(
         get.unary_stream, request_deserializer=get.request_deserializer, response_serializer=passthrough_serializer
+    )
+    heat = handlers["GetHeat"]
+    assert heat.unary_unary is not None
+    handlers["GetHeat"] = grpc.unary_unary_rpc_method_handler(
+        heat.unary_unary, request_deserializer=heat.request_deserializer, response_serializer=passthrough_serializer
+    )
+    report = handlers["ReportHeat"]
+    assert report.unary_unary is not None
+    handlers["ReportHeat"] = grpc.unary_unary_rpc_method_handler(
+        report.unary_unary, request_deserializer=_heat_request, response_serializer=report.response_serializer
     )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
@@ -152,6 +222,15 @@ class RunningServer:
     def stop(self, grace: float | None = 1.0) -> None:
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait(timeout=(grace or 0) + 5)
+        self.servicer.chunks.close()
+
+
+def get_call_bytes(extra: Any) -> int:
+    """GetChunks' per-call byte limit: the config file's extra key ``get_call_bytes``, else the default."""
+    value = extra.get("get_call_bytes", DEFAULT_MAX_CALL_BYTES)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"get_call_bytes must be a positive integer, got {value!r}")
+    return value
 
 
 def start_server(
@@ -162,24 +241,33 @@ def start_server(
     repair_queue: RepairQueue | None = None,
     fetch_blob: BlobFetcher | None = None,
     version_check: VersionCheck | None = None,
+    member_probe: MemberProbe | None = None,
 ) -> RunningServer:
-    """Build, bind and start the gRPC server described by ``config`` (port 0 picks a free port)."""
+    """Build, bind and start the gRPC server described by ``config`` (port 0 picks a free port).
+
+    ``member_probe``: AddMember's check that a new member answers and runs this cluster
+    (paramserver.server.cluster.MemberCheck); None adds members unchecked. The write-stream
+    limits and GetChunks' per-call byte limit come from the config file's extra keys
+    ``max_write_streams``, ``write_stream_idle_s`` and ``get_call_bytes``."""
     config.validate()
+    auth = AuthConfig(config.admin_token, config.read_token)
     queue = repair_queue if repair_queue is not None else RepairQueue()
     if store is None:
         store = ChunkStore(config.data_dir, cache_bytes=config.cache_bytes, fsync=config.fsync, on_corrupt=queue.add)
     chunks = ChunkService(
-        store, config.server_id, repair_queue=queue, get_message_bytes=config.get_message_bytes, max_message_bytes=config.max_message_bytes
-    )
+        store, config.server_id, repair_queue=queue, get_message_bytes=config.get_message_bytes,
+        max_message_bytes=config.max_message_bytes, auth=auth, workers=config.workers,
+        write_limits=WriteLimits.from_extra(config.extra), max_call_bytes=get_call_bytes(config.extra),
+    )  # fmt: skip
     meta = None
     if metadata is not None:
         ring = RingInfo(config.vnodes, config.replication_factor, config.write_quorum)
-        meta = MetadataService(metadata, store, ring, fetch_blob=fetch_blob, version_check=version_check)
-    servicer = ParamServerServicer(chunks, meta, repair_queue=queue)
+        meta = MetadataService(metadata, store, ring, fetch_blob=fetch_blob, version_check=version_check, member_probe=member_probe)
+    servicer = ParamServerServicer(chunks, meta, repair_queue=queue, cluster_id=cluster_id(config.cluster_secret, config.vnodes))
 
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix=f"grpc-{config.server_id}"),
-        interceptors=[TokenAuthInterceptor(AuthConfig(config.admin_token, config.read_token))],
+        interceptors=[TokenAuthInterceptor(auth)],
         options=server_options(config.max_message_bytes),
         maximum_concurrent_rpcs=config.workers * 8,
     )
@@ -199,4 +287,5 @@ def start_server(
     return RunningServer(server, port, f"{host}:{port}", servicer, health_servicer)
 
 
-__all__ = ["ParamServerServicer", "RunningServer", "start_server", "register_servicer"]
+__all__ = ["MAX_HEAT_ENTRIES_PER_CALL", "MAX_HEAT_REQUEST_BYTES", "ParamServerServicer", "RunningServer", "get_call_bytes",
+           "register_servicer", "start_server"]

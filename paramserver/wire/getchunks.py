@@ -61,13 +61,19 @@ def error_parts(acks: Iterable[pb.ChunkAck]) -> list[bytes]:
 class ReplyBuilder:
     """Accumulates chunks (and per-chunk errors) of one GetChunksReply."""
 
-    __slots__ = ("_parts", "_errors", "payload_bytes", "count")
+    __slots__ = ("_parts", "_errors", "payload_bytes", "error_bytes", "count")
 
     def __init__(self) -> None:
         self._parts: list[bytes] = []
         self._errors: list[pb.ChunkAck] = []
         self.payload_bytes = 0
+        self.error_bytes = 0  # about what the errors add to the message (their ids and messages)
         self.count = 0
+
+    @property
+    def size(self) -> int:
+        """About the encoded size so far, errors included: what a sender splits messages by."""
+        return self.payload_bytes + self.error_bytes
 
     def add_chunk(self, chunk_id: str, data: bytes, codec: str, raw_size: int, crc: int) -> None:
         self._parts += chunk_parts(chunk_id, data, codec, raw_size, crc)
@@ -76,6 +82,7 @@ class ReplyBuilder:
 
     def add_error(self, chunk_id: str, status: pb.ChunkStatus, message: str) -> None:
         self._errors.append(pb.ChunkAck(id=chunk_id, status=status, message=message))
+        self.error_bytes += len(chunk_id) + len(message.encode()) + 8
 
     def __bool__(self) -> bool:
         return bool(self.count or self._errors)

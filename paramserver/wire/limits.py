@@ -12,3 +12,10 @@ DEFAULT_GET_MESSAGE_BYTES = 1 * MiB
 MAX_CODEC_LEN = 18
 
 __all__ = ["DEFAULT_GET_MESSAGE_BYTES", "DEFAULT_MAX_MESSAGE_BYTES", "MAX_CODEC_LEN", "MiB"]
+
+# ReportHeat: entries in one call (and never more than the version's chunk count), and the
+# largest message a server parses (entries take 4-24 bytes each). Clients send at most
+# HEAT_ENTRIES_PER_CALL entries per call, which always fits.
+MAX_HEAT_ENTRIES_PER_CALL = 1 << 20
+MAX_HEAT_REQUEST_BYTES = 24 << 20
+HEAT_ENTRIES_PER_CALL = 1 << 18

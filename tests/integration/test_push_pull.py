@@ -327,7 +327,7 @@ def test_wrong_token_is_unauthenticated(cluster: LocalCluster) -> None:
     with pytest.raises(TransferError) as pushed:
         push(cluster.seed, {"w": torch.ones(2)}, model="auth", token="wrong-token-123")
     assert pushed.value.code == grpc.StatusCode.UNAUTHENTICATED
-    # The read token may read but not write: the push fails at PutChunks and commits nothing.
+    # The read token may read but not write: the push fails at its dedup check (HasChunks claim) and commits nothing.
     with pytest.raises(PushError) as pushed:
         push(cluster.seed, {"w": torch.ones(2)}, model="auth", token=READ)
     assert pushed.value.code == grpc.StatusCode.UNAUTHENTICATED and "admin token" in str(pushed.value)

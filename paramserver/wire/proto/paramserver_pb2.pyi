@@ -139,20 +139,26 @@ class GetChunksReply(_message.Message):
     def __init__(self, chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[ChunkAck, _Mapping]]] = ...) -> None: ...
 
 class HasChunksRequest(_message.Message):
-    __slots__ = ("ids", "claim")
+    __slots__ = ("ids", "claim", "with_crc")
     IDS_FIELD_NUMBER: _ClassVar[int]
     CLAIM_FIELD_NUMBER: _ClassVar[int]
+    WITH_CRC_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[str]
     claim: bool
-    def __init__(self, ids: _Optional[_Iterable[str]] = ..., claim: _Optional[bool] = ...) -> None: ...
+    with_crc: bool
+    def __init__(self, ids: _Optional[_Iterable[str]] = ..., claim: _Optional[bool] = ..., with_crc: _Optional[bool] = ...) -> None: ...
 
 class HasChunksReply(_message.Message):
-    __slots__ = ("present", "present_count")
+    __slots__ = ("present", "present_count", "crc32c", "codec")
     PRESENT_FIELD_NUMBER: _ClassVar[int]
     PRESENT_COUNT_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
     present: _containers.RepeatedScalarFieldContainer[bool]
     present_count: int
-    def __init__(self, present: _Optional[_Iterable[bool]] = ..., present_count: _Optional[int] = ...) -> None: ...
+    crc32c: _containers.RepeatedScalarFieldContainer[int]
+    codec: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, present: _Optional[_Iterable[bool]] = ..., present_count: _Optional[int] = ..., crc32c: _Optional[_Iterable[int]] = ..., codec: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReadInfo(_message.Message):
     __slots__ = ("commit_index", "server_id", "linearizable")
