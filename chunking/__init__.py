@@ -11,7 +11,7 @@ from chunking.diff import DiffResult, diff
 from chunking.errors import ChunkCorrupt, ChunkingError, ChunkMissing, DecompressionBomb, InvalidInput, ManifestError
 from chunking.hashing import content_id, crc32c, is_content_id
 from chunking.manifest import FORMAT_VERSION, ChunkRef, Manifest, TensorEntry
-from chunking.pack import Chunk, PackResult, pack
+from chunking.pack import Chunk, PackResult, PackStream, pack, pack_stream
 from chunking.sources import load_source
 from chunking.unpack import ChunkSource, unpack
 
@@ -40,5 +40,7 @@ __all__ = [
     "is_content_id",
     "load_source",
     "pack",
+    "pack_stream",
+    "PackStream",
     "unpack",
 ]

@@ -1,10 +1,10 @@
 """Pack a model into content-addressed chunks and a manifest.
 
-``pack`` makes one pass over the weights up front (the manifest needs every
-chunk's id, CRC and stored size); chunk bytes are then produced lazily by
-``PackResult.chunks()`` from the caller's tensors, so a raw-codec pack of a
-1 GiB model holds no second copy. Compressed chunks are kept from the first
-pass up to ``keep_stored_bytes`` and re-encoded on demand beyond that.
+``pack_stream`` hands out each block of chunks as soon as it is hashed (a push sends them
+while later ones are still being hashed) and has the manifest at the end; ``pack`` runs it
+to the end first. Chunk bytes can then be produced again by ``PackResult.chunks()`` from the
+caller's tensors, so a raw-codec pack of a 1 GiB model holds no second copy. Compressed chunks
+are kept from the first pass up to ``keep_stored_bytes`` and re-encoded on demand beyond that.
 """
 from __future__ import annotations
 
@@ -133,6 +133,122 @@ def gather(views: list[np.ndarray], plan: ChunkPlan, index: int) -> np.ndarray:
     return buf
 
 
+class PackStream:
+    """A pack whose chunks come out while it runs: ``blocks()`` yields them in index order, block
+    by block, as soon as they are hashed (and encoded); ``result()`` then has the manifest.
+
+    This lets a push send the first chunk while later ones are still being hashed, and keeps only
+    the blocks in flight in memory. A raw chunk that lies inside one tensor comes out as a view of
+    that tensor's bytes (no copy); the caller must keep the weights unchanged until it is done.
+    """
+
+    def __init__(self, source: Source, *, model: str, version: int, config: ChunkingConfig, previous: Manifest | None,
+                 created_at: float, threads: int | None, keep_stored_bytes: int) -> None:
+        config.validate()
+        if not isinstance(version, int) or version < 0:
+            raise InvalidInput(f"version {version!r} must be a non-negative int")
+        stamp = float(created_at)
+        if not math.isfinite(stamp):
+            raise InvalidInput(f"created_at {created_at!r} must be a finite timestamp")
+        state = load_source(source)
+        names = sorted(state)
+        u8 = [tensor_bytes(state[n], n) for n in names]
+        entries_wo_offset = [(n, dtype_name(state[n].dtype), tuple(int(d) for d in state[n].shape)) for n in names]
+        sizes = [(v.numel(), state[n].dtype.itemsize) for n, v in zip(names, u8)]
+        offsets = place_tensors(sizes, config.chunk_size)
+        self.tensors = tuple(
+            TensorEntry(name, dt, shape, off, nb) for (name, dt, shape), off, (nb, _) in zip(entries_wo_offset, offsets, sizes)
+        )
+        self.plan = plan_chunks([(t.offset, t.nbytes) for t in self.tensors], config.chunk_size)
+        self.views = [v.numpy() for v in u8]
+        self._elem_sizes = [element_size(t.dtype) for t in self.tensors]
+        self.model, self.version, self.config, self.stamp = model, version, config, stamp
+        self.threads = threads if threads is not None else (default_threads() if self.plan.count > 16 else 1)
+        self._known = {c.id: c.introduced_in for c in previous.chunks} if previous is not None else {}
+        self._keep_budget = keep_stored_bytes
+        self._refs: list[ChunkRef] = []
+        self._kept: dict[int, bytes] = {}
+        self._done = False
+
+    @property
+    def chunk_count(self) -> int:
+        return self.plan.count
+
+    @property
+    def raw_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    def _chunk_elem(self, index: int) -> int:
+        # Shuffle by the width of the tensor that fills most of the chunk.
+        seg = max(self.plan.segments[index], key=lambda s: s.length)
+        return self._elem_sizes[seg.tensor]
+
+    def _work(self, indices: list[int]) -> list[tuple[str, str, int, int, Buffer]]:
+        out = []
+        for i in indices:
+            raw = gather(self.views, self.plan, i)
+            cid = content_id(raw, self.config.hash_algorithm)
+            codec, stored = encode_chunk(raw, self.config, self._chunk_elem(i))
+            out.append((cid, codec, memoryview(bytes_like(stored)).nbytes, crc32c(stored), stored))
+        return out
+
+    def blocks(self) -> Iterator[list[tuple[ChunkRef, Buffer]]]:
+        """(ref, stored bytes) of every chunk in index order, a block at a time; once only."""
+        if self._done or self._refs:
+            raise ChunkingError("a PackStream's blocks can be read only once")
+        block_size = chunks_per_block(self.config.chunk_size)
+        # Results stream in index order, so compressed bytes beyond the budget are dropped as they arrive.
+        for block in map_blocks(self._work, range(self.plan.count), threads=self.threads, block=block_size):
+            out = []
+            for cid, codec, stored_size, crc, data in block:
+                i = len(self._refs)
+                ref = ChunkRef(i, cid, self.plan.raw_sizes[i], stored_size, codec, crc, self._known.get(cid, self.version),
+                               self.stamp)
+                self._refs.append(ref)
+                if codec != "raw" and stored_size <= self._keep_budget:
+                    self._kept[i] = bytes(data)
+                    self._keep_budget -= stored_size
+                out.append((ref, data))
+            yield out
+        self._done = True
+
+    def result(self) -> PackResult:
+        """The finished pack (manifest and random access to chunks); after ``blocks()`` ran out."""
+        if not self._done:
+            if self._refs:
+                raise ChunkingError("PackStream.result() before its blocks were all read")
+            for _ in self.blocks():
+                pass
+        refs = self._refs
+        manifest = Manifest(
+            model=self.model,
+            version=self.version,
+            chunk_size=self.config.chunk_size,
+            format_version=FORMAT_VERSION,
+            tensors=self.tensors,
+            chunks=tuple(refs),
+            fingerprint=fingerprint(self.tensors, [r.id for r in refs], self.config.chunk_size, self.config.hash_algorithm),
+            hash_algorithm=self.config.hash_algorithm,
+        )
+        return PackResult(manifest, self.views, self.plan, self.config, self._kept)
+
+
+def pack_stream(
+    source: Source,
+    *,
+    model: str,
+    version: int = 1,
+    config: ChunkingConfig = ChunkingConfig(),
+    previous: Manifest | None = None,
+    created_at: float = 0.0,
+    threads: int | None = None,
+    keep_stored_bytes: int = 0,
+) -> PackStream:
+    """Like :func:`pack`, but chunks come out while it runs (``PackStream.blocks()``)."""
+    return PackStream(source, model=model, version=version, config=config, previous=previous, created_at=created_at,
+                      threads=threads, keep_stored_bytes=keep_stored_bytes)
+
+
 def pack(
     source: Source,
     *,
@@ -150,62 +266,8 @@ def pack(
     give the same manifest whatever the dict order or file format. Chunks whose
     id ``previous`` already names keep its ``introduced_in``.
     """
-    config.validate()
-    if not isinstance(version, int) or version < 0:
-        raise InvalidInput(f"version {version!r} must be a non-negative int")
-    stamp = float(created_at)
-    if not math.isfinite(stamp):
-        raise InvalidInput(f"created_at {created_at!r} must be a finite timestamp")
-    state = load_source(source)
-    names = sorted(state)
-    u8 = [tensor_bytes(state[n], n) for n in names]
-    entries_wo_offset = [(n, dtype_name(state[n].dtype), tuple(int(d) for d in state[n].shape)) for n in names]
-    sizes = [(v.numel(), state[n].dtype.itemsize) for n, v in zip(names, u8)]
-    offsets = place_tensors(sizes, config.chunk_size)
-    tensors = tuple(
-        TensorEntry(name, dt, shape, off, nb) for (name, dt, shape), off, (nb, _) in zip(entries_wo_offset, offsets, sizes)
-    )
-    plan = plan_chunks([(t.offset, t.nbytes) for t in tensors], config.chunk_size)
-    views = [v.numpy() for v in u8]
-    elem_sizes = [element_size(t.dtype) for t in tensors]
-
-    def chunk_elem(index: int) -> int:
-        # Shuffle by the width of the tensor that fills most of the chunk.
-        seg = max(plan.segments[index], key=lambda s: s.length)
-        return elem_sizes[seg.tensor]
-
-    def work(indices: list[int]) -> list[tuple[str, str, int, int, Buffer | None]]:
-        out = []
-        for i in indices:
-            raw = gather(views, plan, i)
-            cid = content_id(raw, config.hash_algorithm)
-            codec, stored = encode_chunk(raw, config, chunk_elem(i))
-            data = stored if codec != "raw" else None
-            out.append((cid, codec, memoryview(bytes_like(stored)).nbytes, crc32c(stored), data))
-        return out
-
-    n_threads = threads if threads is not None else (default_threads() if plan.count > 16 else 1)
-    known = {c.id: c.introduced_in for c in previous.chunks} if previous is not None else {}
-    refs: list[ChunkRef] = []
-    kept: dict[int, bytes] = {}
-    budget = keep_stored_bytes
-    # Results stream in index order, so compressed bytes beyond the budget are dropped as they arrive.
-    for block in map_blocks(work, range(plan.count), threads=n_threads, block=chunks_per_block(config.chunk_size)):
-        for cid, codec, stored_size, crc, data in block:
-            i = len(refs)
-            refs.append(ChunkRef(i, cid, plan.raw_sizes[i], stored_size, codec, crc, known.get(cid, version), stamp))
-            if data is not None and stored_size <= budget:
-                kept[i] = bytes(data)
-                budget -= stored_size
-    manifest = Manifest(
-        model=model,
-        version=version,
-        chunk_size=config.chunk_size,
-        format_version=FORMAT_VERSION,
-        tensors=tensors,
-        chunks=tuple(refs),
-        fingerprint=fingerprint(tensors, [r.id for r in refs], config.chunk_size, config.hash_algorithm),
-        hash_algorithm=config.hash_algorithm,
-    )
-    return PackResult(manifest, views, plan, config, kept)
-
+    stream = pack_stream(source, model=model, version=version, config=config, previous=previous, created_at=created_at,
+                         threads=threads, keep_stored_bytes=keep_stored_bytes)
+    for _ in stream.blocks():
+        pass
+    return stream.result()
