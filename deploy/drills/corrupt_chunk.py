@@ -1,10 +1,10 @@
-"""Drill: flip bytes in chunk files on disk, under load.
+"""Drill: flip bytes inside chunk records of the servers' segment files, under load.
 
 1. one replica of a chunk: no read ever returns the bad bytes (loads stay
    bit-exact, a direct read of that replica answers the good bytes or
    DATA_LOSS), and the bad replica is repaired from a good one;
 2. every replica of another chunk: loads stay bit-exact or fail with DATA_LOSS
-   naming that chunk; the drill then puts the good files back;
+   naming that chunk; the drill then puts the good records back;
 3. (with a cold publish callable) one replica of a chunk no load touches: the
    scrubber must find it, and repair must restore it.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from .framework import (
@@ -25,7 +24,7 @@ from .framework import (
     check_within,
     wait_for,
 )
-from .probe import ClusterProbe, flip_bytes, restore_file
+from .probe import ChunkRecord, ClusterProbe, flip_bytes
 from .report import DrillReport, Event, error_kind
 
 if TYPE_CHECKING:
@@ -36,7 +35,7 @@ NO_GOOD_COPY_KINDS = ("DATA_LOSS", "ChunkUnavailable")
 
 @dataclass(frozen=True)
 class CorruptChunkConfig:
-    flip: int = 4  # bytes flipped per file (in the data area, not the header)
+    flip: int = 4  # bytes flipped per record (in its stored bytes, not the header)
     observe_s: float = 2.0  # load keeps running over the no-good-copy corruption this long
     repair_limit_s: float = 30.0  # corrupt replica -> good copy back on disk (read-triggered repair)
     scrub_limit_s: float = 60.0  # untouched corrupt replica -> repaired (scrubber-triggered); servers' --scrub-mb-per-s matters
@@ -87,19 +86,26 @@ def _read_direct(probe: ClusterProbe, server: str, cid: str) -> tuple[str, bytes
         return error_kind(exc), b""
 
 
-def _wait_file(path: Path, pred: Callable[[bytes | None], bool], timeout: float, what: str) -> float | None:
-    """Seconds until pred(file bytes or None when absent) holds; None if it does not within timeout."""
+def _wait_file(path: ChunkRecord, pred: Callable[[bytes | None], bool], timeout: float, what: str) -> float | None:
+    """Seconds until pred(the live record's bytes, or None when none) holds; None if it does not within timeout."""
     start = time.monotonic()
+
+    def now() -> bytes | None:
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            return None
+
     try:
-        wait_for(lambda: pred(path.read_bytes() if path.exists() else None), timeout, interval=0.05, what=what)
+        wait_for(lambda: pred(now()), timeout, interval=0.05, what=what)
     except TimeoutError:
         return None
     return time.monotonic() - start
 
 
-def _detect_and_repair(report: DrillReport, path: Path, original: bytes, corrupt: bytes, since: Event,
+def _detect_and_repair(report: DrillReport, path: ChunkRecord, original: bytes, corrupt: bytes, since: Event,
                        limit: float, prefix: str, cid: str, server: str) -> float | None:
-    """Measure <prefix>detect (the corrupt file is quarantined or replaced) and <prefix>repair (good bytes back)."""
+    """Measure <prefix>detect (the corrupt record is quarantined or replaced) and <prefix>repair (good bytes back)."""
     if _wait_file(path, lambda b: b != corrupt, limit, f"{path.name} quarantined") is not None:
         report.measure(f"time_to_{prefix}detect", since, report.event(f"{prefix}detected", chunk=cid, server=server))
     took = None
@@ -185,7 +191,7 @@ def run_corrupt_chunk(cluster: "LocalCluster", report: DrillReport, workload: Wo
         workload.resume_loaders()
     time.sleep(config.observe_s)
     for server, content in originals.items():
-        restore_file(probe.chunk_path(server, cid2), content)
+        probe.restore_chunk(server, cid2, content)
     restored = report.event("restored_by_drill", chunk=cid2, servers=list(originals))
     if load_once is not None:
         try:

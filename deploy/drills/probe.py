@@ -7,7 +7,6 @@ drill must notice that quickly rather than hang.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
@@ -100,44 +99,89 @@ class ClusterProbe:
             reply = c.get_manifest(model=model, version=version)
         return list(Manifest.from_bytes(reply.data, expected_id=reply.manifest_id).chunk_ids())
 
-    # ---- chunk files ------------------------------------------------------------------------------
-    def chunk_path(self, server_id: str, chunk_id: str) -> Path:
-        # Layout of paramserver.server.store.ChunkStore.path: chunks/ab/cd/<id>.
-        return Path(self.cluster.slot(server_id).data_dir) / "chunks" / chunk_id[0:2] / chunk_id[2:4] / chunk_id
+    # ---- chunk records on disk ----------------------------------------------------------------------
+    def chunk_path(self, server_id: str, chunk_id: str) -> "ChunkRecord":
+        """The chunk's record in that server's segment files (what a chunk file was in the old layout)."""
+        return ChunkRecord(Path(self.cluster.slot(server_id).data_dir), chunk_id)
 
     def replicas_on_disk(self, chunk_id: str) -> list[str]:
         return [s.server_id for s in self.cluster.slots if self.chunk_path(s.server_id, chunk_id).exists()]
 
+    def records_on_disk(self, server_id: str) -> dict[str, Any]:
+        """chunk id -> ChunkLocation of every live record in that server's segment files (one read)."""
+        from paramserver.server.segments import chunks_on_disk
 
-def flip_bytes(path: Path, count: int = 4, offset: int | None = None) -> bytes:
-    """Flip count bytes in the data area of a chunk file in place; returns the original file bytes.
+        return chunks_on_disk(Path(self.cluster.slot(server_id).data_dir))
 
-    The header (48 bytes) is left alone so the corruption is caught by the
-    CRC32C of the data, the check every read does.
+    def restore_chunk(self, server_id: str, chunk_id: str, record: bytes) -> None:
+        """Put a chunk's good record (as ``flip_bytes`` returned it) back on a server: in place while the
+        corrupt record is still its live one, and through PutChunks (admin token) once the server
+        quarantined it (the server's index, not the file, says what it holds)."""
+        from paramserver.client.rpc import make_chunk
+        from paramserver.server.records import HEADER_SIZE, parse_header
+
+        restore_record(self.chunk_path(server_id, chunk_id), record)
+        h = parse_header(record[:HEADER_SIZE])
+        with self._client(server_id) as c:
+            c.put_chunks([make_chunk(chunk_id, record[HEADER_SIZE:], codec=h.codec, raw_size=h.raw_size)])
+
+
+class ChunkRecord:
+    """A chunk's live record in one server's segment files, read from disk (the server holds its index
+    in memory): ``exists()``, ``read_bytes()`` (header + stored bytes), ``name`` (the chunk id), as the
+    drills used a chunk file of the one-file layout."""
+
+    def __init__(self, data_dir: Path, chunk_id: str) -> None:
+        self.data_dir, self.name = data_dir, chunk_id
+
+    def location(self) -> Any:
+        from paramserver.server.segments import locate_on_disk
+
+        return locate_on_disk(self.data_dir, self.name)
+
+    def exists(self) -> bool:
+        return self.location() is not None
+
+    def read_bytes(self) -> bytes:
+        loc = self.location()
+        if loc is None:
+            raise FileNotFoundError(f"no live record of chunk {self.name} under {self.data_dir}")
+        return bytes(loc.read_record())
+
+    def __repr__(self) -> str:
+        return f"ChunkRecord({str(self.data_dir)!r}, {self.name!r})"
+
+
+def flip_bytes(record: ChunkRecord, count: int = 4, offset: int | None = None) -> bytes:
+    """Flip count bytes in the stored bytes of a chunk's record in place; returns the original record.
+
+    The 80-byte header is left alone so the corruption is caught by the CRC32C of the data, the check
+    every read does. ``offset`` counts from the record's start (as in a chunk file: header first).
     """
-    from paramserver.server.store import HEADER_SIZE
+    from paramserver.server.records import HEADER_SIZE
+    from paramserver.server.segments import replace_stored
 
-    original = path.read_bytes()
-    if len(original) <= HEADER_SIZE:
-        raise ValueError(f"{path} has no data after its header; pick a non-empty chunk")
-    start = HEADER_SIZE if offset is None else max(HEADER_SIZE, offset)
-    data = bytearray(original)
+    loc = record.location()
+    if loc is None:
+        raise FileNotFoundError(f"no live record of chunk {record.name} under {record.data_dir}")
+    if loc.length == 0:
+        raise ValueError(f"chunk {record.name} has no data after its header; pick a non-empty chunk")
+    original = loc.read_record()
+    data = bytearray(original[HEADER_SIZE:])
+    start = 0 if offset is None else min(len(data) - 1, max(0, offset - HEADER_SIZE))
     for k in range(count):
-        i = start + (k * 997) % (len(data) - start)
-        data[i] ^= 0xFF
-    with open(path, "r+b") as f:
-        f.write(bytes(data))
-        f.flush()
-        os.fsync(f.fileno())
-    return original
+        data[start + (k * 997) % (len(data) - start)] ^= 0xFF
+    replace_stored(loc, bytes(data))
+    return bytes(original)
 
 
-def restore_file(path: Path, content: bytes) -> None:
-    """Put a chunk file back atomically (temp file + rename), as the store itself writes."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-drill-{path.name}")
-    with open(tmp, "wb") as f:
-        f.write(content)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def restore_record(record: ChunkRecord, content: bytes) -> bool:
+    """Write a record's original bytes back over its live record when that is still there (same size);
+    False when the server no longer serves that record (quarantined: restore through the server)."""
+    from paramserver.server.segments import restore_record as put_back
+
+    loc = record.location()
+    if loc is None or loc.record_length != len(content):
+        return False
+    put_back(loc, content)
+    return True

@@ -74,22 +74,23 @@ def _wait_history(report: DrillReport, workload: Workload, config: RestartConfig
 
 
 def _chunks_held(probe: ClusterProbe, server: str, committed: list[Published]) -> dict[str, bytes]:
-    """Chunk files of committed versions that server holds on disk: id -> file bytes."""
+    """Chunk records of committed versions that server holds on disk: id -> record bytes (header + data)."""
     held: dict[str, bytes] = {}
     seen: set[tuple[str, int]] = set()
     for p in committed:
         if (p.model, p.version) in seen:
             continue
         seen.add((p.model, p.version))
+        on_disk = probe.records_on_disk(server)  # one read of its segment files
         for cid in probe.chunk_ids(p.model, p.version):
-            path = probe.chunk_path(server, cid)
-            if cid not in held and path.exists():
-                held[cid] = path.read_bytes()
+            loc = on_disk.get(cid)
+            if cid not in held and loc is not None:
+                held[cid] = loc.read_record()
     return held
 
 
 def check_serves_chunks(report: DrillReport, probe: ClusterProbe, server: str, held: dict[str, bytes]) -> bool:
-    """server answers every chunk in held with the bytes it held (the data after the file header)."""
+    """server answers every chunk in held with the bytes it held (the data after the record header)."""
     from paramserver.server.store import HEADER_SIZE
 
     bad: list[str] = []
@@ -152,8 +153,8 @@ def run_restart_server(cluster: "LocalCluster", report: DrillReport, workload: W
     if cluster.config.replication >= len(servers) and missed:
         # Every server holds every chunk (R >= N): re-replication must bring what was pushed while it was down.
         def has_missed() -> bool:
-            return all(probe.chunk_path(victim, cid).exists()
-                       for p in missed for cid in probe.chunk_ids(p.model, p.version))
+            on_disk = probe.records_on_disk(victim)
+            return all(cid in on_disk for p in missed for cid in probe.chunk_ids(p.model, p.version))
         t0 = report.now()
         try:
             wait_for(has_missed, config.replicate_limit_s, interval=0.5, what=f"{victim} receiving missed chunks")

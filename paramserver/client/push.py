@@ -3,18 +3,21 @@
 Protocol (invariant 2: a version is committed only after every chunk it names
 reached its write quorum):
 
-1. pack the weights into chunks + manifest, with the parent's manifest as
-   ``previous`` so unchanged chunks keep their ``introduced_in``;
-2. ClusterInfo -> the ring, R and W, exactly as the servers compute them;
-3. HasChunks on every replica for the ids the ring puts there -> dedup;
-4. stream the missing chunks and the manifest blob to their replicas, one
-   PutChunks stream per server in parallel; count acks per chunk; chunks short
+1. ClusterInfo -> the ring, R and W, exactly as the servers compute them;
+2. pack the weights into chunks (with the parent's manifest as ``previous`` so
+   unchanged chunks keep their ``introduced_in``) as a stream: each batch of
+   chunks is checked with HasChunks on its replicas (dedup, one batch ahead of
+   the sender) and the missing ones are sent while later ones are still being
+   hashed (``paramserver.client.push_sender.SendSession``: the servers' bulk
+   write ports, gRPC PutChunks as the fallback); acks are counted per chunk;
+3. the manifest, complete once the last chunk is packed, goes last; blobs short
    of W after a failed stream are checked again and re-sent (bounded rounds);
-5. CommitVersion at the leader, following it through an election (a silent
+4. CommitVersion at the leader, following it through an election (a silent
    leader is left as soon as a member names a newer one); sent again only after
    checking that an earlier try did not land.
 
-Nothing is committed unless step 5 runs, so a failed or interrupted push
+Memory stays bounded whatever the model size: only the batches in flight are held.
+Nothing is committed unless step 4 runs, so a failed or interrupted push
 leaves only orphan chunks, which the servers collect later.
 """
 from __future__ import annotations
@@ -23,17 +26,22 @@ import getpass
 import re
 import socket
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from functools import partial
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Collection, Literal, Mapping, Sequence
+from typing import Callable, Collection, Literal, Mapping, Sequence
 
 import grpc
+import numpy as np
 
 from chunking.config import ChunkingConfig
 from chunking.errors import ChunkingError, ManifestError
 from chunking.hashing import crc32c
 from chunking.manifest import Manifest
-from chunking.pack import PackResult, pack
+from chunking.hashing import Buffer
+from chunking.manifest import ChunkRef
+from chunking.pack import PackResult, PackStream, pack_stream
 from chunking.sources import Source
 from consensus.errors import Invalid
 from consensus.validation import check_name
@@ -43,8 +51,8 @@ from paramserver.client.cluster_view import RETRYABLE, ClusterOptions, ClusterVi
 from paramserver.client.errors import ConfigError
 from paramserver.client.progress import ProgressFn, no_progress
 from paramserver.wire.proto import pb
-from paramserver.client.push_plan import AckLedger, Item, placement_of, plan_uploads, wanted_by_server
-from paramserver.client.push_sender import SendOptions, send_round
+from paramserver.client.push_plan import AckLedger, Item, plan_uploads, wanted_by_server
+from paramserver.client.push_sender import SendOptions, SendSession
 from paramserver.client.errors import ClusterUnreachable, PushConflict, PushError, TransferError, rpc_code, rpc_details
 
 Parent = int | None | Literal["head"]
@@ -63,6 +71,7 @@ class PushOptions:
     stream_bytes: int = 512 << 20  # one PutChunks call is closed (and acked) after about this much
     batch_bytes: int = 4 << 20  # one PutChunks message
     has_batch: int = 16384  # ids per HasChunks call
+    dedup_batch_bytes: int = 32 << 20  # chunks are checked (HasChunks) and sent in batches of about this many stored bytes
     rounds: int = 3  # send rounds: the first sends everything missing, later ones what is still short of W
     commit_deadline_s: float = 60.0  # keep retrying CommitVersion on UNAVAILABLE this long
     force: bool = False  # commit even when concurrent with the head (kept as a forced version)
@@ -160,35 +169,44 @@ def fetch_manifest(view: ClusterView, model: str, version: int) -> Manifest:
 
 
 class _Push:
-    def __init__(self, view: ClusterView, packed: PackResult, options: PushOptions, progress: ProgressFn) -> None:
+    """One streaming push: chunks are checked (HasChunks) and sent while later ones are still packed.
+
+    The pack hands out blocks of chunks as it hashes them; the dedup check of a batch runs on a
+    thread ahead of the sender, so pack, dedup and upload overlap and only the batches in flight
+    are held. The manifest, complete only when the last chunk is packed, is sent last. Blobs still
+    short of W after the first round are checked again and re-sent (their bytes made again from
+    the caller's tensors) in later rounds.
+    """
+
+    def __init__(self, view: ClusterView, stream: PackStream, options: PushOptions, progress: ProgressFn) -> None:
         self.view = view
-        self.packed = packed
+        self.stream = stream
         self.options = options
         self.progress = progress
-        manifest = packed.manifest
-        self.manifest_bytes = manifest.to_bytes()
-        self.manifest_id = manifest.id
-        self.refs = {ref.id: ref for ref in manifest.unique_chunks()}
-        self.items = [Item(ref.id, ref.stored_size) for ref in self.refs.values()]
-        self.items.append(Item(self.manifest_id, len(self.manifest_bytes)))
-        self.placement = placement_of(self.items, view.replicas)
-        self.ledger = AckLedger(self.placement, view.write_quorum)
+        self.ledger = AckLedger({}, view.write_quorum)
+        self.refs: dict[str, ChunkRef] = {}  # distinct chunks, first occurrence
+        self.items: dict[str, Item] = {}
         self.unreachable: set[str] = set()
         self.failed: dict[str, tuple[grpc.StatusCode | None, str]] = {}
+        self.packed: PackResult | None = None
+        self.manifest_bytes = b""
+        self.manifest_id = ""
+        self.dedup = 0
+        self.sent_ids: set[str] = set()
+        self.wire = 0
+        self.pack_seconds = 0.0
 
-    def fetch(self, cid: str) -> ChunkData:
-        if cid == self.manifest_id:
-            return ChunkData(cid, "raw", len(self.manifest_bytes), crc32c(self.manifest_bytes), self.manifest_bytes)
-        ref = self.refs[cid]
-        chunk = self.packed.chunk(ref.index)
-        return ChunkData(cid, ref.codec, ref.raw_size, ref.crc32c, chunk.data)
+    # ------------------------------------------------------------------ dedup
 
     def has(self, ids: Sequence[str]) -> dict[str, set[str] | None]:
-        """HasChunks on each replica for its share of ``ids``; None for a server that did not answer."""
-        wanted = wanted_by_server({cid: self.placement[cid] for cid in ids})
+        """HasChunks (claim) on each replica for its share of ``ids``; None for a server that did not answer."""
+        placement = self.ledger.placement
+        wanted = wanted_by_server({cid: placement[cid] for cid in ids})
         batch = self.options.has_batch
 
         def ask(server: str) -> set[str] | None:
+            if server in self.unreachable:
+                return None
             try:
                 client = self.view.server_client(server)
                 ids_here = wanted[server]
@@ -207,55 +225,126 @@ class _Push:
 
         if not wanted:
             return {}
-        with ThreadPoolExecutor(max_workers=min(16, len(wanted))) as pool:
+        with ThreadPoolExecutor(max_workers=min(16, len(wanted)), thread_name_prefix="push-has") as pool:
             result = dict(zip(wanted, pool.map(ask, list(wanted))))
         self.unreachable.update(s for s, v in result.items() if v is None)
         return result
 
-    def upload(self) -> tuple[int, int, int, int]:
-        """Returns (chunks deduplicated, chunks sent, bytes sent once, wire bytes)."""
-        ids = [item.id for item in self.items]
-        by_id = {item.id: item for item in self.items}
-        sent_ids: set[str] = set()
-        wire = dedup = 0
-        send_options = SendOptions(
-            queue_items=max(2, self.options.queue_bytes // max(1, self.packed.manifest.chunk_size)),
+    # ------------------------------------------------------------------ sending
+
+    def _place(self, entries: Sequence[tuple[str, int]]) -> list[str]:
+        """Register (id, stored size) blobs not seen before in this push; returns the new ids."""
+        new = [(cid, size) for cid, size in entries if cid not in self.items]
+        for cid, size in new:
+            self.items[cid] = Item(cid, size)
+        self.ledger.add({cid: self.view.replicas(cid) for cid, _ in new})
+        return [cid for cid, _ in new]
+
+    def _send_checked(self, session: SendSession, ids: Sequence[str], present: Mapping[str, set[str] | None],
+                      data: Callable[[str], ChunkData], first_round: bool) -> None:
+        self.ledger.record_present(present, ids)
+        plan = plan_uploads([self.items[c] for c in ids], self.ledger.placement, present)
+        if first_round:
+            self.dedup += sum(1 for c in plan.deduplicated if c != self.manifest_id)
+        self.wire += plan.wire_bytes
+        for cid in ids:
+            servers = plan.targets.get(cid)
+            if servers:
+                self.sent_ids.add(cid)
+                session.submit(data(cid), servers)
+
+    def _check_fatal(self, failed: Mapping[str, tuple[grpc.StatusCode | None, str]]) -> None:
+        self.failed.update(failed)
+        for server, (code, message) in failed.items():
+            if code in FATAL_STREAM_CODES:
+                # Another round would fail the same way: this is the caller's to fix.
+                raise PushError(f"PutChunks to {server} refused: {message}; nothing was committed", code)
+
+    def _session(self) -> SendSession:
+        chunk_size = self.stream.config.chunk_size
+        options = SendOptions(
+            queue_items=max(2, self.options.queue_bytes // max(1, chunk_size)),
             stream_bytes=self.options.stream_bytes,
             batch_bytes=self.options.batch_bytes,
         )
-        wire_done = 0
-        for round_no in range(self.options.rounds):
-            present = self.has(ids)
-            self.ledger.record_present(present)
-            if round_no > 0:
-                ids = self.ledger.short(ids)
-                if not ids:
+        base = self.wire  # what earlier rounds planned
+
+        def report(done: int) -> None:
+            self.progress("upload", base + done, max(self.wire, base + done))
+
+        return SendSession(self.view, self.ledger, options, report)
+
+    def upload(self) -> None:
+        """Round 1 streams the pack; later rounds re-send what is still short of W."""
+        dedup_bytes = max(self.options.dedup_batch_bytes, self.stream.config.chunk_size)
+        with self._session() as session, ThreadPoolExecutor(max_workers=1, thread_name_prefix="push-dedup") as ahead:
+            pending: deque[tuple[list[str], dict[str, Buffer], Future[dict[str, set[str] | None]]]] = deque()
+
+            def drain(keep: int) -> None:
+                while len(pending) > keep:
+                    ids, buffers, checked = pending.popleft()
+                    self._send_checked(session, ids, checked.result(), partial(self._chunk_data, buffers=buffers), True)
+                    self._check_fatal(session.failed())
+
+            batch_ids: list[str] = []
+            batch_data: dict[str, Buffer] = {}
+            batch_bytes = 0
+            packed_bytes = 0
+            total = self.stream.raw_bytes
+            blocks = self.stream.blocks()
+            while True:
+                t = time.perf_counter()
+                block = next(blocks, None)
+                self.pack_seconds += time.perf_counter() - t
+                if block is not None:
+                    for ref, data in block:
+                        packed_bytes += ref.raw_size
+                        if ref.id in self.refs:
+                            continue
+                        self.refs[ref.id] = ref
+                        batch_data[ref.id] = data
+                        batch_bytes += ref.stored_size
+                    self.progress("pack", packed_bytes, total)
+                if batch_data and (block is None or batch_bytes >= dedup_bytes):
+                    batch_ids = self._place([(cid, self.refs[cid].stored_size) for cid in batch_data])
+                    pending.append((batch_ids, batch_data, ahead.submit(self.has, batch_ids)))
+                    batch_data, batch_bytes = {}, 0
+                    drain(keep=1)  # one batch's dedup check runs while the one before it is sent
+                if block is None:
                     break
-            plan = plan_uploads([by_id[c] for c in ids], self.placement, present)
-            if round_no == 0:
-                dedup = sum(1 for c in plan.deduplicated if c != self.manifest_id)
-            if not plan.sends:
+            drain(keep=0)
+            self.packed = self.stream.result()
+            manifest = self.packed.manifest
+            self.manifest_bytes = manifest.to_bytes()
+            self.manifest_id = manifest.id
+            ids = self._place([(self.manifest_id, len(self.manifest_bytes))])
+            if ids:
+                self._send_checked(session, ids, self.has(ids), self._chunk_data, True)
+            self._check_fatal(session.finish())
+        for _round in range(1, self.options.rounds):
+            short = self.ledger.short()
+            if not short:
                 break
-            sent_ids.update(plan.targets)
-            total_wire = wire_done + plan.wire_bytes
-            base = wire_done
+            with self._session() as session:
+                self._send_checked(session, short, self.has(short), self._chunk_data, False)
+                self._check_fatal(session.finish())
 
-            def report(done: int, base: int = base, total: int = total_wire) -> None:
-                self.progress("upload", base + done, total)
-
-            failed = send_round(plan.sends, plan.targets, ids, self.fetch, self.view.server_client, self.ledger, send_options, report)
-            wire_done += plan.wire_bytes
-            wire += plan.wire_bytes
-            self.failed.update(failed)
-            for server, (code, message) in failed.items():
-                if code in FATAL_STREAM_CODES:
-                    # Another round would fail the same way: this is the caller's to fix.
-                    raise PushError(f"PutChunks to {server} refused: {message}; nothing was committed", code)
-            ids = self.ledger.short([item.id for item in self.items])
-            if not ids:
-                break
-        data_sent = [c for c in sent_ids if c != self.manifest_id]
-        return dedup, len(data_sent), sum(by_id[c].stored_size for c in data_sent), wire
+    def _chunk_data(self, cid: str, buffers: Mapping[str, Buffer] | None = None) -> ChunkData:
+        if cid == self.manifest_id:
+            data = self.manifest_bytes
+            return ChunkData(cid, "raw", len(data), crc32c(data), data)
+        ref = self.refs[cid]
+        held = buffers.get(cid) if buffers is not None else None
+        if held is None:  # a later round: made again from the caller's tensors, CRC-checked against the manifest
+            assert self.packed is not None
+            return ChunkData(cid, ref.codec, ref.raw_size, ref.crc32c, self.packed.chunk(ref.index).data)
+        if isinstance(held, np.ndarray):
+            view: bytes | bytearray | memoryview = held.reshape(-1).view(np.uint8).data  # a view of the tensor: no copy
+        elif isinstance(held, memoryview):
+            view = held.cast("B") if held.format != "B" or held.ndim != 1 else held
+        else:
+            view = held
+        return ChunkData(cid, ref.codec, ref.raw_size, ref.crc32c, view)
 
     def check_quorum(self) -> None:
         short = self.ledger.short()
@@ -271,6 +360,11 @@ class _Push:
             "Nothing was committed; bring the servers back and push again (chunks already stored are not re-sent)",
             grpc.StatusCode.UNAVAILABLE,
         )
+
+    def sent_summary(self) -> tuple[int, int]:
+        """(distinct chunks sent, their stored bytes once each), the manifest not counted."""
+        data_sent = [c for c in self.sent_ids if c != self.manifest_id]
+        return len(data_sent), sum(self.items[c].stored_size for c in data_sent)
 
 
 def _find_committed(view: ClusterView, model: str, manifest_id: str, parent: int | None, publisher: str) -> pb.Version | None:
@@ -387,19 +481,24 @@ def push(
         base: int | None = head if parent == "head" else parent
         previous = fetch_manifest(view, model, base) if base is not None else None
         progress("pack", 0, 0)
-        t_pack = time.perf_counter()
         try:
-            packed = pack(source, model=model, version=(head or 0) + 1, config=config, previous=previous, created_at=time.time())
+            stream = pack_stream(source, model=model, version=(head or 0) + 1, config=config, previous=previous,
+                                 created_at=time.time())
         except ChunkingError as exc:
             raise PushError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
-        manifest = packed.manifest
-        pack_s = time.perf_counter() - t_pack
-        progress("pack", manifest.raw_bytes, manifest.raw_bytes)
-        job = _Push(view, packed, options, progress)
+        job = _Push(view, stream, options, progress)
         t_up = time.perf_counter()
-        dedup, sent, bytes_sent, wire = job.upload()
+        try:
+            job.upload()
+        except ChunkingError as exc:  # e.g. the weights changed while they were being pushed
+            raise PushError(f"{exc}; nothing was committed", grpc.StatusCode.INVALID_ARGUMENT) from None
         job.check_quorum()
         upload_s = time.perf_counter() - t_up
+        assert job.packed is not None
+        manifest = job.packed.manifest
+        sent, bytes_sent = job.sent_summary()
+        dedup, wire = job.dedup, job.wire
+        pack_s = job.pack_seconds
         progress("commit", 0, 1)
         version = commit(
             view, model=model, manifest_id=job.manifest_id, parent=base, publisher=publisher, tag=tag,

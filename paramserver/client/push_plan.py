@@ -83,9 +83,19 @@ class AckLedger:
         self._held: dict[str, set[str]] = {cid: set() for cid in self.placement}
         self._lock = threading.Lock()
 
-    def record_present(self, present: Mapping[str, set[str] | None]) -> None:
+    def add(self, placement: Mapping[str, Sequence[str]]) -> None:
+        """Place more items (a streaming push learns its chunks as it packs them); known ids are kept."""
         with self._lock:
-            for cid, servers in self.placement.items():
+            for cid, servers in placement.items():
+                if cid not in self.placement:
+                    self.placement[cid] = tuple(servers)
+                    self._held[cid] = set()
+
+    def record_present(self, present: Mapping[str, set[str] | None], ids: Iterable[str] | None = None) -> None:
+        """Count the replicas HasChunks found holding each item (of ``ids``, default every item)."""
+        with self._lock:
+            for cid in (self.placement if ids is None else ids):
+                servers = self.placement[cid]
                 for server in servers:
                     have = present.get(server)
                     if have is not None and cid in have:

@@ -26,7 +26,7 @@ class ChunkData(NamedTuple):
     codec: str
     raw_size: int
     crc32c: int
-    data: bytes  # stored bytes, not yet verified by the caller
+    data: bytes | bytearray | memoryview  # stored bytes (a push may pass a view of its tensors), not yet verified
 
 
 @dataclass(frozen=True)

@@ -86,6 +86,10 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"seconds between orphan-chunk collections, 0 disables (default {d['gc_interval_s']})")
     s.add_argument("--orphan-grace", type=float, dest="orphan_grace_s",
                    help=f"an unreferenced chunk is deleted only when older than this many seconds (default {d['orphan_grace_s']})")
+    s.add_argument("--segment-mb", type=int,
+                   help="chunk store segment file size in MiB; a full segment is sealed and a new one started (default 256)")
+    s.add_argument("--compact-mb-per-s", type=int,
+                   help="I/O budget of segment compaction (rewriting segments whose chunks were mostly deleted) (default 64)")
     s.add_argument("--workers", type=int, help=f"gRPC server threads (default {d['workers']})")
     s.add_argument("--bulk-listen", help="plain-TCP bulk chunk-read address HOST:PORT (default: the --listen host, a free port); "
                                          "advertised to clients, off when TLS is on")
@@ -118,6 +122,10 @@ def _overrides(a: argparse.Namespace) -> dict[str, Any]:
         o["get_message_bytes"] = a.get_message_kb * 1024
     if a.scrub_mb_per_s is not None:
         o["scrub_bytes_per_s"] = a.scrub_mb_per_s * MiB
+    if a.segment_mb is not None:
+        o["store_segment_bytes"] = a.segment_mb * MiB
+    if a.compact_mb_per_s is not None:
+        o["store_compact_bytes_per_s"] = a.compact_mb_per_s * MiB
     if a.no_fsync:
         o["fsync"] = False
     if a.no_bulk:
@@ -139,6 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = ServerConfig.from_file(args.config, **_overrides(args))
         else:
             config = ServerConfig.from_mapping({}, **_overrides(args))
+        from paramserver.server.store import StoreConfig  # after parsing: --help stays fast
+
+        StoreConfig.from_extra(config.extra)  # the store's options, checked before anything starts
     except ConfigError as exc:
         print(f"paramserver: {exc}", file=sys.stderr)
         return 2

@@ -266,8 +266,9 @@ class ReplicaFetcher:
                 for item in self.peers.client(members[server]).get_chunks_partial([chunk_id]):
                     if not isinstance(item, ChunkData):
                         break  # MISSING / CORRUPT there
-                    self.local.validate_incoming(item.id, item.data, item.codec, item.raw_size, item.crc32c)
-                    return StoredChunk(item.id, item.data, item.codec, item.raw_size, item.crc32c)
+                    data = bytes(item.data)  # a read's ChunkData already holds bytes: no copy
+                    self.local.validate_incoming(item.id, data, item.codec, item.raw_size, item.crc32c)
+                    return StoredChunk(item.id, data, item.codec, item.raw_size, item.crc32c)
             except (grpc.RpcError, InvalidChunkError):
                 continue
         return None

@@ -4,8 +4,9 @@ A failed or interrupted push leaves chunks that no manifest names. They are
 deleted once older than a grace period, which must exceed the longest push
 (a push in flight has uploaded chunks it has not committed yet). "Older" counts from
 the last write or claim: a push that finds a chunk already stored (HasChunks, or a
-PutChunks of it) refreshes its mtime, so an old orphan that a new push reuses is not
-collected between the dedup check and the commit. When any
+PutChunks of it) refreshes its claim time, so an old orphan that a new push reuses is not
+collected between the dedup check and the commit (after a restart every chunk counts as
+claimed at the restart). Space comes back when compaction rewrites the segment. When any
 manifest cannot be read, the step deletes nothing: never delete when unsure.
 """
 from __future__ import annotations
@@ -23,6 +24,8 @@ from paramserver.server.errors import ParamServerError
 from paramserver.server.store import ChunkStore
 
 log = logging.getLogger(__name__)
+
+_DELETE_BATCH = 256  # orphans deleted with one durable batch of tombstones
 
 
 @dataclass
@@ -81,14 +84,19 @@ class OrphanCollector:
             return report
         report.referenced = len(refs)
         cutoff = self.clock() - self.grace_s
+        batch: list[str] = []
         for chunk_id in list(self.store.iter_ids()):
             report.scanned += 1
             if chunk_id in refs:
                 continue
-            # The mtime is re-read under the store's claim lock: a push that has just found this
+            batch.append(chunk_id)
+            if len(batch) >= _DELETE_BATCH:
+                report.deleted += len(self.store.delete_unclaimed(batch, cutoff))
+                batch = []
+        if batch:
+            # The claim time is re-read under the store's lock: a push that has just found this
             # chunk here (HasChunks, or a PutChunks of it) claimed it and it stays.
-            if self.store.delete_if_unclaimed(chunk_id, cutoff):
-                report.deleted += 1
+            report.deleted += len(self.store.delete_unclaimed(batch, cutoff))
         if report.deleted:
             log.info("orphan collection deleted %d unreferenced chunks", report.deleted)
         return report

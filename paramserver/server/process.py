@@ -15,6 +15,7 @@ from consensus.records import MemberRecord
 from paramserver.server.auth import AuthConfig
 from paramserver.server.background import Periodic
 from paramserver.server.bulk_port import BulkServer, BulkServerConfig
+from paramserver.server.compaction import Compactor
 from paramserver.server.cluster import MemberCheck, PeerSet, QuorumVersionCheck, ReplicaFetcher, cluster_blob_fetcher
 from paramserver.server.config import ServerConfig, is_loopback_host
 from paramserver.server.gc import OrphanCollector, References
@@ -24,7 +25,7 @@ from paramserver.server.replication import ReReplicator
 from paramserver.wire.ring import RingConfig
 from paramserver.server.metaservice import cluster_id
 from paramserver.server.service import RunningServer, start_server
-from paramserver.server.store import ChunkStore
+from paramserver.server.store import ChunkStore, StoreConfig
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,9 @@ class ParamServer:
         elif cfg.read_token is None and not is_loopback_host(cfg.listen.rpartition(":")[0]):
             log.info("reads are open on %s (no read token): anyone who reaches it can read every model", cfg.listen)
         queue = RepairQueue()
-        self.store = store = ChunkStore(cfg.data_dir, cache_bytes=cfg.cache_bytes, fsync=cfg.fsync, on_corrupt=queue.add)
+        self.store = store = ChunkStore(cfg.data_dir, cache_bytes=cfg.cache_bytes, fsync=cfg.fsync, on_corrupt=queue.add,
+                                         config=StoreConfig.from_extra(cfg.extra),
+                                         server_id=cfg.server_id)
         self.node = node = MetadataNode(RaftConfig(
             server_id=cfg.server_id, raft_address=cfg.raft, peers=tuple(cfg.peers),
             data_dir=cfg.data_dir / "raft", secret=cfg.cluster_secret, fsync=cfg.fsync,
@@ -83,6 +86,7 @@ class ParamServer:
         self._tasks = [
             Periodic("repair", cfg.repair_interval_s, Repairer(store, queue, fetcher).step),
             Periodic("re-replicate", cfg.anti_entropy_interval_s, ReReplicator(peers, store, references=references).step),
+            Periodic("compact", store.config.compact_interval_s, Compactor(store).step),
         ]
         if cfg.scrub_bytes_per_s:
             scrubber = Scrubber(store, queue)

@@ -30,7 +30,10 @@ def varint(n: int) -> bytes:
     return bytes(out)
 
 
-def chunk_parts(chunk_id: str, data: bytes, codec: str, raw_size: int, crc: int) -> list[bytes]:
+BytesLike = bytes | bytearray | memoryview
+
+
+def chunk_parts(chunk_id: str, data: BytesLike, codec: str, raw_size: int, crc: int) -> list[BytesLike]:
     """The encoding of one ``chunks`` entry of a GetChunksReply, as parts to join."""
     head = b""
     if chunk_id:
@@ -64,7 +67,7 @@ class ReplyBuilder:
     __slots__ = ("_parts", "_errors", "payload_bytes", "error_bytes", "count")
 
     def __init__(self) -> None:
-        self._parts: list[bytes] = []
+        self._parts: list[BytesLike] = []
         self._errors: list[pb.ChunkAck] = []
         self.payload_bytes = 0
         self.error_bytes = 0  # about what the errors add to the message (their ids and messages)
@@ -75,7 +78,7 @@ class ReplyBuilder:
         """About the encoded size so far, errors included: what a sender splits messages by."""
         return self.payload_bytes + self.error_bytes
 
-    def add_chunk(self, chunk_id: str, data: bytes, codec: str, raw_size: int, crc: int) -> None:
+    def add_chunk(self, chunk_id: str, data: BytesLike, codec: str, raw_size: int, crc: int) -> None:
         self._parts += chunk_parts(chunk_id, data, codec, raw_size, crc)
         self.payload_bytes += len(data)
         self.count += 1
@@ -88,7 +91,7 @@ class ReplyBuilder:
         return bool(self.count or self._errors)
 
     def encode(self) -> bytes:
-        return b"".join(self._parts + error_parts(self._errors))
+        return b"".join([*self._parts, *error_parts(self._errors)])
 
 
 def passthrough_serializer(message: bytes | pb.GetChunksReply) -> bytes:

@@ -25,8 +25,7 @@ from paramserver.client.pull import PullOptions, pull_tensors
 from paramserver.client.session import ClusterClient
 from paramserver.client.sinks import TensorSink
 from paramserver.client.push import push
-from paramserver.server.store import HEADER_SIZE
-from paramserver.server.store import encode_header as store_header
+from paramserver.server.segments import corrupt_stored, locate_on_disk
 
 pytestmark = pytest.mark.integration
 
@@ -133,14 +132,13 @@ def test_corrupt_chunk_is_answered_corrupt_quarantined_and_pull_fails_over(clust
     manifest = manifest_of(cluster, "bulk-bad:prod")
     victim = manifest.chunks[1].id
     slot = cluster.slot("ps1")
-    path = Path(slot.data_dir) / "chunks" / victim[0:2] / victim[2:4] / victim
-    raw = bytearray(path.read_bytes())
-    raw[HEADER_SIZE + 100] ^= 0xFF
-    path.write_bytes(bytes(raw))
+    location = locate_on_disk(slot.data_dir, victim)
+    assert location is not None
+    corrupt_stored(location, at=100, xor=0xFF)
     address = members(cluster)["ps1"].bulk_address
     items = list(BulkClient(address, READ).fetch([victim]))
     assert items[0].status == CORRUPT and "CRC32C" in items[0].message
-    assert not path.exists()  # quarantined
+    assert locate_on_disk(slot.data_dir, victim) is None  # quarantined (a tombstone kills the record)
     assert any((Path(slot.data_dir) / "quarantine").iterdir())
     got, _ = pull_tensors(cluster.seed, "bulk-bad:prod", token=READ)  # other replicas serve it
     assert_bit_exact(got, want)
@@ -160,10 +158,9 @@ def test_replica_serving_wrong_bytes_with_its_own_crc_is_caught_in_place_and_ref
     assert len(victims) == 12
     for sid in ("ps1", "ps2"):  # ps3 keeps good copies
         for cid in victims:
-            path = Path(cluster.slot(sid).data_dir) / "chunks" / cid[0:2] / cid[2:4] / cid
-            data = bytearray(path.read_bytes()[HEADER_SIZE:])
-            data[1000] ^= 0x01
-            path.write_bytes(store_header("raw", len(data), len(data), crc32c(bytes(data)), cid) + bytes(data))
+            location = locate_on_disk(cluster.slot(sid).data_dir, cid)
+            assert location is not None
+            corrupt_stored(location, at=1000, xor=0x01, fix_crc=True)
     got, report = pull_tensors(cluster.seed, f"{model}:prod", token=READ, options=PullOptions(verify=verify))
     assert_bit_exact(got, want)
     assert report.bulk_fallbacks == 0 and report.bulk_bytes > report.bytes_fetched  # all over bulk (rejected copies too)

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from chunking.manifest import Manifest
 from deploy.local import LocalCluster, LocalClusterConfig
 from paramserver.client.rpc import ParamServerClient
-from paramserver.server.store import HEADER_SIZE
+from paramserver.server.segments import corrupt_stored, locate_on_disk
 
 pytestmark = pytest.mark.integration
 
@@ -132,11 +132,9 @@ def _corrupt_every_replica(cluster: LocalCluster, model: str) -> str:
     chunk = manifest.chunks[0].id
     hit = 0
     for slot in cluster.slots:
-        path = Path(slot.data_dir) / "chunks" / chunk[:2] / chunk[2:4] / chunk
-        if path.exists():
-            data = bytearray(path.read_bytes())
-            data[HEADER_SIZE + 3] ^= 0x5A
-            path.write_bytes(bytes(data))
+        location = locate_on_disk(slot.data_dir, chunk)
+        if location is not None:
+            corrupt_stored(location, at=3, xor=0x5A)
             hit += 1
     assert hit >= 2, f"chunk {chunk} found on {hit} servers"
     return chunk

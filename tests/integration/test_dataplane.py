@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from chunking.hashing import content_id, crc32c
 from paramserver.client.rpc import ChunkData, ParamServerClient, make_chunk
 from paramserver.wire.proto import pb
-from paramserver.server.store import HEADER_SIZE
+from paramserver.server.segments import ChunkLocation, corrupt_stored, locate_on_disk
 from tests.conftest import stop_process
 
 pytestmark = pytest.mark.integration
@@ -30,8 +30,10 @@ class Server:
     def __init__(self, proc: subprocess.Popen[bytes], address: str, data_dir: Path) -> None:
         self.proc, self.address, self.data_dir = proc, address, data_dir
 
-    def chunk_path(self, cid: str) -> Path:
-        return self.data_dir / "chunks" / cid[:2] / cid[2:4] / cid
+    def chunk_at(self, cid: str) -> ChunkLocation:
+        loc = locate_on_disk(self.data_dir, cid)  # from the segment files: the server holds the index
+        assert loc is not None, f"chunk {cid} is not on disk"
+        return loc
 
 
 @pytest.fixture(scope="module")
@@ -122,10 +124,7 @@ def test_corrupt_file_gives_data_loss_naming_the_chunk(server: Server, admin: Pa
     admin.put_chunks([a, b])
     before = reader.server_status().quarantined
     for victim in (a, b):
-        path = server.chunk_path(victim.id)
-        blob = bytearray(path.read_bytes())
-        blob[HEADER_SIZE + 123] ^= 0x01
-        path.write_bytes(bytes(blob))
+        corrupt_stored(server.chunk_at(victim.id), at=123, xor=0x01)
     with pytest.raises(grpc.RpcError) as info:
         list(reader.get_chunks([a.id]))
     assert info.value.code() == grpc.StatusCode.DATA_LOSS

@@ -27,6 +27,8 @@ from paramserver.client.rpc import ChunkData, ParamServerClient, make_chunk
 from paramserver.client.pull import pull, pull_tensors
 from paramserver.client.push import push
 from paramserver.client.errors import ChunkUnavailable, NotFound, PushError, TransferError
+from paramserver.server.segments import chunks_on_disk, corrupt_stored
+from paramserver.server.store import ChunkStore
 
 pytestmark = pytest.mark.integration
 
@@ -353,11 +355,11 @@ def test_pull_refetches_a_chunk_corrupted_on_one_replica(cluster: LocalCluster) 
     cluster.kill(victim)  # also drops its in-memory chunk cache
     flipped = 0
     try:
+        on_disk = chunks_on_disk(slot.data_dir)  # its records in its segment files
         for ref in manifest.chunks:
-            for path in Path(slot.data_dir).rglob(ref.id):
-                data = bytearray(path.read_bytes())
-                data[-100] ^= 0xFF  # inside the chunk bytes, past the header
-                path.write_bytes(bytes(data))
+            location = on_disk.get(ref.id)
+            if location is not None:
+                corrupt_stored(location, at=location.length - 100, xor=0xFF)  # inside the chunk bytes, past the header
                 flipped += 1
     finally:
         cluster.restart(victim)
@@ -375,9 +377,19 @@ def test_a_failed_pull_to_a_file_leaves_no_file_behind(cluster: LocalCluster, tm
     report = push(cluster.seed, state, model="lost", tag="prod", token=ADMIN)
     manifest = manifest_of(cluster, "lost", report.version)
     victim = manifest.chunks[-1].id
+    # The index is in each server's memory: delete the chunk while they are all down (one at a time,
+    # re-replication would copy it back from the others).
     for slot in cluster.slots:
-        for path in Path(slot.data_dir).rglob(victim):
-            path.unlink()
+        cluster.kill(slot.server_id)
+    try:
+        for slot in cluster.slots:
+            offline = ChunkStore(slot.data_dir, cache_bytes=0)
+            offline.delete(victim)
+            offline.close()
+    finally:
+        for slot in cluster.slots:
+            cluster.restart(slot.server_id)
+    cluster.wait_ready(90)
     out = tmp_path / "pulled" / "lost.safetensors"
     with pytest.raises(ChunkUnavailable, match="could not be read from any replica"):
         pull(cluster.seed, "lost:prod", out, token=READ)

@@ -24,7 +24,8 @@ from deploy.certs import issue, make_ca
 from deploy.local import LocalCluster, LocalClusterConfig
 from paramserver.client.config import ClientSettings
 from paramserver.client.rpc import ParamServerClient
-from paramserver.server.store import HEADER_SIZE
+from paramserver.server.segments import corrupt_stored, locate_on_disk
+from paramserver.server.store import ChunkStore
 
 pytestmark = pytest.mark.integration
 
@@ -77,8 +78,8 @@ class TlsCluster:
     def client(self, server_id: str) -> ParamServerClient:
         return ParamServerClient(self.settings.client_config(self.cluster.slot(server_id).grpc, write=False))
 
-    def chunk_path(self, server_id: str, chunk_id: str) -> Path:
-        return Path(self.cluster.slot(server_id).data_dir) / "chunks" / chunk_id[:2] / chunk_id[2:4] / chunk_id
+    def data_dir(self, server_id: str) -> Path:
+        return Path(self.cluster.slot(server_id).data_dir)
 
     def manifest(self, model: str, tag: str) -> Manifest:
         with self.client("ps1") as c:
@@ -181,9 +182,9 @@ def test_anti_entropy_restores_deleted_replicas_after_a_restart(tls: TlsCluster,
     push(tls, tmp_path, "rerep", 2)
     ids = [tls.manifest("rerep", "prod").id, *dict.fromkeys(tls.manifest("rerep", "prod").chunk_ids())]
     tls.cluster.kill("ps2")
-    removed = [cid for cid in ids if tls.chunk_path("ps2", cid).exists()]
-    for cid in removed:
-        tls.chunk_path("ps2", cid).unlink()
+    offline = ChunkStore(tls.data_dir("ps2"), cache_bytes=0)  # ps2 is down: its data dir is free to write
+    removed = [cid for cid in ids if offline.delete(cid)]
+    offline.close()
     assert removed, "ps2 held none of the model's chunks"
     time.sleep(1.0)  # the others' passes find ps2 unreachable meanwhile
     tls.cluster.restart("ps2")
@@ -201,10 +202,9 @@ def test_a_corrupt_replica_is_repaired_from_a_good_one(tls: TlsCluster, tmp_path
     manifest = tls.manifest("repairme", "prod")
     ref = manifest.chunks[0]
     victim = sorted(tls.holders(ref.id))[0]
-    path = tls.chunk_path(victim, ref.id)
-    data = bytearray(path.read_bytes())
-    data[HEADER_SIZE + 10] ^= 0xFF
-    path.write_bytes(bytes(data))
+    location = locate_on_disk(tls.data_dir(victim), ref.id)
+    assert location is not None
+    corrupt_stored(location, at=10, xor=0xFF)
     with tls.client(victim) as c:
         answers = list(c.get_chunks_partial([ref.id]))
     assert not hasattr(answers[0], "data"), "the server served a corrupt chunk"  # a CORRUPT ack, never the bytes

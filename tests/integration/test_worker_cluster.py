@@ -16,12 +16,11 @@ import pytest
 import torch
 
 from chunking.diff import diff
-from chunking.hashing import crc32c
 from chunking.manifest import Manifest
 from chunking.synthetic import finetune
 from paramserver.client.rpc import ParamServerClient
 from paramserver.wire.proto import pb, pb_grpc
-from paramserver.server.store import HEADER_SIZE, decode_header, encode_header
+from paramserver.server.segments import ChunkLocation, corrupt_stored
 from tests.conftest import stop_process
 from tests.integration.test_worker_harness import REPO, Cluster, make_cluster
 from paramserver.client.session import ClusterClient
@@ -189,14 +188,10 @@ def test_server_killed_mid_load_does_not_fail_it(cluster: Cluster) -> None:
             cluster.restart(victim)
 
 
-def _rewrite_stored(path: Path, flip_at: int, fix_crc: bool) -> None:
-    blob = bytearray(path.read_bytes())
-    codec, raw_size, stored_size, crc = decode_header(bytes(blob[:HEADER_SIZE]))
-    data = bytearray(blob[HEADER_SIZE:])
-    data[flip_at % len(data)] ^= 0x5A
-    if fix_crc:  # the server's own CRC check passes: only the worker's check against the manifest can catch it
-        crc = crc32c(bytes(data))
-    path.write_bytes(encode_header(codec, raw_size, stored_size, crc, path.name) + bytes(data))
+def _rewrite_stored(location: ChunkLocation | None, flip_at: int, fix_crc: bool) -> None:
+    assert location is not None, "the replica holds no record of the chunk"
+    # fix_crc: the server's own CRC check passes: only the worker's check against the manifest can catch it
+    corrupt_stored(location, at=flip_at, xor=0x5A, fix_crc=fix_crc)
 
 
 def test_corrupt_replica_is_detected_read_elsewhere_and_reported(cluster: Cluster) -> None:
@@ -210,7 +205,7 @@ def test_corrupt_replica_is_detected_read_elsewhere_and_reported(cluster: Cluste
         order = unique_order(manifest, None)
         first = FetchPlanner([Want(r.id, r.stored_size, tuple(c.replicas(r.id))) for r in order], sorted(c.members())).start()
         bad = next(d.server for d in first if isinstance(d, Read) and victim_chunk in d.ids)
-        _rewrite_stored(cluster.chunk_path(bad, victim_chunk), 1000, fix_crc=True)
+        _rewrite_stored(cluster.chunk_location(bad, victim_chunk), 1000, fix_crc=True)
         loaded = load(c, "corrupt:prod")
         assert_bit_exact(loaded.tensors, sd)
         assert loaded.report.corrupt_reports >= 1 and loaded.report.failovers >= 1
@@ -232,7 +227,7 @@ def test_data_loss_on_every_replica_names_the_chunk(cluster: Cluster, client: Cl
     info = client.resolve("lost", "prod")
     victim = client.manifest(info.manifest_id).chunks[1].id
     for sid in client.replicas(victim):
-        _rewrite_stored(cluster.chunk_path(sid, victim), 7, fix_crc=False)
+        _rewrite_stored(cluster.chunk_location(sid, victim), 7, fix_crc=False)
     with pytest.raises(ChunkDataLoss, match=victim) as err:
         load(client, "lost:prod")
     assert "DATA_LOSS" in str(err.value) and "re-push" in str(err.value)

@@ -4,7 +4,7 @@
 paramserver serve``). The fallback ``harness`` backend runs each server as its own process too: a
 pysyncobj metadata node (real Raft) plus the paramserver gRPC service (real chunk store), started
 by ``python -m tests.integration.test_worker_harness serve``. Both expose the same interface
-(addresses, seed, kill, restart, down, chunk_path, push, set_tag, rollback_tag).
+(addresses, seed, kill, restart, down, chunk_location, push, set_tag, rollback_tag).
 """
 from __future__ import annotations
 
@@ -167,8 +167,11 @@ class Cluster:
                     slot.proc.wait(timeout=10)
                 slot.proc = None
 
-    def chunk_path(self, server_id: str, chunk_id: str) -> Path:
-        return self.slot(server_id).data_dir / "store" / "chunks" / chunk_id[:2] / chunk_id[2:4] / chunk_id
+    def chunk_location(self, server_id: str, chunk_id: str) -> Any:
+        """Where the server's chunk record lies in its segment files (a ChunkLocation), or None."""
+        from paramserver.server.segments import locate_on_disk
+
+        return locate_on_disk(self.slot(server_id).data_dir / "store", chunk_id)
 
     # ---------------------------------------------------------------- publishing
 
@@ -258,8 +261,11 @@ class LocalClusterBackend(Cluster):
     def down(self) -> None:
         self.local.down()
 
-    def chunk_path(self, server_id: str, chunk_id: str) -> Path:
-        return self.slot(server_id).data_dir / "chunks" / chunk_id[:2] / chunk_id[2:4] / chunk_id
+    def chunk_location(self, server_id: str, chunk_id: str) -> Any:
+        """Where the server's chunk record lies in its segment files (a ChunkLocation), or None."""
+        from paramserver.server.segments import locate_on_disk
+
+        return locate_on_disk(self.slot(server_id).data_dir, chunk_id)
 
 
 def make_cluster(root: Path, servers: int = 3) -> Cluster:

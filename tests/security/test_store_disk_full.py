@@ -1,10 +1,12 @@
-"""A full disk under the chunk store (issue 11, item 6, the chunk-store half).
+"""A full disk under the chunk store (issue 11, item 6, the chunk-store half; segments: issue 12).
 
 ENOSPC used to escape as a raw OSError traceback from every write and every re-replication
 towards the full server. Now the write is refused with StoreFullError (RESOURCE_EXHAUSTED)
-naming the data dir and its free space, no temp file stays, every stored chunk stays
-readable, and the background tasks back off instead of spinning: re-replication leaves a
-full target alone for a while, repair pauses on a full local disk; each logs once.
+naming the data dir and its free space, no torn record stays in a segment, every stored chunk
+stays readable, and the background tasks back off instead of spinning: re-replication leaves a
+full target alone for a while, repair pauses on a full local disk; each logs once. In the
+append-only store a delete gives space back once compaction rewrote (or dropped) its segment;
+the store keeps a small reserve so deletes and compaction still work on a full disk.
 """
 from __future__ import annotations
 
@@ -25,7 +27,9 @@ from paramserver.server.cluster import PeerSet
 from paramserver.server.errors import StoreFullError
 from paramserver.server.repair import RepairQueue, Repairer
 from paramserver.server.replication import ReReplicator
-from paramserver.server.store import TMP_PREFIX, ChunkStore, StoredChunk
+from paramserver.server.compaction import Compactor
+from paramserver.server.segments import read_view
+from paramserver.server.store import ChunkStore, StoreConfig, StoredChunk
 from paramserver.wire.proto import pb
 from paramserver.wire.ring import RingConfig
 
@@ -37,8 +41,11 @@ def raw_chunk(size: int = 256 * KiB) -> tuple[str, bytes, str, int, int]:
     return content_id(data), data, "raw", len(data), crc32c(data)
 
 
-def temp_files(store: ChunkStore) -> list[str]:
-    return [name for _d, _s, files in os.walk(store.chunks_dir) for name in files if name.startswith(TMP_PREFIX)]
+def leftovers(data_dir: Path) -> list[str]:
+    """What a refused write may have left: torn bytes at a segment's end, temp files (read from disk)."""
+    scans, _view = read_view(data_dir)
+    torn = [f"{s.path}: {s.torn} torn bytes" for s in scans.values() if s.torn or s.damaged]
+    return torn + [p.name for p in (data_dir / "segments").glob("*.tmp")]
 
 
 @pytest.fixture
@@ -58,7 +65,8 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_a_full_disk_refuses_the_write_keeps_every_chunk_and_recovers(small_fs: Path, caplog: pytest.LogCaptureFixture) -> None:
-    store = ChunkStore(small_fs / "data", cache_bytes=0, fsync=True, server_id="ps7")
+    # 1 MiB segments: 3 chunks each, so deleting 3 empties a segment compaction can drop
+    store = ChunkStore(small_fs / "data", cache_bytes=0, fsync=True, server_id="ps7", config=StoreConfig(segment_bytes=1 << 20))
     caplog.set_level(logging.INFO, logger="paramserver.server.store")
     stored: list[tuple[str, bytes, str, int, int]] = []
     error: StoreFullError | None = None
@@ -76,7 +84,7 @@ def test_a_full_disk_refuses_the_write_keeps_every_chunk_and_recovers(small_fs: 
     free = os.statvfs(store.data_dir).f_bavail * os.statvfs(store.data_dir).f_frsize
     assert str(store.data_dir) in message and "bytes free" in message
     assert error.free_bytes == free and f"{free} bytes free" in message
-    assert temp_files(store) == []
+    assert leftovers(store.data_dir) == []
     # A second refusal logs nothing new: one WARNING per full episode.
     with pytest.raises(StoreFullError):
         store.put(*raw_chunk())
@@ -88,40 +96,48 @@ def test_a_full_disk_refuses_the_write_keeps_every_chunk_and_recovers(small_fs: 
     for s in (store, reopened):
         assert [s.verify(cid).data == data for cid, data, *_ in stored] == [True] * len(stored)
         assert s.stats().chunk_count == len(stored)
+    reopened.close()  # a read-only view keeps the segment files open: compaction could not give their space back
     # An already stored chunk is still acknowledged (nothing to write).
     assert store.put(*stored[0]) is False
-    # Deleting frees space, and writes work again.
+    # Deleting (the store keeps room for its tombstones) and compacting frees space, and writes work again.
     for cid, *_ in stored[:3]:
         assert store.delete(cid)
+    with pytest.raises(StoreFullError):
+        store.put(*raw_chunk())  # the records are still there until compaction drops their segment
+    assert Compactor(store).run_until_idle() >= 1
     again = raw_chunk()
     assert store.put(*again) is True and store.get(again[0]).data == again[1]
     assert any("accepts writes again" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT], ids=["ENOSPC", "EDQUOT"])
-@pytest.mark.parametrize("where", ["writev", "fsync", "replace", "makedirs"])
+@pytest.mark.parametrize("where", ["pwritev", "fdatasync", "fsync", "open"])
 def test_no_space_at_any_step_of_a_write_is_a_clean_refusal(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, where: str
 ) -> None:
-    store = ChunkStore(tmp_path, cache_bytes=0, fsync=True)
+    # 16 KiB segments: the second 8 KiB chunk starts a new segment (open + fsync of file and folder),
+    # then is appended (pwritev) and made durable (fdatasync, the group commit).
+    store = ChunkStore(tmp_path, cache_bytes=0, fsync=True, config=StoreConfig(segment_bytes=16 * KiB))
     kept = raw_chunk(8 * KiB)
     store.put(*kept)
-    target = {"writev": os.writev, "fsync": os.fsync, "replace": os.replace, "makedirs": os.makedirs}[where]
+    target = getattr(os, where)
 
-    def no_space(*args: object, **kwargs: object) -> None:
+    def no_space(*args: object, **kwargs: object) -> object:
+        if where == "open" and not (str(args[0]).endswith(".seg") and int(args[1]) & os.O_CREAT):  # type: ignore[call-overload]
+            return target(*args, **kwargs)
         raise OSError(code, os.strerror(code))
 
     chunk = raw_chunk(8 * KiB)
-    while chunk[0][:4] == kept[0][:4]:
-        chunk = raw_chunk(8 * KiB)  # a new folder, so makedirs runs
     monkeypatch.setattr(os, where, no_space)
     with pytest.raises(StoreFullError, match=str(tmp_path)) as info:
         store.put(*chunk)
     monkeypatch.setattr(os, where, target)
     assert os.strerror(code) in str(info.value) and "bytes free" in str(info.value) and chunk[0] in str(info.value)
-    assert temp_files(store) == [] and not store.has(chunk[0])
+    assert leftovers(tmp_path) == [] and not store.has(chunk[0])
     assert store.get(kept[0]).data == kept[1] and store.stats().chunk_count == 1
     assert store.put(*chunk) is True and store.stats().chunk_count == 2
+    store.close()
+    assert sorted(ChunkStore(tmp_path, cache_bytes=0).iter_ids()) == sorted([kept[0], chunk[0]])
 
 
 def test_other_os_errors_are_not_reported_as_a_full_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -130,18 +146,18 @@ def test_other_os_errors_are_not_reported_as_a_full_disk(tmp_path: Path, monkeyp
     def broken(*args: object) -> None:
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(os, "fsync", broken)
+    monkeypatch.setattr(os, "fdatasync", broken)
     with pytest.raises(OSError) as info:
         store.put(*raw_chunk(4 * KiB))
     assert not isinstance(info.value, StoreFullError) and info.value.errno == errno.EIO
-    assert temp_files(store) == []
+    assert leftovers(tmp_path) == []
 
 
 def test_a_reserve_keeps_room_beside_the_store(tmp_path: Path) -> None:
     store = ChunkStore(tmp_path, cache_bytes=0, reserve_bytes=1 << 62)  # no write fits
     with pytest.raises(StoreFullError, match="reserve"):
         store.put(*raw_chunk(4 * KiB))
-    assert temp_files(store) == [] and len(store) == 0
+    assert leftovers(tmp_path) == [] and len(store) == 0
 
 
 # ------------------------------------------------------------------ repair on a full local disk
@@ -335,6 +351,6 @@ def test_a_server_on_a_full_disk_answers_resource_exhausted_and_keeps_serving_re
             assert str(data_dir) in details and "bytes free" in details and "psfull" in details
             assert list(client.get_chunks([c.id for c in stored])) == stored  # reads go on, bit-exact
             assert client.server_status().chunk_count == len(stored)
-            assert temp_files(ChunkStore(data_dir, cache_bytes=0)) == []
+            assert leftovers(data_dir) == []
     finally:
         stop_process(proc)

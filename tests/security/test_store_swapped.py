@@ -1,15 +1,15 @@
-"""A chunk file swapped for another chunk's (issue 11, item 8).
+"""A chunk record swapped for another chunk's (issue 11, item 8; segment layout of issue 12).
 
-One chunk's file copied over another's path keeps a valid header and CRC, so a CRC-only read
+One chunk's record copied over another's keeps a valid header and CRC, so a CRC-only read
 served the other chunk's bytes under the requested id. Format-2 headers carry the chunk id and
-every disk read checks it; format-1 files (no id) are proven by their content on first read.
-A mismatch is corruption: quarantined, logged, queued for repair, ChunkCorruptError (DATA_LOSS).
+every disk read checks it; format-1 files (no id) of the old one-file layout are proven by their
+content when they are migrated into segments. A mismatch is corruption: quarantined, logged,
+queued for repair, ChunkCorruptError (DATA_LOSS).
 """
 from __future__ import annotations
 
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -23,9 +23,9 @@ from chunking.hashing import content_id, crc32c
 from paramserver.client.rpc import ChunkData, ParamServerClient, make_chunk
 from paramserver.server.errors import ChunkCorruptError
 from paramserver.server.repair import RepairQueue, Repairer, Scrubber
+from paramserver.server.segments import ChunkLocation, chunks_on_disk, locate_on_disk, write_in_place
 from paramserver.server.store import (
     FORMAT,
-    FORMAT_V1,
     HEADER_SIZE,
     HEADER_SIZE_V1,
     ChunkStore,
@@ -55,19 +55,30 @@ def store(tmp_path: Path, queue: RepairQueue) -> ChunkStore:
     return ChunkStore(tmp_path / "data", cache_bytes=0, fsync=False, on_corrupt=queue.add, server_id="ps9")
 
 
-def write_v1(store: ChunkStore, path_id: str, chunk: tuple[str, bytes, str, int, int]) -> Path:
-    """A format-1 file (as older servers wrote) holding ``chunk`` at the path of ``path_id``."""
+def write_v1(data_dir: Path, path_id: str, chunk: tuple[str, bytes, str, int, int]) -> Path:
+    """A format-1 file (as older servers wrote, one file per chunk) holding ``chunk`` at the path of ``path_id``."""
     _cid, data, codec, raw_size, crc = chunk
-    path = store.path(path_id)
+    path = data_dir / "chunks" / path_id[:2] / path_id[2:4] / path_id
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(encode_header(codec, raw_size, len(data), crc) + data)
     return path
 
 
+def where(store: ChunkStore, cid: str) -> ChunkLocation:
+    loc = store.locate(cid)
+    assert loc is not None, f"chunk {cid} is not stored"
+    return loc
+
+
+def swap(src: ChunkLocation, dst: ChunkLocation) -> None:
+    """Put the record at ``src`` (header + bytes, CRC intact) in the place of the one at ``dst``."""
+    write_in_place(dst.path, dst.record_offset, src.read_record())
+
+
 def test_format_2_header_names_the_chunk(store: ChunkStore) -> None:
     cid, data, *rest = raw_chunk()
     store.put(cid, data, *rest)
-    blob = store.path(cid).read_bytes()
+    blob = where(store, cid).read_record()
     assert HEADER_SIZE == 80 and HEADER_SIZE_V1 == 48 and len(blob) == HEADER_SIZE + len(data)
     header = parse_header(blob[:HEADER_SIZE])
     assert header.format == FORMAT == 2 and header.chunk_id == cid and header.size == HEADER_SIZE
@@ -84,12 +95,12 @@ def test_a_swapped_file_is_corruption_never_the_other_chunks_bytes(
 ) -> None:
     a, b = raw_chunk(seed=1), raw_chunk(seed=2)
     store.put_many([a, b])
-    shutil.copyfile(store.path(a[0]), store.path(b[0]))  # A's file (CRC intact) under B's name
+    swap(where(store, a[0]), where(store, b[0]))  # A's record (CRC intact) where B's was
     caplog.set_level(logging.WARNING, logger="paramserver.server.store")
     with pytest.raises(ChunkCorruptError, match=b[0]) as info:
         store.get(b[0])
     assert f"holds chunk {a[0]}" in str(info.value) and "quarantined" in str(info.value)
-    assert not store.path(b[0]).exists()
+    assert store.locate(b[0]) is None
     assert [p.name.split(".")[0] for p in store.quarantine_dir.iterdir()] == [b[0]]
     assert b[0] in queue and store.stats().quarantined == 1
     lines = [r for r in caplog.records if "chunk quarantined" in r.getMessage()]
@@ -109,62 +120,54 @@ def test_a_swapped_file_is_caught_by_verify_and_the_scrubber_and_through_the_cac
     store = ChunkStore(tmp_path, cache_bytes=1 << 20, fsync=False, on_corrupt=queue.add)
     a, b, c = raw_chunk(seed=3), raw_chunk(seed=4), raw_chunk(seed=5)
     store.put_many([a, b, c])
-    shutil.copyfile(store.path(a[0]), store.path(c[0]))
+    swap(where(store, a[0]), where(store, c[0]))
     with pytest.raises(ChunkCorruptError):
         store.verify(c[0])
-    shutil.copyfile(store.path(a[0]), store.path(b[0]))
+    swap(where(store, a[0]), where(store, b[0]))
     report = Scrubber(store, queue).step(1 << 30)
     assert report.corrupt == [b[0]] and b[0] in queue and c[0] in queue
     assert store.get(a[0]).data == a[1]
 
 
-def test_format_1_files_are_read_proven_on_first_read_and_rewritten(store: ChunkStore) -> None:
+def test_format_1_files_are_proven_when_migrated_and_then_read_as_format_2(tmp_path: Path) -> None:
     a = raw_chunk(seed=6)
-    path = write_v1(store, a[0], a)
-    old = os.stat(path).st_mtime_ns - 3_600_000_000_000
-    os.utime(path, ns=(old, old))  # an hour old: orphan collection must still see it as old
-    fresh = ChunkStore(store.data_dir, cache_bytes=0, fsync=False)
-    assert fresh.stats().bytes_on_disk == HEADER_SIZE_V1 + len(a[1])
-    assert fresh.get(a[0]).data == a[1]
-    header = parse_header(path.read_bytes()[:HEADER_SIZE])
-    assert header.format == FORMAT and header.chunk_id == a[0]
-    assert os.stat(path).st_mtime_ns == old
-    assert fresh.stats().bytes_on_disk == HEADER_SIZE + len(a[1]) == path.stat().st_size
-    assert fresh.verify(a[0]).data == a[1]
-    assert [p.name for p in path.parent.iterdir()] == [a[0]]  # no temp file left
+    write_v1(tmp_path / "data", a[0], a)
+    fresh = ChunkStore(tmp_path / "data", cache_bytes=0, fsync=False)
+    assert fresh.stats().live_bytes == HEADER_SIZE + len(a[1]) and not (tmp_path / "data" / "chunks").exists()
+    record = where(fresh, a[0]).read_record()
+    header = parse_header(record[:HEADER_SIZE])
+    assert header.format == FORMAT and header.chunk_id == a[0] and record[HEADER_SIZE:] == a[1]
+    assert fresh.get(a[0]).data == a[1] and fresh.verify(a[0]).data == a[1]
 
 
-def test_a_swapped_format_1_file_is_corruption(store: ChunkStore, queue: RepairQueue) -> None:
+def test_a_swapped_format_1_file_is_corruption(tmp_path: Path, queue: RepairQueue) -> None:
     a, b = raw_chunk(seed=7), raw_chunk(seed=8)
-    store.put(*a)
-    path = write_v1(store, b[0], a)  # A's bytes, format 1, under B's name
-    with pytest.raises(ChunkCorruptError, match=f"format-1 file does not hold chunk {b[0]}"):
+    write_v1(tmp_path / "data", a[0], a)
+    path = write_v1(tmp_path / "data", b[0], a)  # A's bytes, format 1, under B's name
+    store = ChunkStore(tmp_path / "data", cache_bytes=0, fsync=False, on_corrupt=queue.add)
+    with pytest.raises(ChunkCorruptError, match="awaiting repair") as info:
         store.get(b[0])
-    assert not path.exists() and b[0] in queue
-    assert parse_header(store.path(a[0]).read_bytes()).format == FORMAT
+    assert f"format-1 file does not hold chunk {b[0]}" in str(info.value)
+    assert not path.exists() and b[0] in queue and a[0] not in queue
+    assert store.get(a[0]).data == a[1]
+    assert [p.name.split(".")[0] for p in store.quarantine_dir.iterdir()] == [b[0]]
 
 
-def test_a_format_1_file_that_cannot_be_rewritten_is_proven_once(store: ChunkStore, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_format_1_file_is_proven_once_at_migration_not_on_every_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     a = raw_chunk(seed=9)
-    write_v1(store, a[0], a)
-
-    def read_only(path: str, parts: list[bytes]) -> None:
-        raise OSError(30, "Read-only file system")
-
+    write_v1(tmp_path / "data", a[0], a)
     proofs: list[str] = []
-    prove = store._prove_content
+    prove = ChunkStore._prove_content
 
-    def counting(chunk_id: str, data: bytes, codec: str, raw_size: int) -> None:
+    def counting(self: ChunkStore, chunk_id: str, data: bytes, codec: str, raw_size: int) -> None:
         proofs.append(chunk_id)
-        prove(chunk_id, data, codec, raw_size)
+        prove(self, chunk_id, data, codec, raw_size)
 
-    monkeypatch.setattr(store, "_write_file", read_only)
-    monkeypatch.setattr(store, "_prove_content", counting)
+    monkeypatch.setattr(ChunkStore, "_prove_content", counting)
+    store = ChunkStore(tmp_path / "data", cache_bytes=0, fsync=False)
     for _ in range(3):
         assert store.get(a[0]).data == a[1]
     assert proofs == [a[0]]
-    assert parse_header(store.path(a[0]).read_bytes()).format == FORMAT_V1
-    assert [p.name for p in store.path(a[0]).parent.iterdir()] == [a[0]]
 
 
 # ------------------------------------------------------------------ a real server
@@ -177,8 +180,10 @@ class Server:
     def __init__(self, proc: subprocess.Popen[bytes], address: str, data_dir: Path) -> None:
         self.proc, self.address, self.data_dir = proc, address, data_dir
 
-    def chunk_path(self, cid: str) -> Path:
-        return self.data_dir / "chunks" / cid[:2] / cid[2:4] / cid
+    def chunk_at(self, cid: str) -> ChunkLocation:
+        loc = locate_on_disk(self.data_dir, cid)  # read from the segment files: the server holds the index
+        assert loc is not None, f"chunk {cid} is not on disk"
+        return loc
 
     def peak_rss(self) -> int:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
@@ -226,8 +231,8 @@ def test_server_answers_data_loss_for_a_swapped_file_never_the_wrong_bytes(serve
     a, b, c = chunks
     assert admin.put_chunks(chunks).chunks_stored == 3
     before = admin.server_status()
-    shutil.copyfile(server.chunk_path(a.id), server.chunk_path(b.id))
-    shutil.copyfile(server.chunk_path(a.id), server.chunk_path(c.id))
+    swap(server.chunk_at(a.id), server.chunk_at(b.id))  # A's record (header names A) where B's and C's were
+    swap(server.chunk_at(a.id), server.chunk_at(c.id))
     with pytest.raises(grpc.RpcError) as info:
         list(admin.get_chunks([b.id]))
     assert info.value.code() == grpc.StatusCode.DATA_LOSS and b.id in (info.value.details() or "")
@@ -258,13 +263,13 @@ def test_server_refuses_a_decompression_bomb_without_inflating_it(server: Server
     assert admin.has_chunks(["cd" * 32]) == [False]
 
 
-def test_concurrent_first_reads_of_format_1_files_agree(store: ChunkStore) -> None:
+def test_concurrent_reads_of_migrated_format_1_files_agree(tmp_path: Path) -> None:
     import threading
 
     chunks = [raw_chunk(8 * KiB, seed=20 + i) for i in range(12)]
     for c in chunks:
-        write_v1(store, c[0], c)
-    fresh = ChunkStore(store.data_dir, cache_bytes=0, fsync=False)
+        write_v1(tmp_path / "data", c[0], c)
+    fresh = ChunkStore(tmp_path / "data", cache_bytes=0, fsync=False)
     errors: list[BaseException] = []
 
     def reader(k: int) -> None:
@@ -284,7 +289,7 @@ def test_concurrent_first_reads_of_format_1_files_agree(store: ChunkStore) -> No
     assert not errors and not any(t.is_alive() for t in threads)
     for c in chunks:
         assert fresh.get(c[0]).data == c[1]
-    on_disk = sum(fresh.path(c[0]).stat().st_size for c in chunks)
-    assert fresh.stats().bytes_on_disk == on_disk and fresh.stats().chunk_count == len(chunks)
-    assert all(parse_header(fresh.path(c[0]).read_bytes()).format == FORMAT for c in chunks)
-    assert [n for _d, _s, files in os.walk(fresh.chunks_dir) for n in files if n.startswith(".tmp-")] == []
+    assert fresh.stats().live_bytes == sum(HEADER_SIZE + len(c[1]) for c in chunks) and fresh.stats().chunk_count == len(chunks)
+    on_disk = chunks_on_disk(tmp_path / "data")
+    assert sorted(on_disk) == sorted(c[0] for c in chunks)
+    assert all(parse_header(loc.read_record()[:HEADER_SIZE]).format == FORMAT for loc in on_disk.values())

@@ -31,7 +31,8 @@ from paramserver.wire.bulk_frames import (
     encode_hello,
 )
 from paramserver.client.bulk_transport import BulkClient, BulkPool, BulkProtocolFailure, BulkUnauthenticated, BulkUnavailable
-from paramserver.server.store import HEADER_SIZE, ChunkStore
+from paramserver.server.segments import corrupt_stored
+from paramserver.server.store import ChunkStore
 
 ADMIN, READ = "admin-token-1", "read-token-1"
 
@@ -124,10 +125,9 @@ def test_into_receives_straight_into_caller_buffers(store: ChunkStore, server: B
 def test_corrupt_chunk_is_answered_corrupt_and_quarantined(store: ChunkStore, server: BulkServer,
                                                          corrupt_log: list[tuple[str, str]]) -> None:
     cid, data = put(store, 50_000)
-    path = store.path(cid)
-    raw = bytearray(path.read_bytes())
-    raw[HEADER_SIZE + 10] ^= 0xFF
-    path.write_bytes(bytes(raw))
+    location = store.locate(cid)
+    assert location is not None
+    corrupt_stored(location, at=10, xor=0xFF)
     items = list(BulkClient(server.address).fetch([cid]))
     assert items[0].status == CORRUPT and "CRC32C" in items[0].message
     assert corrupt_log and corrupt_log[0][0] == cid  # repair queued

@@ -10,7 +10,7 @@ from deploy.drills.corrupt_chunk import CorruptChunkConfig
 from deploy.drills.framework import DrillError, Loaded, Published, Workload, WorkloadConfig, wait_for
 from deploy.drills.kill_leader import KillLeaderConfig
 from deploy.drills.partition import PartitionDrillConfig, run_partition, split
-from deploy.drills.probe import flip_bytes, restore_file
+from deploy.drills.probe import ChunkRecord, flip_bytes, restore_record
 from deploy.drills.report import DrillReport
 from deploy.local import LocalCluster, LocalClusterConfig
 
@@ -71,22 +71,32 @@ def test_loaders_wait_for_the_first_publish() -> None:
     assert loads_before_publish == []
 
 
-def test_flip_bytes_keeps_the_header_and_restore_puts_the_file_back(tmp_path: Path) -> None:
-    from paramserver.server.store import HEADER_SIZE
+def test_flip_bytes_keeps_the_header_and_restore_puts_the_record_back(tmp_path: Path) -> None:
+    from chunking.hashing import content_id, crc32c
+    from paramserver.server.errors import ChunkCorruptError
+    from paramserver.server.store import HEADER_SIZE, ChunkStore
 
-    path = tmp_path / "ab" / "cd" / "abcd"
-    path.parent.mkdir(parents=True)
+    store = ChunkStore(tmp_path, cache_bytes=0, fsync=False)
     content = bytes(range(256)) * 4
-    path.write_bytes(content)
-    original = flip_bytes(path, count=4)
-    assert original == content
-    flipped = path.read_bytes()
-    assert flipped[:HEADER_SIZE] == content[:HEADER_SIZE] and flipped != content
-    assert sum(a != b for a, b in zip(flipped, content)) == 4
-    path.unlink()  # a server quarantines (moves away) a corrupt file
-    restore_file(path, original)
-    assert path.read_bytes() == content
-    tiny = tmp_path / "tiny"
-    tiny.write_bytes(b"x" * HEADER_SIZE)
+    cid = content_id(content)
+    store.put(cid, content, "raw", len(content), crc32c(content))
+    record = ChunkRecord(tmp_path, cid)
+    assert record.exists() and record.name == cid
+    before = record.read_bytes()
+    original = flip_bytes(record, count=4)
+    assert original == before and original[HEADER_SIZE:] == content
+    flipped = record.read_bytes()
+    assert flipped[:HEADER_SIZE] == original[:HEADER_SIZE] and flipped != original
+    assert sum(a != b for a, b in zip(flipped, original)) == 4
+    assert restore_record(record, original) and record.read_bytes() == original  # still the live record: in place
+    assert store.get(cid).data == content
+    flip_bytes(record)
+    with pytest.raises(ChunkCorruptError):
+        store.get(cid)  # a server quarantines the corrupt record
+    assert not record.exists() and not restore_record(record, original)  # then only the server can take it back
+    empty = content_id(b"")
+    store.put(empty, b"", "raw", 0, crc32c(b""))
     with pytest.raises(ValueError, match="no data"):
-        flip_bytes(tiny)
+        flip_bytes(ChunkRecord(tmp_path, empty))
+
+

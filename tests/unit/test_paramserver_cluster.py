@@ -16,7 +16,7 @@ from paramserver.server.config import ServerConfig
 from paramserver.server.errors import InvalidChunkError
 from paramserver.server.rpc_errors import PreconditionFailed
 from paramserver.server.service import RunningServer, start_server
-from paramserver.server.store import HEADER_SIZE
+from paramserver.server.segments import corrupt_stored
 
 
 @pytest.fixture
@@ -82,10 +82,9 @@ def test_replica_fetcher_repairs_from_a_healthy_copy(cluster: list[RunningServer
             c.put_chunks([make_chunk(cid, data)])
     # ps1's copy is corrupt: the fetcher must skip it and use ps2's.
     store1 = cluster[1].servicer.chunks.store
-    path = store1.path(cid)
-    blob = bytearray(path.read_bytes())
-    blob[HEADER_SIZE] ^= 1
-    path.write_bytes(bytes(blob))
+    location = store1.locate(cid)
+    assert location is not None
+    corrupt_stored(location, at=0, xor=1)
     local = cluster[0].servicer.chunks.store
     peers = PeerSet("ps0", lambda: members_of(cluster))
     found = ReplicaFetcher(peers, local)(cid)

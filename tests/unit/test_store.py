@@ -16,6 +16,7 @@ from paramserver.server.errors import (
     UnknownCodecError,
 )
 from paramserver.server.repair import RepairQueue, Repairer, Scrubber
+from paramserver.server.segments import write_in_place
 from paramserver.server.store import HEADER_SIZE, ChunkStore, StoredChunk, decode_header
 
 KiB = 1024
@@ -41,23 +42,26 @@ def store(tmp_path: Path, corrupt_log: list[tuple[str, str]]) -> ChunkStore:
     return ChunkStore(tmp_path / "data", cache_bytes=0, on_corrupt=lambda cid, why: corrupt_log.append((cid, why)))
 
 
-def flip_byte(path: Path, offset: int) -> None:
-    blob = bytearray(path.read_bytes())
-    blob[offset] ^= 0x40
-    path.write_bytes(bytes(blob))
+def flip_byte(store: ChunkStore, chunk_id: str, offset: int) -> None:
+    """Flip one byte of a chunk's record in its segment, ``offset`` counted from the record's header."""
+    loc = store.locate(chunk_id)
+    assert loc is not None
+    record = loc.read_record()
+    write_in_place(loc.path, loc.record_offset + offset, bytes([record[offset] ^ 0x40]))
 
 
 def test_put_get_round_trip_layout_and_header(store: ChunkStore) -> None:
     cid, data, codec, raw_size, crc = raw_chunk()
     assert store.put(cid, data, codec, raw_size, crc) is True
-    path = store.data_dir / "chunks" / cid[:2] / cid[2:4] / cid
-    assert path.is_file() and path.stat().st_size == HEADER_SIZE + len(data)
-    assert decode_header(path.read_bytes()[:HEADER_SIZE]) == ("raw", raw_size, len(data), crc)
+    loc = store.locate(cid)
+    assert loc is not None and loc.path.parent == store.data_dir / "segments" and loc.path.suffix == ".seg"
+    record = loc.read_record()
+    assert len(record) == HEADER_SIZE + len(data) and loc.offset == loc.record_offset + HEADER_SIZE
+    assert decode_header(record[:HEADER_SIZE]) == ("raw", raw_size, len(data), crc) and record[HEADER_SIZE:] == data
     got = store.get(cid)
     assert got == StoredChunk(cid, data, "raw", raw_size, crc)
     assert store.has(cid) and not store.has("f" * 64) and not store.has("nothex")
-    # No temp files left behind by the atomic write.
-    assert [p.name for p in path.parent.iterdir()] == [cid]
+    assert not (store.data_dir / "chunks").exists()  # the one-file layout is gone
 
 
 def test_dedup_and_counts(store: ChunkStore) -> None:
@@ -66,7 +70,8 @@ def test_dedup_and_counts(store: ChunkStore) -> None:
     assert store.put_many(chunks[:3]) == [False] * 3
     stats = store.stats()
     assert stats.chunk_count == 10 == len(store)
-    assert stats.bytes_on_disk == 10 * (HEADER_SIZE + 8 * KiB)
+    assert stats.live_bytes == 10 * (HEADER_SIZE + 8 * KiB) <= stats.bytes_on_disk
+    assert stats.bytes_on_disk == sum(p.stat().st_size for p in (store.data_dir / "segments").glob("*.seg"))
     assert sorted(store.iter_ids()) == sorted(c[0] for c in chunks)
     assert store.delete(chunks[0][0]) and not store.delete(chunks[0][0])
     assert store.stats().chunk_count == 9
@@ -78,9 +83,10 @@ def test_counts_survive_restart_and_stale_temp_files_are_removed(tmp_path: Path)
     s1 = ChunkStore(tmp_path, cache_bytes=0)
     cid, *rest = raw_chunk(4 * KiB, seed=1)
     s1.put(cid, *rest)
-    # Simulate a crash between write and rename.
-    stale = s1.path(cid).parent / f".tmp-{cid[:16]}-deadbeef"
+    # A crash while a segment index was being written leaves its temp file.
+    stale = tmp_path / "segments" / "0000000000000001.idx.tmp"
     stale.write_bytes(b"partial")
+    s1.close()
     s2 = ChunkStore(tmp_path, cache_bytes=0)
     assert not stale.exists()
     assert s2.stats().chunk_count == 1 and s2.get(cid).data == rest[0]
@@ -132,12 +138,15 @@ def test_flipped_byte_is_detected_quarantined_and_never_returned(
 ) -> None:
     cid, data, *rest = raw_chunk(32 * KiB)
     store.put(cid, data, *rest)
-    path = store.path(cid)
-    flip_byte(path, HEADER_SIZE + 1000 if where == "data" else 30)
+    record = store.locate(cid)
+    assert record is not None
+    flip_byte(store, cid, HEADER_SIZE + 1000 if where == "data" else 30)
     with pytest.raises(ChunkCorruptError, match=cid) as info:
         store.get(cid)
     assert "quarantined" in str(info.value)
-    assert not path.exists() and len(list(store.quarantine_dir.iterdir())) == 1
+    assert store.locate(cid) is None and len(list(store.quarantine_dir.iterdir())) == 1
+    kept = next(store.quarantine_dir.iterdir()).read_bytes()  # the bad record's bytes, set aside
+    assert kept == record.read_record()  # the record, corrupt as it was found (the segment still holds it)
     assert [c for c, _ in corrupt_log] == [cid]
     assert store.stats().quarantined == 1 and store.stats().chunk_count == 0
     # Until repaired, the id reads as lost here (DATA_LOSS at the RPC boundary), not as never pushed,
@@ -146,11 +155,14 @@ def test_flipped_byte_is_detected_quarantined_and_never_returned(
         store.get(cid)
     assert not store.has(cid)
     with pytest.raises(ChunkCorruptError, match="awaiting repair"):
-        ChunkStore(store.data_dir, cache_bytes=0).get(cid)
+        ChunkStore(store.data_dir, cache_bytes=0).get(cid)  # a read-only view: the writer holds the lock
     # A fresh good copy can be stored again (repair).
     assert store.put(cid, data, *rest) is True
     assert store.get(cid).data == data
     assert ChunkStore(store.data_dir, cache_bytes=0).get(cid).data == data
+    store.close()
+    reopened = ChunkStore(store.data_dir, cache_bytes=0)  # the tombstone keeps the bad record out
+    assert reopened.get(cid).data == data and reopened.stats().chunk_count == 1 and not reopened.read_only
 
 
 def test_random_flips_never_return_wrong_bytes(tmp_path: Path) -> None:
@@ -159,15 +171,18 @@ def test_random_flips_never_return_wrong_bytes(tmp_path: Path) -> None:
     cid, data, *rest = raw_chunk(4 * KiB, seed=3)
     for _ in range(50):
         store.put(cid, data, *rest)
-        flip_byte(store.path(cid), rng.randrange(HEADER_SIZE + len(data)))
+        flip_byte(store, cid, rng.randrange(HEADER_SIZE + len(data)))
         with pytest.raises(ChunkCorruptError):
             store.get(cid)
+    store.close()
+    reopened = ChunkStore(tmp_path, cache_bytes=0)
+    assert len(reopened) == 0 and cid not in list(reopened.iter_ids())  # every bad copy stays dead
 
 
 def test_put_over_a_corrupt_copy_replaces_it(store: ChunkStore) -> None:
     cid, data, *rest = raw_chunk(16 * KiB)
     store.put(cid, data, *rest)
-    flip_byte(store.path(cid), HEADER_SIZE + 5)
+    flip_byte(store, cid, HEADER_SIZE + 5)
     assert store.put(cid, data, *rest) is True  # not deduplicated against the bad copy
     assert store.get(cid).data == data
 
@@ -180,7 +195,7 @@ def test_hot_cache_respects_budget_and_serves_hits(tmp_path: Path) -> None:
         store.get(c[0])
     stats = store.cache.stats()
     assert stats.used_bytes <= 256 * KiB and stats.entries == 8 and stats.evictions == 12
-    os.unlink(store.path(chunks[-1][0]))  # a hit does not touch the disk
+    flip_byte(store, chunks[-1][0], HEADER_SIZE + 1)  # a hit does not touch the disk
     assert store.get(chunks[-1][0]).data == chunks[-1][1]
     assert store.cache.stats().hits == 1
     big = raw_chunk(128 * KiB)  # over a quarter of the budget: not cached
@@ -197,7 +212,7 @@ def test_scrubber_finds_untouched_corruption_and_repairer_restores(tmp_path: Pat
     store.put_many(chunks)
     healthy.put_many(chunks)
     victim = chunks[5][0]
-    flip_byte(store.path(victim), HEADER_SIZE + 7)
+    flip_byte(store, victim, HEADER_SIZE + 7)
     scrubber = Scrubber(store, queue)
     first = scrubber.step(budget_bytes=4 * 16 * KiB)
     assert first.bytes_checked >= 4 * 16 * KiB and not first.finished_pass
@@ -275,32 +290,47 @@ def test_periodic_runs_survives_errors_and_stops() -> None:
     assert len(calls) == n  # no run after stop
 
 
-def _age(store: ChunkStore, chunk_id: str, seconds: float) -> None:
-    old = os.stat(store.path(chunk_id)).st_mtime - seconds
-    os.utime(store.path(chunk_id), (old, old))
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
-def test_a_claimed_old_orphan_survives_collection_and_an_unclaimed_one_does_not(store: ChunkStore) -> None:
+def test_a_claimed_old_orphan_survives_collection_and_an_unclaimed_one_does_not(tmp_path: Path) -> None:
     # An orphan of a failed push, hours old, that a new push finds by dedup (HasChunks claims it)
     # must not be collected before that push commits; an untouched one is.
-    import time
-
     from paramserver.server.gc import OrphanCollector
 
+    clock = Clock()
+    store = ChunkStore(tmp_path, cache_bytes=0, clock=clock)
     reused, forgotten = raw_chunk(seed=11), raw_chunk(seed=12)
     for c in (reused, forgotten):
         store.put(*c)
-        _age(store, c[0], 7200)
+    assert store.claimed_at(reused[0]) == clock.now and store.claimed_at("ab" * 32) is None
+    clock.now += 7200
     assert store.claim([reused[0], "ab" * 32, "not-an-id"]) == [True, False, False]
-    report = OrphanCollector(lambda: set(), store, grace_s=3600).step()
+    report = OrphanCollector(lambda: set(), store, grace_s=3600, clock=clock).step()
     assert report.deleted == 1
     assert store.has(reused[0]) and not store.has(forgotten[0])
     # sending an already stored chunk again claims it too
-    _age(store, reused[0], 7200)
+    clock.now += 7200
     assert store.put(*reused) is False
-    assert not store.delete_if_unclaimed(reused[0], time.time() - 3600)
-    assert store.delete_if_unclaimed(reused[0], time.time() + 1)
+    assert not store.delete_if_unclaimed(reused[0], clock.now - 3600)
+    assert store.delete_if_unclaimed(reused[0], clock.now + 1)
     assert not store.has(reused[0])
+    # Deletes survive a restart; after one, every chunk counts as claimed at the restart (safe).
+    kept = raw_chunk(seed=13)
+    store.put(*kept)
+    store.close()
+    clock.now += 7200
+    reopened = ChunkStore(tmp_path, cache_bytes=0, clock=clock)
+    assert not reopened.has(reused[0]) and not reopened.has(forgotten[0]) and reopened.has(kept[0])
+    assert reopened.claimed_at(kept[0]) == clock.now
+    assert OrphanCollector(lambda: set(), reopened, grace_s=3600, clock=clock).step().deleted == 0
+    clock.now += 3601
+    assert OrphanCollector(lambda: set(), reopened, grace_s=3600, clock=clock).step().deleted == 1
 
 
 def test_generation_changes_when_the_set_of_chunks_does(store: ChunkStore) -> None:
@@ -334,15 +364,17 @@ def test_anti_entropy_gate_skips_only_after_a_clean_pass_of_the_same_state() -> 
         PassGate(0)
 
 
-def test_resending_a_stored_orphan_claims_it_before_trusting_it(store: ChunkStore, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resending_a_stored_orphan_claims_it_before_trusting_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Orphan collection running between "an intact copy is here" and "answer ALREADY_PRESENT"
     # must not delete the copy the push is about to count.
     from paramserver.server.gc import OrphanCollector
 
+    clock = Clock()
+    store = ChunkStore(tmp_path, cache_bytes=0, clock=clock)
     c = raw_chunk(seed=31)
     store.put(*c)
-    _age(store, c[0], 7200)
-    collector = OrphanCollector(lambda: set(), store, grace_s=3600)
+    clock.now += 7200
+    collector = OrphanCollector(lambda: set(), store, grace_s=3600, clock=clock)
     check = store._intact_copy_exists
 
     def collect_then_check(chunk_id: str) -> bool:
