@@ -1,4 +1,4 @@
-"""The bulk read port of a server: answers the protocol of ``paramserver.wire.bulk_frames``.
+"""The bulk port of a server: answers the read and write protocols of ``paramserver.wire.bulk_frames``.
 
 Reads go through ``ChunkStore.get`` (hot cache, CRC32C checked on every disk read): a corrupt
 chunk is answered CORRUPT and never sent, and the store quarantines it and queues its repair
@@ -8,26 +8,51 @@ Silent or slow clients cannot fill the port: the hello must arrive in full withi
 ``hello_timeout_s`` (a deadline for the whole hello, not per byte), and one client IP holds at
 most ``max_per_ip`` connections. A refused connection is answered "bad hello" with the reason
 and logged at WARNING with its address (at most one line per reason every few seconds).
+
+Writes (a hello with the write magic; :class:`_WriteSession`) need the admin token. Each PUT is
+received straight into one fresh buffer, stored with one ``ChunkStore.put_many`` (one group
+fsync) and acknowledged per chunk only once ``put_many`` returned (durable). A connection's
+receiver reads the next PUTs while ``store_workers`` threads store the earlier ones, so the disk
+stays busy; acks still go out in PUT order. Memory is bounded by ``write_buffer_bytes`` over all
+write sessions (a PUT waits for room), sessions by ``max_write_connections``, a PUT by
+MAX_PUT_ITEMS / MAX_PUT_BYTES; a PUT must arrive in full within ``io_timeout_s`` plus its size at
+``min_write_rate`` bytes per second. A malformed PUT gets an ERROR frame (after the acks of the
+PUTs before it) and the connection is closed; a bad chunk gets an error ack naming it while the
+others of its PUT are stored. With ``forward_to`` (the peers' bulk addresses), a PUT whose route
+names next hops is forwarded there as it is stored here (chain replication), and its ACKS carry
+every hop's acks; without it, hops are answered FAILED and the client sends to them itself.
 """
 from __future__ import annotations
 
 import hmac
 import logging
+import queue
 import socket
+import sys
 import threading
 import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, cast
+
+import numpy as np
 
 from paramserver.server.auth import AuthConfig
 from paramserver.server.dataplane import RateLimitedLog
-from paramserver.server.errors import ChunkCorruptError, ChunkNotFoundError, ConfigError, InvalidChunkError
+from paramserver.server.errors import (
+    ChunkCorruptError, ChunkError, ChunkNotFoundError, ChunkTransferCorruptError, ConfigError, InvalidChunkError, ParamServerError,
+    StoreFullError,
+)
+from paramserver.server.repair import RepairQueue
 from paramserver.server.store import ChunkStore
 from paramserver.wire.auth import ADMIN_TOKEN_ENV, READ_TOKEN_ENV
 from paramserver.wire.bulk_frames import (
-    CORRUPT, ERROR, HELLO, ID_BYTES, MAGIC, MAX_BATCH_ITEMS, MAX_IDS, MAX_TOKEN_BYTES, MISSING, OK, REQUEST, SEND_BATCH_BYTES,
-    SOCKET_BUFFER_BYTES, VERSION, W_BAD_HELLO, W_OK, W_UNAUTHENTICATED, ProtocolError, encode_batch, encode_header, encode_message,
-    encode_welcome, send_all,
+    A_ACKS, ACK_HEAD, ACK_ITEM, ALREADY_PRESENT, CORRUPT, CORRUPT_IN_TRANSIT, ERROR, FAILED, FULL, HELLO, ID_BYTES, INVALID,
+    E_BUSY, E_MALFORMED, MAGIC, MAX_BATCH_ITEMS, MAX_IDS, MAX_MESSAGE_BYTES, MAX_PUT_BYTES, MAX_PUT_ITEMS, MAX_ROUTE_BYTES,
+    MAX_TOKEN_BYTES, MISSING, OK, PUT_HEAD, PUT_ITEM, REQUEST, SEND_BATCH_BYTES, SOCKET_BUFFER_BYTES, STORED, VERSION, W_BAD_HELLO, W_OK,
+    W_UNAUTHENTICATED, WELCOME, WRITE_MAGIC, WRITE_VERSION, ProtocolError, PutBatch, decode_acks, decode_route, encode_ack_error,
+    encode_acks, encode_batch, encode_header, encode_message, encode_put, encode_route, encode_welcome, encode_write_hello,
+    encode_write_welcome, recv_exact, recv_exact_by, send_all,
 )
 
 log = logging.getLogger(__name__)
@@ -50,6 +75,20 @@ def check_token(token: str, auth: AuthConfig) -> str | None:
             f"in the bulk hello; {problem}")
 
 
+def check_write_token(token: str, auth: AuthConfig) -> str | None:
+    """None when writes are allowed with ``token``, else the message (never echoing the token).
+
+    The rule of paramserver.server.auth for writes: open without an admin token; otherwise the
+    admin token, and only it (the read token is not enough).
+    """
+    if auth.admin_token is None:
+        return None
+    if token and hmac.compare_digest(token.encode(), auth.admin_token.encode()):
+        return None
+    problem = "no token was sent" if not token else "the token sent is not the admin token"
+    return f"bulk writes need the admin token (paramctl --token or ${ADMIN_TOKEN_ENV}) in the bulk hello; {problem}"
+
+
 @dataclass(frozen=True)
 class BulkServerConfig:
     max_connections: int = 64
@@ -57,6 +96,11 @@ class BulkServerConfig:
     io_timeout_s: float = 30.0  # one send or the rest of a frame must not take longer
     hello_timeout_s: float = 5.0  # the whole hello must arrive within this
     max_per_ip: int = 16  # connections one client address may hold
+    writes: bool = True  # serve write sessions (PUT); off: a write hello is refused and clients use PutChunks
+    max_write_connections: int = 16  # write sessions at once (each holds up to store_workers + 1 PUTs)
+    write_buffer_bytes: int = 256 << 20  # received PUT payloads held at once, over all write sessions
+    store_workers: int = 2  # PUTs of one session stored at once (their fsyncs are grouped by the store)
+    min_write_rate: int = 1 << 20  # bytes/s: a PUT must arrive within io_timeout_s + its size at this rate
 
     def validate(self) -> BulkServerConfig:
         if not 1 <= self.max_connections <= 4096:
@@ -65,21 +109,38 @@ class BulkServerConfig:
             raise ConfigError(f"bulk max_per_ip must be 1..4096, got {self.max_per_ip}")
         if self.idle_timeout_s <= 0 or self.io_timeout_s <= 0 or self.hello_timeout_s <= 0:
             raise ConfigError("bulk idle_timeout_s, io_timeout_s and hello_timeout_s must be > 0")
+        if not 1 <= self.max_write_connections <= 4096:
+            raise ConfigError(f"bulk max_write_connections must be 1..4096, got {self.max_write_connections}")
+        if self.write_buffer_bytes < MAX_PUT_BYTES:
+            raise ConfigError(f"bulk write_buffer_bytes must be at least {MAX_PUT_BYTES} (one PUT of the largest chunk), "
+                              f"got {self.write_buffer_bytes}")
+        if not 1 <= self.store_workers <= 16:
+            raise ConfigError(f"bulk store_workers must be 1..16, got {self.store_workers}")
+        if self.min_write_rate < 1024:
+            raise ConfigError(f"bulk min_write_rate must be at least 1024 bytes/s, got {self.min_write_rate}")
         return self
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, object]) -> BulkServerConfig:
         """From a server config file's extra keys ``bulk_max_connections``, ``bulk_max_per_ip``,
-        ``bulk_hello_timeout_s``, ``bulk_idle_timeout_s`` and ``bulk_io_timeout_s``."""
-        values: dict[str, float | int] = {}
+        ``bulk_hello_timeout_s``, ``bulk_idle_timeout_s``, ``bulk_io_timeout_s``, ``bulk_writes`` (bool),
+        ``bulk_max_write_connections``, ``bulk_write_buffer_bytes``, ``bulk_store_workers`` and
+        ``bulk_min_write_rate``."""
+        values: dict[str, float | int | bool] = {}
         for name, kind in (("max_connections", int), ("max_per_ip", int), ("hello_timeout_s", float),
-                           ("idle_timeout_s", float), ("io_timeout_s", float)):
+                           ("idle_timeout_s", float), ("io_timeout_s", float), ("max_write_connections", int),
+                           ("write_buffer_bytes", int), ("store_workers", int), ("min_write_rate", int)):
             value = extra.get(f"bulk_{name}")
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and not isinstance(value, int)):
                 raise ConfigError(f"bulk_{name} must be a{'n integer' if kind is int else ' number'}, got {value!r}")
             values[name] = kind(value)
+        writes = extra.get("bulk_writes")
+        if writes is not None:
+            if not isinstance(writes, bool):
+                raise ConfigError(f"bulk_writes must be true or false, got {writes!r}")
+            values["writes"] = writes
         return cls(**values).validate()  # type: ignore[arg-type]
 
 
@@ -100,14 +161,53 @@ def _recv_by(conn: socket.socket, n: int, deadline: float) -> bytes:
     return bytes(buf)
 
 
+class _Budget:
+    """Bytes of received PUT payloads held at once, over all write sessions."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int, deadline: float) -> bool:
+        n = min(n, self.capacity)
+        with self._cond:
+            while self.used + n > self.capacity:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 1.0))
+            self.used += n
+            return True
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self.used -= min(n, self.capacity)
+            self._cond.notify_all()
+
+
 class BulkServer:
-    """Threaded TCP server of the bulk read protocol; a thread per connection, bounded."""
+    """Threaded TCP server of the bulk read and write protocols; a thread per connection, bounded.
+
+    ``repair_queue``: told when a fresh verified copy of a chunk arrived (as PutChunks does).
+    ``forward_to``: the bulk addresses a PUT may be forwarded to (the other members'); None: this
+    server does not forward (chain hops are answered FAILED and the client sends to them itself).
+    """
 
     def __init__(self, store: ChunkStore, auth: AuthConfig, listen: str = "127.0.0.1:0",
-                 config: BulkServerConfig = BulkServerConfig()) -> None:
+                 config: BulkServerConfig = BulkServerConfig(), *, server_id: str = "",
+                 repair_queue: RepairQueue | None = None, forward_to: Callable[[], Collection[str]] | None = None) -> None:
         self.store = store
         self.auth = auth.validate()
         self.config = config.validate()
+        # The name error acks give this server: the store knows it when the caller does not say.
+        self.server_id = server_id or str(getattr(store, "server_id", "") or "")
+        self.repair_queue = repair_queue
+        self.forward_to = forward_to
+        self._write_slots = threading.BoundedSemaphore(self.config.max_write_connections)
+        self.budget = _Budget(self.config.write_buffer_bytes)
+        self.write_stats = {"sessions": 0, "puts": 0, "chunks": 0, "bytes": 0, "errors": 0, "forwarded": 0,
+                            "buffers_reused": 0}
         host, _, port = listen.rpartition(":")
         if not host or not port.isdigit():
             raise ConfigError(f"bulk listen address must be HOST:PORT (port 0 picks a free one), got {listen!r}")
@@ -207,13 +307,20 @@ class BulkServer:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
             try:
-                ok = self._handshake(conn, peer)
+                mode = self._handshake(conn, peer)
             except TimeoutError:
                 self._log_refusal(peer, "hello_timeout", f"no complete hello within {self.config.hello_timeout_s:g} s")
                 return
             conn.settimeout(self.config.io_timeout_s)
-            if ok:
+            if mode == "read":
                 self._requests(conn)
+            elif mode is not None and mode.startswith("write:"):
+                try:
+                    with self._lock:
+                        self.write_stats["sessions"] += 1
+                    _WriteSession(self, conn, peer, mode[len("write:"):]).run()
+                finally:
+                    self._write_slots.release()
         except (OSError, EOFError, ProtocolError) as exc:
             log.debug("bulk connection ended: %s", exc)
         except Exception:
@@ -225,9 +332,12 @@ class BulkServer:
             self._drop_ip(str(peer[0]))
             self._slots.release()
 
-    def _handshake(self, conn: socket.socket, peer: tuple[str, int]) -> bool:
+    def _handshake(self, conn: socket.socket, peer: tuple[str, int]) -> str | None:
+        """"read", or "write:" + the token, once welcomed; None when turned away (answered and logged)."""
         deadline = time.monotonic() + self.config.hello_timeout_s
         magic, version, token_len = HELLO.unpack(_recv_by(conn, HELLO.size, deadline))
+        if magic == WRITE_MAGIC:
+            return self._write_handshake(conn, peer, version, token_len, deadline)
         if magic != MAGIC:
             return self._turn_away(conn, peer, W_BAD_HELLO, "bad_hello",
                                    "not a bulk hello (bad magic): this port speaks the paramserver bulk protocol, "
@@ -241,13 +351,40 @@ class BulkServer:
         if problem is not None:
             return self._turn_away(conn, peer, W_UNAUTHENTICATED, "unauthenticated", problem)
         conn.sendall(encode_welcome(W_OK))
-        return True
+        return "read"
 
-    def _turn_away(self, conn: socket.socket, peer: tuple[str, int], status: int, reason: str, message: str) -> bool:
+    def _write_handshake(self, conn: socket.socket, peer: tuple[str, int], version: int, token_len: int,
+                         deadline: float) -> str | None:
+        def away(status: int, reason: str, message: str) -> str | None:
+            return self._turn_away(conn, peer, status, reason, message, welcome=encode_write_welcome)
+
+        if version != WRITE_VERSION or token_len > MAX_TOKEN_BYTES:
+            return away(W_BAD_HELLO, "bad_hello", f"bulk write protocol version {version} is not served here (this server speaks "
+                                                  f"{WRITE_VERSION}); fall back to PutChunks")
+        token = _recv_by(conn, token_len, deadline).decode("utf-8", "replace")
+        conn.settimeout(self.config.io_timeout_s)
+        problem = check_write_token(token, self.auth)
+        if problem is not None:
+            return away(W_UNAUTHENTICATED, "unauthenticated", problem)
+        if not self.config.writes:
+            return away(W_BAD_HELLO, "writes_off", "bulk writes are off on this server; use PutChunks")
+        if not self._write_slots.acquire(blocking=False):
+            return away(W_BAD_HELLO, "write_limit", f"too many bulk write sessions (limit {self.config.max_write_connections}); "
+                                                    "use PutChunks or retry later")
+        try:
+            conn.sendall(encode_write_welcome(W_OK))
+        except BaseException:
+            self._write_slots.release()
+            raise
+        return "write:" + token  # forwarded hops are opened with the client's own token
+
+    def _turn_away(self, conn: socket.socket, peer: tuple[str, int], status: int, reason: str, message: str,
+                   welcome: Callable[[int, str], bytes] = encode_welcome) -> str | None:
+        """Answer a refused hello; None (the connection is not served)."""
         self._log_refusal(peer, reason, message)
         conn.settimeout(self.config.io_timeout_s)
-        conn.sendall(encode_welcome(status, message))
-        return False
+        conn.sendall(welcome(status, message))
+        return None
 
     def _error(self, conn: socket.socket, message: str) -> None:
         raw = encode_message(message)
@@ -307,4 +444,437 @@ class BulkServer:
             send_all(conn, encode_batch(headers, payloads))
 
 
-__all__ = ["BulkServer", "BulkServerConfig", "check_token"]
+# ------------------------------------------------------------------ write sessions
+
+_STOP = object()
+_SPARES, _SPARE_MAX_BYTES = 2, 16 << 20  # receive buffers a session keeps for its next PUTs
+Ack = tuple[int, str, int]  # (status, message, free_bytes)
+
+
+class _Refused(Exception):
+    """A PUT this session will not take; ``error_class`` goes into the ERROR frame."""
+
+    def __init__(self, message: str, error_class: int = E_MALFORMED) -> None:
+        super().__init__(message)
+        self.error_class = error_class
+
+
+class _ForwardFailed(Exception):
+    pass
+
+
+class _Forwarder:
+    """This server's write session to the next hop of a chain: PUTs out (in order), ACKS back by seq."""
+
+    def __init__(self, address: str, token: str, io_timeout_s: float, ack_timeout_s: float) -> None:
+        self.address = address
+        self.ack_timeout_s = ack_timeout_s
+        host, _, port = address.rpartition(":")
+        try:
+            self.sock = socket.create_connection((host.strip("[]"), int(port)), timeout=min(3.0, io_timeout_s))
+        except (OSError, ValueError) as exc:
+            raise _ForwardFailed(f"cannot connect to {address}: {exc}") from None
+        try:
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
+            self.sock.settimeout(io_timeout_s)
+            self.sock.sendall(encode_write_hello(token))
+            head = bytearray(WELCOME.size)
+            recv_exact(self.sock, memoryview(head))
+            magic, status, n = WELCOME.unpack(head)
+            message = bytearray(n)
+            recv_exact(self.sock, memoryview(message))
+            if magic != WRITE_MAGIC or status != W_OK:
+                raise _ForwardFailed(f"{address} refused the write session: {message.decode('utf-8', 'replace') or status}")
+        except (OSError, EOFError) as exc:
+            self.sock.close()
+            raise _ForwardFailed(f"handshake with {address} failed: {exc}") from None
+        except BaseException:
+            self.sock.close()
+            raise
+        self._rsock = self.sock.dup()  # the reader's own object: timeouts are per object
+        self.seq = 0
+        self.error: str | None = None
+        self._results: dict[int, list[Ack]] = {}
+        self._send_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._reader = threading.Thread(target=self._read, name="bulk-forward-acks", daemon=True)
+        self._reader.start()
+
+    def send(self, batch: PutBatch, rest: list[str]) -> int:
+        assert batch.buffer is not None
+        with self._send_lock:
+            if self.error is not None:
+                raise _ForwardFailed(self.error)
+            self.seq += 1
+            seq = self.seq
+            try:
+                send_all(self.sock, encode_put(seq, [batch.items], [batch.buffer], len(batch.buffer), encode_route(rest),
+                                               count=len(batch.ids)))
+            except (OSError, ValueError) as exc:
+                self._fail(f"sending to {self.address} failed: {exc}")
+                raise _ForwardFailed(f"sending to {self.address} failed: {exc}") from None
+        return seq
+
+    def wait(self, seq: int) -> list[Ack]:
+        deadline = time.monotonic() + self.ack_timeout_s
+        with self._cond:
+            while seq not in self._results:
+                if self.error is not None:
+                    raise _ForwardFailed(self.error)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise _ForwardFailed(f"{self.address} sent no acks within {self.ack_timeout_s:g} s")
+                self._cond.wait(min(left, 1.0))
+            return self._results.pop(seq)
+
+    def _fail(self, message: str) -> None:
+        with self._cond:
+            if self.error is None:
+                self.error = message
+            self._cond.notify_all()
+
+    def _read(self) -> None:
+        head = bytearray(ACK_HEAD.size)
+        hv = memoryview(head)
+        sock = self._rsock
+        try:
+            while True:
+                sock.settimeout(1.0)
+                try:
+                    n = sock.recv_into(hv, ACK_HEAD.size)
+                except TimeoutError:
+                    if self.error is not None:
+                        return
+                    continue
+                if n == 0:
+                    raise EOFError("closed")
+                deadline = time.monotonic() + self.ack_timeout_s
+                if n < ACK_HEAD.size:
+                    recv_exact_by(sock, hv[n:], deadline)
+                kind, replicas, seq, count, msg_bytes = ACK_HEAD.unpack(head)
+                if msg_bytes > MAX_MESSAGE_BYTES * max(1, count * max(1, replicas)) or count > MAX_PUT_ITEMS or replicas > 64:
+                    raise ProtocolError(f"ACKS too large ({count} items, {msg_bytes} message bytes)")
+                items = bytearray(count * max(1, replicas) * ACK_ITEM.size if kind == A_ACKS else 0)
+                recv_exact_by(sock, memoryview(items), deadline)
+                messages = bytearray(msg_bytes)
+                recv_exact_by(sock, memoryview(messages), deadline)
+                if kind != A_ACKS:
+                    raise ProtocolError(f"{self.address} ended the forwarded session: {messages.decode('utf-8', 'replace')}")
+                acks = decode_acks(items, messages)
+                with self._cond:
+                    self._results[seq] = acks
+                    self._cond.notify_all()
+        except (OSError, EOFError, ProtocolError) as exc:
+            self._fail(f"forwarding to {self.address} failed: {exc}")
+
+    def close(self) -> None:
+        self._fail("closed")
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self._reader.join(timeout=5)
+        self._rsock.close()
+
+
+class _WriteSession:
+    """One write connection: this thread receives PUTs, ``store_workers`` threads store them, acks go out in order."""
+
+    def __init__(self, server: BulkServer, conn: socket.socket, peer: tuple[str, int], token: str) -> None:
+        self.server = server
+        self.store = server.store
+        self.cfg = server.config
+        self.conn = conn
+        self.peer = peer
+        self.token = token
+        self.where = f"server {server.server_id}" if server.server_id else f"bulk server {server.address}"
+        # Acks are sent on a duplicate of the socket: its timeout is its own (the receiver's changes with each read).
+        self.tx = conn.dup()
+        self.tx.settimeout(self.cfg.io_timeout_s)
+        self.queue: queue.Queue[object] = queue.Queue(maxsize=1)  # received, waiting for a worker
+        self.workers: list[threading.Thread] = []
+        self._send_lock = threading.Lock()
+        self._done: dict[int, bytes] = {}
+        self._next_ack = 1
+        self._send_failed = False
+        self._forwarders: dict[str, _Forwarder | str] = {}  # next hop -> its session, or why it failed
+        self._fwd_lock = threading.Lock()
+        self._spare: list[np.ndarray] = []  # receive buffers no one refers to any more (see _recycle)
+        self._spare_lock = threading.Lock()
+
+    # ------------------------------------------------------------ receiving
+
+    def run(self) -> None:
+        refused: _Refused | None = None
+        expected = 1
+        try:
+            while not self.server._stopped.is_set():
+                batch = self._receive(expected)
+                if batch is None:
+                    break
+                expected += 1
+                if len(self.workers) < self.cfg.store_workers and len(self.workers) < expected - 1:
+                    t = threading.Thread(target=self._work, name="bulk-store", daemon=True)
+                    t.start()
+                    self.workers.append(t)
+                self.queue.put(batch)  # blocks while every worker is busy: we stop reading, the client's window fills
+        except _Refused as exc:
+            refused = exc
+        except (OSError, EOFError) as exc:
+            log.debug("bulk write session ended: %s", exc)
+        finally:
+            for _ in self.workers:
+                self.queue.put(_STOP)
+            for t in self.workers:
+                t.join()
+            if refused is not None:
+                with self.server._lock:
+                    self.server.write_stats["errors"] += 1
+                self.server._refusals.warning("bad_put", "bulk write refused: address=%s:%s server=%s reason=%s",
+                                              self.peer[0], self.peer[1], self.server.address, str(refused))
+                with self._send_lock:
+                    if not self._send_failed:
+                        try:
+                            self.tx.sendall(encode_ack_error(expected, f"{self.where}: {refused}", refused.error_class))
+                        except OSError:
+                            pass
+            with self._fwd_lock:
+                forwarders = [f for f in self._forwarders.values() if isinstance(f, _Forwarder)]
+                self._forwarders.clear()
+            for f in forwarders:
+                f.close()
+            self.tx.close()
+
+    def _receive(self, expected: int) -> PutBatch | None:
+        """The next PUT, received in full; None on a goodbye, a close or an idle connection."""
+        conn = self.conn
+        head = bytearray(PUT_HEAD.size)
+        view = memoryview(head)
+        conn.settimeout(self.cfg.idle_timeout_s)
+        try:
+            n = conn.recv_into(view, PUT_HEAD.size)
+        except TimeoutError:
+            return None  # idle: the client reconnects when it needs us again
+        if n == 0:
+            return None
+        deadline = time.monotonic() + self.cfg.io_timeout_s
+        try:
+            if n < PUT_HEAD.size:
+                recv_exact_by(conn, view[n:], deadline)
+            count, seq, payload_bytes, route_len = PUT_HEAD.unpack(head)
+            if count == 0:
+                return None  # goodbye
+            if count > MAX_PUT_ITEMS:
+                raise _Refused(f"a PUT carries at most {MAX_PUT_ITEMS} chunks, got {count}; split it")
+            if seq != expected:
+                raise _Refused(f"PUT number {seq} out of order: expected {expected}")
+            if payload_bytes > MAX_PUT_BYTES:
+                raise _Refused(f"a PUT carries at most {MAX_PUT_BYTES} payload bytes, this one declares {payload_bytes}; split it")
+            if route_len > MAX_ROUTE_BYTES:
+                raise _Refused(f"a PUT route has at most {MAX_ROUTE_BYTES} bytes, got {route_len}")
+            rest = bytearray(route_len + count * PUT_ITEM.size)
+            recv_exact_by(conn, memoryview(rest), deadline)
+            try:
+                route = decode_route(bytes(rest[:route_len]))
+                batch = PutBatch(seq, bytes(rest[route_len:]), route)
+            except ProtocolError as exc:
+                raise _Refused(str(exc)) from None
+            if batch.payload_bytes != payload_bytes:
+                raise _Refused(f"PUT {seq} declares {payload_bytes} payload bytes, its chunks {batch.payload_bytes}")
+            if not self.server.budget.acquire(payload_bytes, time.monotonic() + self.cfg.io_timeout_s):
+                raise _Refused(f"no room for a PUT of {payload_bytes} bytes within {self.cfg.io_timeout_s:g} s (the server's "
+                               f"write buffers, {self.cfg.write_buffer_bytes} bytes, are full); retry later", E_BUSY)
+            try:
+                array = self._buffer(payload_bytes)
+                buf: memoryview = array.data[:payload_bytes]
+                recv_exact_by(conn, buf, time.monotonic() + self.cfg.io_timeout_s + payload_bytes / self.cfg.min_write_rate)
+            except BaseException:
+                self.server.budget.release(payload_bytes)
+                raise
+            batch.buffer = buf
+            batch.array = array
+            return batch
+        except TimeoutError as exc:
+            raise _Refused(f"PUT not received in time ({exc})", E_BUSY) from None
+
+    # ------------------------------------------------------------ storing
+
+    def _work(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is _STOP:
+                return
+            batch = cast(PutBatch, item)
+            try:
+                frame = self._handle(batch)
+            except Exception as exc:  # a bug must not take the session (or the server) down
+                log.exception("bulk PUT %d failed", batch.seq)
+                message = f"{self.where}: could not store the PUT: {type(exc).__name__}: {exc}"
+                frame = encode_acks(batch.seq, 1 + len(batch.route), [(FAILED, message, 0)] * (len(batch.ids) * (1 + len(batch.route))))
+            finally:
+                self.server.budget.release(batch.payload_bytes)
+                batch.buffer = None
+                array, batch.array = batch.array, None
+            self._recycle(array)
+            self._deliver(batch.seq, frame)
+
+    def _buffer(self, n: int) -> np.ndarray:
+        """A receive buffer of at least ``n`` bytes: a spare one that fits, else a new one (uninitialised: every
+        byte is received into it)."""
+        with self._spare_lock:
+            for i, a in enumerate(self._spare):
+                if n <= len(a) <= 2 * n + (1 << 20):
+                    with self.server._lock:
+                        self.server.write_stats["buffers_reused"] += 1
+                    return self._spare.pop(i)
+        return np.empty(-(-n // (1 << 20)) * (1 << 20), dtype=np.uint8)  # whole MiB: PUTs of a little more still fit
+
+    def _recycle(self, array: object) -> None:
+        """Keep ``array`` for the next PUT only when nothing else refers to it: the store may keep views of
+        the bytes it was given (every memoryview of the buffer holds a reference to it), and those must
+        never change. Here the only references are this frame's and getrefcount's own."""
+        if not isinstance(array, np.ndarray) or sys.getrefcount(array) != 3:
+            return  # 3: the caller's local, this parameter, getrefcount's argument
+        if len(array) > _SPARE_MAX_BYTES:
+            return
+        with self._spare_lock:
+            if len(self._spare) < _SPARES:
+                self._spare.append(array)
+
+    def _deliver(self, seq: int, frame: bytes) -> None:
+        with self._send_lock:
+            self._done[seq] = frame
+            while self._next_ack in self._done:
+                out = self._done.pop(self._next_ack)
+                self._next_ack += 1
+                if self._send_failed:
+                    continue
+                try:
+                    self.tx.sendall(out)
+                except OSError as exc:
+                    self._send_failed = True  # the client is gone: what it sent is stored (orphans until committed)
+                    log.debug("bulk acks not delivered: %s", exc)
+
+    def _handle(self, batch: PutBatch) -> bytes:
+        hops = batch.route
+        waiter: tuple[_Forwarder, int] | str | None = None
+        if hops:
+            waiter = self._forward(batch)  # first: the next hop receives while we store
+        local = self._store(batch)
+        if not hops:
+            return encode_acks(batch.seq, 1, local)
+        n = len(batch.ids)
+        down: list[Ack]
+        if isinstance(waiter, tuple):
+            forwarder, fseq = waiter
+            try:
+                down = forwarder.wait(fseq)
+                if len(down) != n * len(hops):
+                    raise _ForwardFailed(f"{forwarder.address} answered {len(down)} acks for {n} chunks x {len(hops)} replicas")
+            except _ForwardFailed as exc:
+                self._drop_forwarder(hops[0], str(exc))
+                down = self._hops_failed(hops, n, str(exc))
+        else:
+            down = self._hops_failed(hops, n, waiter or "not forwarded")
+        merged: list[Ack] = []
+        for k in range(n):
+            merged.append(local[k])
+            merged.extend(down[k * len(hops) : (k + 1) * len(hops)])
+        return encode_acks(batch.seq, 1 + len(hops), merged)
+
+    def _hops_failed(self, hops: list[str], n: int, why: str) -> list[Ack]:
+        return [(FAILED, f"{self.where} could not forward to {hop}: {why}; send it there directly", 0)
+                for _k in range(n) for hop in hops]
+
+    def _forward(self, batch: PutBatch) -> tuple[_Forwarder, int] | str:
+        hop, rest = batch.route[0], batch.route[1:]
+        allowed = self.server.forward_to
+        if allowed is None:
+            return "this server does not forward bulk writes (chain replication is off here)"
+        if hop in (self.server.address,) or hop in rest or hop not in allowed():
+            return f"{hop} is not the bulk address of another member"
+        with self._fwd_lock:
+            found = self._forwarders.get(hop)
+            if found is None:
+                try:
+                    found = _Forwarder(hop, self.token, self.cfg.io_timeout_s, ack_timeout_s=max(60.0, 2 * self.cfg.io_timeout_s))
+                except _ForwardFailed as exc:
+                    found = str(exc)
+                self._forwarders[hop] = found
+        if isinstance(found, str):
+            return found
+        try:
+            seq = found.send(batch, rest)
+        except _ForwardFailed as exc:
+            self._drop_forwarder(hop, str(exc))
+            return str(exc)
+        with self.server._lock:
+            self.server.write_stats["forwarded"] += 1
+        return found, seq
+
+    def _drop_forwarder(self, hop: str, why: str) -> None:
+        with self._fwd_lock:
+            found = self._forwarders.get(hop)
+            self._forwarders[hop] = why  # this session does not try that hop again
+        if isinstance(found, _Forwarder):
+            found.close()
+
+    def _store(self, batch: PutBatch) -> list[Ack]:
+        """Per-chunk acks of one PUT, after ``put_many`` returned (the stored chunks are durable)."""
+        chunks = batch.chunks()
+        n = len(chunks)
+        out: list[Ack | None] = [None] * n
+        first: dict[str, int] = {}
+        for k, c in enumerate(chunks):
+            first.setdefault(c[0], k)  # a chunk sent twice in one PUT is stored (and answered) once
+        todo = sorted(first.values())
+        where = self.where
+        while todo:
+            present = [self.store.has(chunks[k][0]) for k in todo]
+            try:
+                results = self.store.put_many([cast("tuple[str, bytes, str, int, int]", chunks[k]) for k in todo])
+            except ChunkError as exc:  # invalid, damaged in transit, unknown codec: the ones before it are stored
+                j = next((i for i, k in enumerate(todo) if chunks[k][0] == exc.chunk_id), None)
+                if j is None:
+                    for k in todo:
+                        out[k] = (FAILED, f"{where}: {exc}", 0)
+                    break
+                for i in range(j):
+                    out[todo[i]] = (ALREADY_PRESENT if present[i] else STORED, "", 0)
+                status = CORRUPT_IN_TRANSIT if isinstance(exc, ChunkTransferCorruptError) else INVALID
+                out[todo[j]] = (status, f"{where}: {exc}", 0)
+                todo = todo[j + 1 :]
+                continue
+            except StoreFullError as exc:
+                for k in todo:
+                    out[k] = (FULL, f"{where}: {exc}", exc.free_bytes)
+                break
+            except (ParamServerError, OSError) as exc:
+                for k in todo:
+                    out[k] = (FAILED, f"{where}: could not store chunk {chunks[k][0]}: {exc}", 0)
+                break
+            for i, k in enumerate(todo):
+                out[k] = (STORED if results[i] else ALREADY_PRESENT, "", 0)
+            break
+        acks: list[Ack] = []
+        stored = nbytes = 0
+        for k in range(n):
+            ack = out[k] if out[k] is not None else out[first[chunks[k][0]]]
+            assert ack is not None
+            acks.append(ack)
+            if ack[0] in (STORED, ALREADY_PRESENT):
+                stored += 1
+                nbytes += len(chunks[k][1])
+                if self.server.repair_queue is not None:
+                    self.server.repair_queue.done(chunks[k][0])  # a fresh verified copy arrived
+        with self.server._lock:
+            stats = self.server.write_stats
+            stats["puts"] += 1
+            stats["chunks"] += stored
+            stats["bytes"] += nbytes
+        return acks
+
+
+__all__ = ["BulkServer", "BulkServerConfig", "check_token", "check_write_token"]

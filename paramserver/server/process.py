@@ -78,8 +78,9 @@ class ParamServer:
         log.info("%s serving gRPC on %s, Raft on %s", cfg.server_id, self.running.address, cfg.raft)
         if cfg.bulk_enabled:
             self.bulk = BulkServer(store, AuthConfig(cfg.admin_token, cfg.read_token), cfg.bulk_listen_address,
-                                   BulkServerConfig.from_extra(cfg.extra)).start()
-            log.info("%s serving bulk chunk reads on %s", cfg.server_id, self.bulk.address)
+                                   BulkServerConfig.from_extra(cfg.extra), server_id=cfg.server_id,
+                                   repair_queue=queue).start()
+            log.info("%s serving bulk chunk reads and writes on %s", cfg.server_id, self.bulk.address)
 
         references = References(node, fetch_blob)
         threading.Thread(target=self._register_loop, name="register", daemon=True).start()

@@ -1,12 +1,14 @@
-"""Bulk chunk reads over plain TCP: the fast path for chunk bytes, next to gRPC GetChunks.
+"""Bulk chunk reads and writes over plain TCP: the fast path for chunk bytes, next to gRPC
+GetChunks and PutChunks.
 
 Why: gRPC-Python's receive path costs 1-2 ns per byte on each side; a loopback TCP stream
 read with ``recv_into`` a preallocated buffer costs a fraction of that. gRPC stays the wire
-contract and the control plane: this port only *reads* chunks, it is advertised in the
-member record (``bulk_address``), it is off when TLS is configured (it has no encryption),
-and clients fall back to GetChunks on any error here.
+contract and the control plane: this port only moves chunk bytes (reads, and writes in write
+sessions, below), it is advertised in the member record (``bulk_address``), it is off when TLS
+is configured (it has no encryption), and clients fall back to GetChunks / PutChunks on any
+error here.
 
-Protocol, version 2. All integers little-endian; one TCP connection per (client, server),
+Read protocol, version 2. All integers little-endian; one TCP connection per (client, server),
 long-lived and reused for many requests.
 
     client -> server  HELLO    magic "PDBK" | version u16 | token_len u16 | token (utf-8, <= 1024 B)
@@ -35,12 +37,53 @@ Reads go through ``ChunkStore.get`` (hot cache, CRC32C checked on every disk rea
 chunk is answered CORRUPT and never sent, and the store quarantines it and queues its repair
 (``on_corrupt``) exactly as on the gRPC path. Tokens follow paramserver.server.auth: when a read token
 is set, the read or the admin token is needed; with no read token reads are open.
+
+Write sessions (bulk write protocol, version 1), on the same port. A connection whose hello
+carries the magic "PDBW" instead of "PDBK" is a write session; reads (PDBK, version 2) are
+unchanged. Writes need the admin token (paramserver.server.auth: open only when the server has
+no admin token); the read token is not enough.
+
+    client -> server  HELLO    magic "PDBW" | version u16 (WRITE_VERSION) | token_len u16 | token
+    server -> client  WELCOME  magic "PDBW" | status u8 | msg_len u16 | message    (as for reads;
+                      a server without bulk writes answers a PDBK welcome "bad hello": the
+                      client falls back to gRPC PutChunks)
+    client -> server  PUT      PUT_HEAD: count u32 (0..MAX_PUT_ITEMS) | seq u32 | payload_bytes u64
+                               | route_len u32 (<= MAX_ROUTE_BYTES)
+                               | route (utf-8: the bulk addresses this batch is to be forwarded to,
+                                 in chain order, separated by ","; empty: store here only)
+                               | count x PUT_ITEM | the count payloads back to back
+                      PUT_ITEM id 32s (binary content id) | flags u8 (0) | codec_len u8 | codec 18s
+                               | raw_size u64 | stored_size u64 | crc32c u32          (72 bytes)
+                      seq: 1, 2, 3, ... per connection; payload_bytes = the sum of stored_size,
+                      at most MAX_PUT_BYTES; a stored_size at most MAX_CHUNK_BYTES.
+                      count 0 is a goodbye: the server answers what it holds, then closes.
+    server -> client  ACKS     ACK_HEAD: kind u8 (A_ACKS) | pad | replicas u16 | seq u32 | count u32
+                               | msg_bytes u32 | count x replicas x ACK_ITEM | messages
+                      ACK_ITEM status u8 | pad | msg_len u16 | free_bytes u64             (12 bytes)
+                      One ACKS per PUT, in PUT order, sent only once every chunk it acknowledges
+                      is durable (fsync, or written with --no-fsync). Items are chunk-major: for
+                      chunk k, replica 0 (this server), then each hop of the route in order.
+                      status: STORED, ALREADY_PRESENT, or an error naming the chunk in its message:
+                      INVALID (bytes do not match the id, bad codec, raw size over the cap),
+                      CORRUPT_IN_TRANSIT (CRC32C of the received bytes is wrong: send it again),
+                      FULL (free_bytes: what that server's disk has left), FAILED (the server
+                      could not store or forward it: retry elsewhere or later).
+                      ERROR    ACK_HEAD with kind A_ERROR, count 0, replicas = its class
+                               (E_MALFORMED: the PUT broke the protocol - counts, sizes, seq, time;
+                               E_BUSY: no room for it in time), the message; the server closes after it.
+
+A batch is received with one read of its head and items and one read of all its payloads
+straight into one buffer, stored with one ``ChunkStore.put_many`` (one group fsync) and answered
+with one ACKS: a few system calls and Python steps per batch, none per byte.
 """
 from __future__ import annotations
 
 import socket
 import struct
+import time
 from typing import Sequence
+
+import numpy as np
 
 from paramserver.wire.errors import ConfigError
 from paramserver.wire.limits import MAX_CODEC_LEN
@@ -72,6 +115,34 @@ STATUS_NAMES = {OK: "OK", MISSING: "MISSING", CORRUPT: "CORRUPT", ERROR: "ERROR"
 # Close a batch at this much chunk data: one sendmsg, no copies, and one scatter read for the client.
 SEND_BATCH_BYTES = 2 << 20
 SOCKET_BUFFER_BYTES = 8 << 20
+
+
+# ---- write sessions (see the module docstring)
+WRITE_MAGIC = b"PDBW"
+WRITE_VERSION = 1
+PUT_HEAD = struct.Struct("<IIQI")  # count, seq, payload_bytes, route_len (20 bytes)
+PUT_ITEM = struct.Struct(f"<32sBB{MAX_CODEC_LEN}sQQI")  # 72 bytes
+ACK_HEAD = struct.Struct("<BxHIII")  # kind, replicas (ERROR: its class), seq, count, msg_bytes (16 bytes)
+ACK_ITEM = struct.Struct("<BxHQ")  # status, msg_len, free_bytes (12 bytes)
+# The same layouts as numpy dtypes: a whole batch's items are decoded in one call.
+PUT_ITEM_DTYPE = np.dtype([("id", "V32"), ("flags", "u1"), ("codec_len", "u1"), ("codec", f"S{MAX_CODEC_LEN}"),
+                           ("raw_size", "<u8"), ("stored_size", "<u8"), ("crc", "<u4")])
+ACK_ITEM_DTYPE = np.dtype([("status", "u1"), ("pad", "u1"), ("msg_len", "<u2"), ("free_bytes", "<u8")])
+assert PUT_ITEM_DTYPE.itemsize == PUT_ITEM.size and ACK_ITEM_DTYPE.itemsize == ACK_ITEM.size
+MAX_PUT_ITEMS = 512  # chunks per PUT: with the head, the client's sendmsg stays under IOV_MAX (1024)
+MAX_PUT_BYTES = MAX_BATCH_BYTES  # payload of one PUT: 16 MiB of small chunks, or one chunk of up to 64 MiB
+MAX_ROUTE_BYTES = 1024
+MAX_ROUTE_HOPS = 8
+# ACK kinds and per-chunk statuses
+A_ACKS, A_ERROR = 0, 1
+# ERROR classes (the replicas field of an ERROR frame): the PUT broke the protocol / the server is busy
+E_MALFORMED, E_BUSY = 0, 1
+STORED, ALREADY_PRESENT, INVALID, CORRUPT_IN_TRANSIT, FULL, FAILED = 0, 1, 2, 3, 4, 5
+ACK_NAMES = {STORED: "STORED", ALREADY_PRESENT: "ALREADY_PRESENT", INVALID: "INVALID",
+             CORRUPT_IN_TRANSIT: "CORRUPT_IN_TRANSIT", FULL: "FULL", FAILED: "FAILED"}
+ACK_OK = frozenset({STORED, ALREADY_PRESENT})
+# The client keeps at most this many PUTs in flight per connection unless told otherwise.
+DEFAULT_WRITE_WINDOW = 8
 
 
 class ProtocolError(Exception):
@@ -151,9 +222,9 @@ def recv_bytes(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def send_all(sock: socket.socket, buffers: list[bytes | memoryview]) -> None:
+def send_all(sock: socket.socket, buffers: Sequence[bytes | bytearray | memoryview]) -> None:
     """sendmsg that finishes partial sends, without joining the buffers."""
-    bufs: list[bytes | memoryview] = list(buffers)
+    bufs: list[bytes | bytearray | memoryview] = list(buffers)
     while bufs:
         sent = sock.sendmsg(bufs)
         while bufs and sent >= len(bufs[0]):
@@ -175,10 +246,157 @@ def encode_message(text: str) -> bytes:
 
 
 
+def encode_write_hello(token: str | None) -> bytes:
+    raw = (token or "").encode()
+    if len(raw) > MAX_TOKEN_BYTES:
+        raise ConfigError(f"token is {len(raw)} bytes; the bulk protocol takes at most {MAX_TOKEN_BYTES}")
+    return HELLO.pack(WRITE_MAGIC, WRITE_VERSION, len(raw)) + raw
+
+
+def encode_write_welcome(status: int, message: str = "") -> bytes:
+    raw = message.encode()[:4096]
+    return WELCOME.pack(WRITE_MAGIC, status, len(raw)) + raw
+
+
+def encode_put_item(chunk_id: str, codec: str, raw_size: int, stored_size: int, crc: int) -> bytes:
+    """One PUT_ITEM; ValueError when the id is not 64 hex digits or the codec does not fit."""
+    raw_id = bytes.fromhex(chunk_id)
+    c = codec.encode("ascii")
+    if len(raw_id) != ID_BYTES:
+        raise ValueError(f"chunk id {chunk_id!r} is not a {ID_BYTES}-byte content id (64 hex digits)")
+    if not 0 < len(c) <= MAX_CODEC_LEN:
+        raise ValueError(f"chunk {chunk_id}: codec {codec!r} does not fit the bulk header (1..{MAX_CODEC_LEN} ascii bytes)")
+    return PUT_ITEM.pack(raw_id, 0, len(c), c, raw_size, stored_size, crc)
+
+
+def encode_route(hops: Sequence[str]) -> bytes:
+    raw = ",".join(hops).encode()
+    if len(hops) > MAX_ROUTE_HOPS or len(raw) > MAX_ROUTE_BYTES or any("," in h or not h for h in hops):
+        raise ValueError(f"a route names at most {MAX_ROUTE_HOPS} non-empty HOST:PORT addresses in {MAX_ROUTE_BYTES} bytes")
+    return raw
+
+
+def decode_route(raw: bytes) -> list[str]:
+    if not raw:
+        return []
+    hops = raw.decode("utf-8", "replace").split(",")
+    if len(hops) > MAX_ROUTE_HOPS or any(not h for h in hops):
+        raise ProtocolError(f"a route names at most {MAX_ROUTE_HOPS} non-empty addresses")
+    return hops
+
+
+def encode_put(seq: int, items: Sequence[bytes], payloads: Sequence[bytes | bytearray | memoryview], payload_bytes: int,
+               route: bytes = b"", count: int | None = None) -> list[bytes | bytearray | memoryview]:
+    """The buffers of one PUT (for sendmsg): its head, route and items joined, then the payloads as they are.
+
+    ``count``: the number of chunks when ``items`` is not one PUT_ITEM per chunk (already joined ones)."""
+    n = len(items) if count is None else count
+    return [PUT_HEAD.pack(n, seq, payload_bytes, len(route)) + route + b"".join(items), *payloads]
+
+
+class PutBatch:
+    """One received PUT: the items decoded column-wise and the payloads in one buffer."""
+
+    __slots__ = ("seq", "ids", "codecs", "raw_sizes", "stored_sizes", "crcs", "buffer", "route", "items", "array")
+
+    def __init__(self, seq: int, items: bytes, route: list[str]) -> None:
+        arr = np.frombuffer(items, dtype=PUT_ITEM_DTYPE)
+        n = len(arr)
+        self.seq = seq
+        self.route = route
+        self.items = items  # as received: a forwarded PUT carries them unchanged
+        if n and int(arr["codec_len"].max()) > MAX_CODEC_LEN:
+            k = int(np.argmax(arr["codec_len"] > MAX_CODEC_LEN))
+            raise ProtocolError(f"PUT item {k}: codec length {int(arr['codec_len'][k])} is over {MAX_CODEC_LEN}")
+        if n and int(arr["stored_size"].max()) > MAX_CHUNK_BYTES:
+            k = int(np.argmax(arr["stored_size"] > MAX_CHUNK_BYTES))
+            raise ProtocolError(f"PUT item {k}: stored_size {int(arr['stored_size'][k])} is over {MAX_CHUNK_BYTES}")
+        hexes = arr["id"].tobytes().hex()
+        self.ids = [hexes[i : i + 2 * ID_BYTES] for i in range(0, len(hexes), 2 * ID_BYTES)]
+        self.codecs = [bytes(c[:n_]).decode("ascii", "replace") for c, n_ in zip(arr["codec"].tolist(), arr["codec_len"].tolist())]
+        self.raw_sizes: list[int] = arr["raw_size"].tolist()
+        self.stored_sizes: list[int] = arr["stored_size"].tolist()
+        self.crcs: list[int] = arr["crc"].tolist()
+        self.buffer: memoryview | None = None  # the payloads, back to back (set by the receiver)
+        self.array: object = None  # the receiver's own handle on the memory behind ``buffer``
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(self.stored_sizes)
+
+    def chunks(self) -> list[tuple[str, memoryview, str, int, int]]:
+        """(id, stored bytes, codec, raw_size, crc32c) per chunk, the bytes as read-only views of the buffer."""
+        assert self.buffer is not None
+        view = self.buffer.toreadonly()
+        out = []
+        at = 0
+        for cid, codec, raw, size, crc in zip(self.ids, self.codecs, self.raw_sizes, self.stored_sizes, self.crcs):
+            out.append((cid, view[at : at + size], codec, raw, crc))
+            at += size
+        return out
+
+
+def encode_acks(seq: int, replicas: int, acks: Sequence[tuple[int, str, int]]) -> bytes:
+    """One ACKS frame: ``acks`` are (status, message, free_bytes), chunk-major, ``replicas`` per chunk."""
+    msgs = [m.encode()[:MAX_MESSAGE_BYTES] if m else b"" for _s, m, _f in acks]
+    count = len(acks) // max(1, replicas)
+    arr = np.zeros(len(acks), dtype=ACK_ITEM_DTYPE)
+    if acks:
+        arr["status"] = [a[0] for a in acks]
+        arr["msg_len"] = [len(m) for m in msgs]
+        arr["free_bytes"] = [max(0, a[2]) for a in acks]
+    body = b"".join(msgs)
+    return ACK_HEAD.pack(A_ACKS, replicas, seq, count, len(body)) + arr.tobytes() + body
+
+
+def encode_ack_error(seq: int, message: str, error_class: int = E_MALFORMED) -> bytes:
+    raw = encode_message(message)
+    return ACK_HEAD.pack(A_ERROR, error_class, seq, 0, len(raw)) + raw
+
+
+def decode_acks(items: bytes | bytearray, messages: bytes | bytearray) -> list[tuple[int, str, int]]:
+    """(status, message, free_bytes) per ACK_ITEM; ProtocolError when the lengths disagree."""
+    arr = np.frombuffer(items, dtype=ACK_ITEM_DTYPE)
+    lens = arr["msg_len"].tolist()
+    if sum(lens) != len(messages):
+        raise ProtocolError(f"ACKS declares {len(messages)} message bytes, its items {sum(lens)}")
+    statuses = arr["status"].tolist()
+    bad = [s for s in statuses if s not in ACK_NAMES]
+    if bad:
+        raise ProtocolError(f"ACKS carries unknown status {bad[0]}")
+    out = []
+    at = 0
+    for status, n, free in zip(statuses, lens, arr["free_bytes"].tolist()):
+        out.append((status, bytes(messages[at : at + n]).decode("utf-8", "replace") if n else "", free))
+        at += n
+    return out
+
+
+def recv_exact_by(sock: socket.socket, view: memoryview, deadline: float) -> None:
+    """Fill ``view`` before ``deadline`` (time.monotonic): TimeoutError after it, EOFError when the peer closes first."""
+    n = len(view)
+    got = 0
+    while got < n:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{got} of {n} bytes arrived in time")
+        sock.settimeout(left)
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise EOFError(f"connection closed after {got} of {n} bytes")
+        got += k
+
+
 __all__ = [
     "BATCH", "CORRUPT", "ERROR", "HEADER", "HELLO", "MAGIC", "MAX_BATCH_BYTES", "MAX_BATCH_ITEMS", "MAX_CHUNK_BYTES", "MAX_IDS",
     "MAX_MESSAGE_BYTES", "MISSING", "OK", "REQUEST", "STATUS_NAMES", "VERSION", "WELCOME", "W_BAD_HELLO", "W_OK",
     "W_UNAUTHENTICATED", "ProtocolError", "decode_header", "encode_batch", "encode_header", "encode_hello", "encode_message",
     "encode_request",
     "encode_welcome", "recv_bytes", "recv_exact", "recv_into_all", "send_all",
+    "A_ACKS", "A_ERROR", "ACK_HEAD", "ACK_ITEM", "ACK_ITEM_DTYPE", "ACK_NAMES", "ACK_OK", "ALREADY_PRESENT", "CORRUPT_IN_TRANSIT",
+    "DEFAULT_WRITE_WINDOW", "E_BUSY", "E_MALFORMED", "FAILED", "FULL", "INVALID", "MAX_PUT_BYTES", "MAX_PUT_ITEMS",
+    "MAX_ROUTE_BYTES", "MAX_ROUTE_HOPS",
+    "PUT_HEAD", "PUT_ITEM", "PUT_ITEM_DTYPE", "STORED", "WRITE_MAGIC", "WRITE_VERSION", "PutBatch", "decode_acks", "decode_route",
+    "encode_ack_error", "encode_acks", "encode_put", "encode_put_item", "encode_route", "encode_write_hello",
+    "encode_write_welcome", "recv_exact_by",
 ]
