@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import platform
 import shutil
@@ -53,6 +52,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from bench.measure import ceil3, floor3, hwm_bytes, reset_hwm, rss_bytes  # noqa: E402 - after the path
 
 MiB = 1 << 20
 MODEL, TAG = "bench", "prod"
@@ -74,32 +75,6 @@ ROWS_OF_KIND = {"worker": ("worker_cold", "worker_memory"), "pull": ("pull",), "
 
 
 # ----------------------------------------------------------------------------------- memory
-
-def proc_status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def rss_bytes() -> int:
-    return proc_status_kib("VmRSS") * 1024
-
-
-def hwm_bytes() -> int:
-    return proc_status_kib("VmHWM") * 1024
-
-
-def reset_hwm() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where the kernel refuses."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
 
 # ----------------------------------------------------------------------------------- child side
 
@@ -333,14 +308,6 @@ def run_child(kind: str, spec_path: Path, out_dir: Path, tag: str, check: bool) 
     if proc.stderr.strip():
         result["stderr"] = proc.stderr[-2000:]
     return result
-
-
-def floor3(x: float) -> str:
-    return f"{math.floor(x * 1000) / 1000:.3f}"
-
-
-def ceil3(x: float) -> str:
-    return f"{math.ceil(x * 1000) / 1000:.3f}"
 
 
 def main() -> int:

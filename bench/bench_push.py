@@ -57,7 +57,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import math
 import mmap
 import os
 import platform
@@ -83,6 +82,8 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from bench.measure import ceil3, floor3, hwm_bytes, proc_status_kib, reset_hwm, rss_bytes  # noqa: E402 - after the path
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -112,32 +113,6 @@ def child_timeout_s(mib: int) -> float:
 
 
 # ----------------------------------------------------------------------------------- measuring
-
-def proc_status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def rss_bytes() -> int:
-    return proc_status_kib("VmRSS") * 1024
-
-
-def hwm_bytes() -> int:
-    return proc_status_kib("VmHWM") * 1024
-
-
-def reset_hwm() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0); False where the kernel refuses."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
 
 def rss_parts() -> dict[str, int]:
     return {"rss": rss_bytes(), "anon": proc_status_kib("RssAnon") * 1024, "file": proc_status_kib("RssFile") * 1024}
@@ -515,14 +490,6 @@ class Bench:
         finally:
             server.stop()
             self.live_redis.remove(server)
-
-
-def floor3(x: float) -> str:
-    return f"{math.floor(x * 1000) / 1000:.3f}"
-
-
-def ceil3(x: float) -> str:
-    return f"{math.ceil(x * 1000) / 1000:.3f}"
 
 
 def ns_per_b(seconds: float | None, nbytes: int) -> float | None:
