@@ -147,17 +147,7 @@ class BulkServerConfig:
 def _recv_by(conn: socket.socket, n: int, deadline: float) -> bytes:
     """``n`` bytes that must all arrive before ``deadline`` (time.monotonic): TimeoutError else."""
     buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"{got} of {n} bytes arrived in time")
-        conn.settimeout(left)
-        k = conn.recv_into(view[got:], n - got)
-        if k == 0:
-            raise EOFError(f"connection closed after {got} of {n} bytes")
-        got += k
+    recv_exact_by(conn, memoryview(buf), deadline)
     return bytes(buf)
 
 
