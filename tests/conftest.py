@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import subprocess
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from deploy.local import free_port  # the one helper; tests import it from here too
+from deploy.local import LocalCluster, LocalClusterConfig, free_port  # free_port: the one helper; tests import it from here too
 
 
 @pytest.fixture
@@ -33,3 +35,14 @@ def stop_process(proc: subprocess.Popen[Any], timeout: float = 10.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=timeout)
+
+
+@contextmanager
+def local_cluster(root: Path, wait: float = 90.0, **config: Any) -> Iterator[LocalCluster]:
+    """A LocalCluster under ``root`` (``config``: LocalClusterConfig fields), up until the block ends."""
+    cluster = LocalCluster(LocalClusterConfig(root=root, **config))
+    try:
+        cluster.up(wait=wait)
+        yield cluster
+    finally:
+        cluster.down()

@@ -17,7 +17,8 @@ from typing import Iterator
 import pytest
 
 from chunking.hashing import content_id
-from deploy.local import LocalCluster, LocalClusterConfig
+from deploy.local import LocalCluster
+from tests.conftest import local_cluster
 from paramserver.client.bulk_transport import BulkClient
 from paramserver.client.rpc import ParamServerClient, make_chunk
 from paramserver.server.bulk_port import BulkServerConfig
@@ -30,13 +31,8 @@ DEFAULTS = BulkServerConfig()
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     root = tmp_path_factory.mktemp("rpc-bulk")
-    c = LocalCluster(LocalClusterConfig(root=root, servers=1, admin_token=ADMIN, read_token=READ, secret=SECRET,
-                                        extra_args=("--no-fsync",)))
-    try:
-        c.up(wait=90)
+    with local_cluster(root, servers=1, admin_token=ADMIN, read_token=READ, secret=SECRET, extra_args=("--no-fsync",)) as c:
         yield c
-    finally:
-        c.down()
 
 
 @pytest.fixture(scope="module")

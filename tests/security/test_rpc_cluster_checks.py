@@ -25,7 +25,8 @@ from chunking import ChunkingConfig
 from chunking.hashing import content_id
 from chunking.manifest import Manifest
 from consensus.records import MemberRecord
-from deploy.local import LocalCluster, LocalClusterConfig, free_port
+from deploy.local import LocalCluster, free_port
+from tests.conftest import local_cluster
 from paramserver.client.push import push
 from paramserver.client.rpc import ParamServerClient, make_chunk
 from paramserver.server.cluster import MemberCheck, PeerSet, QuorumVersionCheck
@@ -43,26 +44,16 @@ SECRET, OTHER_SECRET = "cluster-secret-checks-0123456789", "another-cluster-secr
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     root = tmp_path_factory.mktemp("rpc-checks")
-    c = LocalCluster(LocalClusterConfig(root=root, servers=2, admin_token=ADMIN, read_token=READ, secret=SECRET,
-                                        extra_args=("--no-fsync",)))
-    try:
-        c.up(wait=90)
+    with local_cluster(root, servers=2, admin_token=ADMIN, read_token=READ, secret=SECRET, extra_args=("--no-fsync",)) as c:
         yield c
-    finally:
-        c.down()
 
 
 @pytest.fixture(scope="module")
 def foreign(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """Another cluster: same tokens, another cluster secret."""
     root = tmp_path_factory.mktemp("rpc-checks-foreign")
-    c = LocalCluster(LocalClusterConfig(root=root, servers=1, admin_token=ADMIN, read_token=READ, secret=OTHER_SECRET,
-                                        extra_args=("--no-fsync",)))
-    try:
-        c.up(wait=90)
+    with local_cluster(root, servers=1, admin_token=ADMIN, read_token=READ, secret=OTHER_SECRET, extra_args=("--no-fsync",)) as c:
         yield c
-    finally:
-        c.down()
 
 
 def leader_address(cluster: LocalCluster) -> str:

@@ -18,7 +18,8 @@ import grpc
 import pytest
 import torch
 
-from deploy.local import LocalCluster, LocalClusterConfig
+from deploy.local import LocalCluster
+from tests.conftest import local_cluster
 from paramserver.client.push import push
 from paramserver.client.rpc import ParamServerClient
 from paramserver.server.heat import (
@@ -167,13 +168,8 @@ def test_one_report_costs_milliseconds_per_mib() -> None:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     root = tmp_path_factory.mktemp("rpc-heat")
-    c = LocalCluster(LocalClusterConfig(root=root, servers=1, admin_token=ADMIN, read_token=READ, secret=SECRET,
-                                        extra_args=("--no-fsync",)))
-    try:
-        c.up(wait=90)
+    with local_cluster(root, servers=1, admin_token=ADMIN, read_token=READ, secret=SECRET, extra_args=("--no-fsync",)) as c:
         yield c
-    finally:
-        c.down()
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,8 @@ import grpc
 import pytest
 
 from chunking.hashing import content_id
-from deploy.local import LocalCluster, LocalClusterConfig
+from deploy.local import LocalCluster
+from tests.conftest import local_cluster
 from paramserver.client.rpc import ParamServerClient, make_chunk
 from paramserver.server.config import ServerConfig
 from paramserver.server.errors import StoreFullError
@@ -45,13 +46,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     root = tmp_path_factory.mktemp("rpc-streams")
     config = root / "limits.toml"
     config.write_text(f"write_stream_idle_s = {IDLE_S}\nget_call_bytes = {CALL_BYTES}\n")
-    c = LocalCluster(LocalClusterConfig(root=root, servers=1, admin_token=ADMIN, read_token=READ, secret=SECRET,
-                                        extra_args=("--no-fsync", "--config", str(config))))
-    try:
-        c.up(wait=90)
+    with local_cluster(root, servers=1, admin_token=ADMIN, read_token=READ, secret=SECRET,
+                       extra_args=("--no-fsync", "--config", str(config))) as c:
         yield c
-    finally:
-        c.down()
 
 
 @pytest.fixture(scope="module")
