@@ -622,16 +622,17 @@ def _write_private(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def _secret_arg(path: Path | None, env: str) -> str | None:
+def _secret_arg(key: str, path: Path | None, env: str) -> str | None:
+    """A secret given to 'up': read as the servers read theirs, else from ``env``."""
+    from paramserver.server.config import read_secret_file
+    from paramserver.server.errors import ConfigError
+
     if path is None:
         return os.environ.get(env) or None
     try:
-        value = path.read_text().strip()
-    except OSError as exc:
-        raise LauncherError(f"cannot read {path}: {exc.strerror}") from None
-    if not value:
-        raise LauncherError(f"{path} is empty; write the secret into it")
-    return value
+        return read_secret_file(key, path)
+    except ConfigError as exc:
+        raise LauncherError(str(exc)) from None
 
 
 def _alive(pid: int | None) -> bool:
@@ -712,9 +713,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             cluster = LocalCluster(LocalClusterConfig(
                 root=Path(args.dir), servers=args.servers, base_port=args.base_port, replication=args.replication,
                 generate_secrets=not args.no_secrets,
-                admin_token=_secret_arg(args.admin_token_file, "PARAMS_ADMIN_TOKEN"),
-                read_token=_secret_arg(args.read_token_file, "PARAMS_READ_TOKEN"),
-                secret=_secret_arg(args.cluster_secret_file, "PARAMS_CLUSTER_SECRET"),
+                admin_token=_secret_arg("admin_token", args.admin_token_file, "PARAMS_ADMIN_TOKEN"),
+                read_token=_secret_arg("read_token", args.read_token_file, "PARAMS_READ_TOKEN"),
+                secret=_secret_arg("cluster_secret", args.cluster_secret_file, "PARAMS_CLUSTER_SECRET"),
                 netns=args.netns, netns_subnet=args.subnet, netns_clients=args.client_namespaces, tls=args.tls))
             try:
                 cluster.up(wait=args.timeout)

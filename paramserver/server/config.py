@@ -102,13 +102,23 @@ class ServerConfig:
     def advertise_address(self) -> str:
         return self.advertise or self.listen
 
+    @property
+    def raft_open(self) -> bool:
+        """The Raft port is reachable from the network and has no cluster secret."""
+        return not is_loopback_host(self.raft.rpartition(":")[0]) and not self.cluster_secret
+
+    @property
+    def grpc_open(self) -> bool:
+        """The gRPC port is reachable from the network and has no admin token."""
+        return not is_loopback_host(self.listen.rpartition(":")[0]) and not self.admin_token
+
     def open_to_network(self) -> list[str]:
         """What this config leaves open to anyone who can reach a non-loopback port ([] when nothing)."""
         gaps = []
-        if not is_loopback_host(self.raft.rpartition(":")[0]) and not self.cluster_secret:
+        if self.raft_open:
             gaps.append(f"Raft port {self.raft} has no cluster secret: any peer that reaches it can run code in this "
                         "process (pysyncobj unpickles what it receives) and change the membership")
-        if not is_loopback_host(self.listen.rpartition(":")[0]) and not self.admin_token:
+        if self.grpc_open:
             gaps.append(f"gRPC port {self.listen} has no admin token: anyone who reaches it can push, commit, tag "
                         "and change the membership")
         return gaps
@@ -145,12 +155,12 @@ class ServerConfig:
         if not 1 <= self.vnodes <= 4096:
             raise ConfigError(f"vnodes must be between 1 and 4096, got {self.vnodes}")
         if not self.insecure:
-            if not is_loopback_host(self.raft.rpartition(":")[0]) and not self.cluster_secret:
+            if self.raft_open:
                 raise ConfigError(
                     f"the Raft address {self.raft} is not loopback and no cluster secret is set: anyone who reaches it "
                     "could run code on this server; give the same secret to every member with --cluster-secret-file FILE "
                     "or $PARAMS_CLUSTER_SECRET, or pass --insecure to run open anyway")
-            if not is_loopback_host(self.listen.rpartition(":")[0]) and not self.admin_token:
+            if self.grpc_open:
                 raise ConfigError(
                     f"the gRPC address {self.listen} is not loopback and no admin token is set: anyone who reaches it "
                     "could push, tag and change members; set --admin-token-file FILE or $PARAMS_ADMIN_TOKEN "
