@@ -21,7 +21,7 @@ import grpc
 
 from paramserver.client.rpc import ClientConfig, ParamServerClient
 from paramserver.wire.limits import DEFAULT_MAX_MESSAGE_BYTES
-from paramserver.client.errors import ConfigError
+from paramserver.client.errors import ClientClosed, ConfigError
 from paramserver.client.failover import FailoverPolicy, LeaderFailover, best_answer
 from paramserver.wire.proto import pb
 from paramserver.wire.ring import Ring, RingConfig, replication_and_quorum
@@ -86,6 +86,7 @@ class ClusterView:
         self.options = options
         self._lock = threading.Lock()
         self._clients: dict[str, ParamServerClient] = {first.address: first}
+        self._closed = False
         self._apply(info)
 
     @classmethod
@@ -272,6 +273,8 @@ class ClusterView:
 
     def client(self, address: str) -> ParamServerClient:
         with self._lock:
+            if self._closed:
+                raise ClientClosed(f"the cluster view is closed; no new client for {address}")
             found = self._clients.get(address)
             if found is None:
                 found = self._clients[address] = ParamServerClient(self.options.client_config(address))
@@ -297,9 +300,10 @@ class ClusterView:
 
     def close(self) -> None:
         with self._lock:
-            for c in self._clients.values():
-                c.close()
-            self._clients.clear()
+            self._closed = True
+            clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            c.close()
 
     def __enter__(self) -> ClusterView:
         return self

@@ -37,6 +37,12 @@ class TransferError(ClientError):
     """A call, push, pull or load failed; the message says what to do."""
 
 
+class ClientClosed(ClientError):
+    """The client (or its cluster view) was closed; make a new one."""
+
+    default_code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class NotFound(TransferError):
     """The model, version, tag or manifest does not exist."""
 
@@ -162,7 +168,7 @@ def from_rpc(exc: grpc.RpcError, what: str) -> TransferError:
 
 
 __all__ = [
-    "AuthFailed", "ChunkDataLoss", "ChunkUnavailable", "ClientError", "ClusterUnreachable", "ConfigError", "NotFound",
+    "AuthFailed", "ChunkDataLoss", "ChunkUnavailable", "ClientClosed", "ClientError", "ClusterUnreachable", "ConfigError", "NotFound",
     "PullError", "PushConflict", "PushError", "StaleRead", "TransferError", "from_rpc", "rpc_code", "rpc_details",
     "tls_problem",
 ]

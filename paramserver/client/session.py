@@ -24,6 +24,7 @@ from chunking.errors import ManifestError
 from chunking.manifest import ChunkRef, Manifest
 from paramserver.client.cluster_view import ClusterOptions, ClusterView, parse_seeds
 from paramserver.client.errors import (
+    ClientClosed,
     ClientError,
     ClusterUnreachable,
     ConfigError,
@@ -165,16 +166,23 @@ class ClusterClient:
     # ------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.transport.close()
+        # Background work (a load's heat report, a corrupt report) may still call server() or
+        # view() while this runs: the lock hands each map over once, and later calls get ClientClosed.
         with self._lock:
+            if self._closed:
+                return
+            self._closed = True
             view, self._view = self._view, None
+            spares, self._spare = list(self._spare.values()), {}
+        self.transport.close()
         if view is not None:
             view.close()
-        for spare in self._spare.values():
+        for spare in spares:
             spare.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientClosed("this ClusterClient is closed; make a new one (or keep it open while loads run)")
 
     def __enter__(self) -> ClusterClient:
         return self
@@ -187,11 +195,15 @@ class ClusterClient:
     def view(self) -> ClusterView:
         """The cluster view, connected on first use and refreshed every ``refresh_interval_s``."""
         with self._lock:
+            self._check_open()
             view = self._view
             stale = time.monotonic() - self._refreshed_at >= self.config.refresh_interval_s
         if view is None:
             view = ClusterView.connect(self.options)
             with self._lock:
+                if self._closed:
+                    view.close()
+                    self._check_open()
                 if self._view is None:
                     self._view, self._refreshed_at = view, time.monotonic()
                 else:
@@ -236,6 +248,7 @@ class ClusterClient:
         if view is not None:
             return view.client(address)
         with self._lock:  # no view yet (no seed answered ClusterInfo): a client of our own
+            self._check_open()
             found = self._spare.get(address)
             if found is None:
                 found = self._spare[address] = ParamServerClient(self.options.client_config(address))
