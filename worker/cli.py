@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -29,9 +30,10 @@ from paramserver.client.exit_codes import (
     describe_failure, exit_code_for, one_line,
 )  # fmt: skip
 from worker.config import MIB, CacheConfig, PrefetchConfig
-from worker.errors import WorkerError
+from worker.errors import ConfigError, WorkerError
 
 if TYPE_CHECKING:  # imported where used: `paramworker --help` stays quick
+    from worker.serve import ServeConfig
     from paramserver.client.session import ClusterClient
     from worker.tiered_cache import TieredCache
 
@@ -90,8 +92,43 @@ def build_parser() -> argparse.ArgumentParser:
                        default=2.0, help="seconds between tag checks, 0 = never (default 2.0)")
     serve.add_argument("--heat-report-s", type=float_in(0, 86400, "--heat-report-s", low_inclusive=True), default=60.0,
                        help="seconds between reports of which chunks forward passes read, in order (default 60)")
+    rc = serve.add_argument_group("result cache and admission")
+    rc.add_argument("--result-cache-mb", type=int_in(0, 1048576, "--result-cache-mb"), default=64,
+                    help="in-process result cache (L1, LRU-2) in MiB, 0 turns it off (default 64)")
+    rc.add_argument("--result-cache-ttl", type=float_in(0, 30 * 86400, "--result-cache-ttl"), default=300.0, metavar="S",
+                    help="seconds a cached result lives, plus up to 10%% random jitter (default 300)")
+    rc.add_argument("--result-cache-redis", default=None, metavar="URL",
+                    help="redis://HOST:PORT/DB shared by workers (L2, leases for single-flight across workers); "
+                         "env PARAMS_RESULT_CACHE_REDIS; a URL with a password only through the environment (default: none)")
+    rc.add_argument("--max-concurrency", type=int_in(1, 1024, "--max-concurrency"), default=1,
+                    help="forward passes at once (default 1)")
+    rc.add_argument("--max-queue", type=int_in(0, 100000, "--max-queue"), default=64,
+                    help="requests waiting for a forward slot; beyond, 503 with Retry-After at once (default 64)")
+    rc.add_argument("--queue-timeout-s", type=float_in(0, 3600, "--queue-timeout-s"), default=10.0,
+                    help="longest wait for a forward slot before a 503 (default 10)")
+    rc.add_argument("--max-connections", type=int_in(1, 100000, "--max-connections"), default=512,
+                    help="open HTTP connections (one thread each); beyond, 503 at once (default 512)")
     _common(serve)
     return p
+
+
+def serve_config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> ServeConfig:
+    """The serve flags as a validated ServeConfig (Redis URL: flag, else PARAMS_RESULT_CACHE_REDIS)."""
+    from worker.admission import AdmissionConfig
+    from worker.result_cache import ResultCacheConfig
+    from worker.serve import ServeConfig
+
+    url = args.result_cache_redis
+    if url is not None and "@" in url.partition("://")[2].partition("/")[0]:
+        raise ConfigError("--result-cache-redis: a URL with a password would be visible to every local user in the "
+                          "process list; put it in PARAMS_RESULT_CACHE_REDIS instead")
+    url = url or environ.get("PARAMS_RESULT_CACHE_REDIS") or None
+    return ServeConfig(
+        result_cache=ResultCacheConfig(l1_bytes=args.result_cache_mb * MIB, ttl_s=args.result_cache_ttl, redis_url=url),
+        admission=AdmissionConfig(max_concurrency=args.max_concurrency, max_queue=args.max_queue,
+                                  queue_timeout_s=args.queue_timeout_s),
+        max_connections=args.max_connections,
+    ).validate()
 
 
 def _setup(args: argparse.Namespace, settings: ClientSettings) -> tuple[ClusterClient, TieredCache | None, PrefetchConfig]:
@@ -148,8 +185,10 @@ def cmd_serve(args: argparse.Namespace, settings: ClientSettings) -> int:
     from worker.serve import ModelServer, load_factory
 
     factory = load_factory(args.factory)
+    serve_config = serve_config_from_args(args)
     client, cache, prefetch = _setup(args, settings)
-    server = ModelServer(client, args.model, factory, args.device, cache, prefetch, heat_report_s=args.heat_report_s)
+    server = ModelServer(client, args.model, factory, args.device, cache, prefetch, heat_report_s=args.heat_report_s,
+                         serve=serve_config, factory_name=args.factory)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -1,0 +1,110 @@
+"""Admission control for forward passes: bounded concurrency, a bounded queue, load shedding.
+
+At most ``max_concurrency`` forward passes run at once; at most ``max_queue`` requests wait for
+a slot, each at most ``queue_timeout_s``. A request beyond the queue, or one that waited too
+long, is shed at once with :class:`Shed` (the HTTP layer answers 503 with ``Retry-After``), so
+an overload costs a quick refusal instead of a pile of threads and memory.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from worker.errors import ConfigError, WorkerError
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    max_concurrency: int = 1
+    max_queue: int = 64
+    queue_timeout_s: float = 10.0
+
+    def validate(self) -> AdmissionConfig:
+        if not 1 <= self.max_concurrency <= 1024:
+            raise ConfigError(f"max_concurrency must be 1..1024 forward passes at once, got {self.max_concurrency}")
+        if not 0 <= self.max_queue <= 100_000:
+            raise ConfigError(f"max_queue must be 0..100000 waiting requests, got {self.max_queue}")
+        if not 0 < self.queue_timeout_s <= 3600:
+            raise ConfigError(f"queue_timeout_s must be in (0, 3600] seconds, got {self.queue_timeout_s}")
+        return self
+
+
+class Shed(WorkerError):
+    """The request was refused to protect the worker; retry after ``retry_after_s``."""
+
+    def __init__(self, reason: str, retry_after_s: int) -> None:
+        super().__init__(f"overloaded: {reason}; retry after {retry_after_s} s")
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+class Admission:
+    """Thread-safe gate in front of the forward pass."""
+
+    def __init__(self, config: AdmissionConfig = AdmissionConfig(), clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config.validate()
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._running = 0
+        self._waiting = 0
+        self._service_s = 0.05  # running mean of a forward pass, for Retry-After
+        self.shed_full = 0
+        self.shed_timeout = 0
+
+    @property
+    def running(self) -> int:
+        with self._cond:
+            return self._running
+
+    @property
+    def waiting(self) -> int:
+        with self._cond:
+            return self._waiting
+
+    def retry_after_s(self) -> int:
+        with self._cond:
+            return self._retry_after_locked()
+
+    def _retry_after_locked(self) -> int:
+        backlog = self._waiting + self._running
+        return max(1, math.ceil(backlog * self._service_s / self.config.max_concurrency))
+
+    @contextmanager
+    def slot(self) -> Iterator[None]:
+        """Hold one forward-pass slot for the block; raises Shed when none is free in time."""
+        c = self.config
+        with self._cond:
+            if self._running >= c.max_concurrency:
+                if self._waiting >= c.max_queue:
+                    self.shed_full += 1
+                    raise Shed(f"{self._waiting} requests already queued (--max-queue {c.max_queue})",
+                               self._retry_after_locked())
+                self._waiting += 1
+                try:
+                    end = self._clock() + c.queue_timeout_s
+                    while self._running >= c.max_concurrency:
+                        left = end - self._clock()
+                        if left <= 0:
+                            self.shed_timeout += 1
+                            raise Shed(f"no forward slot free within {c.queue_timeout_s:g} s (--queue-timeout-s)",
+                                       self._retry_after_locked())
+                        self._cond.wait(left)
+                finally:
+                    self._waiting -= 1
+            self._running += 1
+        started = self._clock()
+        try:
+            yield
+        finally:
+            took = self._clock() - started
+            with self._cond:
+                self._running -= 1
+                self._service_s += 0.2 * (took - self._service_s)
+                self._cond.notify()
+
+
+__all__ = ["Admission", "AdmissionConfig", "Shed"]
