@@ -14,11 +14,12 @@ if TYPE_CHECKING:
 
 
 class RedisServer:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, port: int | None = None) -> None:
+        """``port``: a fixed one (a restart on the same address), else a free one."""
         exe = shutil.which("redis-server")
         if exe is None:
             raise SystemExit("redis-server is not installed: apt-get install -y redis-server (Debian), then run again")
-        self.port = free_port()
+        self.port = port or free_port()
         # Its own session: a Ctrl-C to the benchmark reaches the benchmark, which stops it in order.
         self.proc = subprocess.Popen(
             [exe, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no",
