@@ -315,6 +315,9 @@ def _handler(server: ModelServer) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         timeout = config.idle_timeout_s
+        # Headers and body leave in two writes: without TCP_NODELAY, Nagle holds the body back
+        # until the client's delayed ACK (about 40 ms per answer on a keep-alive connection).
+        disable_nagle_algorithm = True
 
         def log_message(self, format: str, *args: Any) -> None:
             pass
