@@ -21,6 +21,16 @@ DTYPES: dict[str, torch.dtype] = {
 _NAMES: dict[torch.dtype, str] = {dt: name for name, dt in DTYPES.items()}
 
 
+# Manifest dtype name <-> safetensors dtype code, for the codes safetensors.torch reads back.
+SAFETENSORS_CODES: dict[str, str] = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3", "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2": "F8_E5M2",
+    "float8_e5m2fnuz": "F8_E5M2FNUZ", "complex64": "C64", "uint16": "U16", "uint32": "U32", "uint64": "U64",
+}
+FROM_SAFETENSORS: dict[str, str] = {code: name for name, code in SAFETENSORS_CODES.items()}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """Manifest name of a torch dtype, e.g. torch.bfloat16 -> "bfloat16"."""
     try:

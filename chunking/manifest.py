@@ -4,6 +4,12 @@ The byte form is compact JSON with sorted keys and UTF-8 text; the same
 manifest gives the same bytes in any process, so its content id names it.
 Tensors and chunks are stored as arrays (fields in ``TENSOR_FIELDS`` and
 ``CHUNK_FIELDS`` order) to keep a 1 GiB model's manifest small.
+
+A model folder (``chunking.folder``) adds two optional parts, written only when present so a
+plain weights file's manifest keeps its bytes and id: ``files``, the non-tensor files (config,
+tokenizer, ...) with their relative path, size, BLAKE3 and chunks of their own; and
+``weight_files`` with ``tensor_file``, the safetensors shard each tensor came from, so a pull
+writes the shards (and the index that names them) back.
 """
 from __future__ import annotations
 
@@ -23,6 +29,13 @@ from chunking.layout import ChunkPlan, plan_chunks
 FORMAT_VERSION = 1
 TENSOR_FIELDS = ("name", "dtype", "shape", "offset", "nbytes")
 CHUNK_FIELDS = ("id", "raw_size", "stored_size", "codec", "crc32c", "introduced_in", "created_at")
+FILE_FIELDS = ("path", "size", "blake3", "chunks")
+FILE_CHUNK_FIELDS = ("id", "raw_size", "stored_size", "codec", "crc32c")
+MAX_PATH_BYTES = 1024
+BASE_KEYS = frozenset({"format_version", "model", "version", "chunk_size", "hash_algorithm", "fingerprint",
+                       "tensor_fields", "tensors", "chunk_fields", "chunks"})
+FILE_KEYS = frozenset({"file_fields", "file_chunk_fields", "files"})
+SHARD_KEYS = frozenset({"weight_files", "tensor_file"})
 
 
 def is_codec_name(name: str) -> bool:
@@ -61,6 +74,35 @@ class ChunkRef:
         object.__setattr__(self, "created_at", float(self.created_at))
 
 
+@dataclass(frozen=True)
+class FileEntry:
+    """A non-tensor file of a model folder: relative POSIX path, size, BLAKE3 of its bytes, and
+    its chunks (``ChunkRef`` with ``index`` = position in the file, in order; they cover ``size``)."""
+
+    path: str
+    size: int
+    blake3: str
+    chunks: tuple[ChunkRef, ...]
+
+
+def check_relative_path(path: str) -> str | None:
+    """Why ``path`` is not a safe relative path inside a folder, or None when it is."""
+    if not isinstance(path, str) or not path:
+        return "is empty"
+    if len(path.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
+        return f"is longer than {MAX_PATH_BYTES} bytes"
+    if path.startswith("/") or (len(path) >= 2 and path[1] == ":"):
+        return "is absolute"
+    if "\\" in path:
+        return "has a backslash (use / between folders)"
+    parts = path.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        return "has an empty, '.' or '..' component"
+    if any(ord(ch) < 32 for ch in path):
+        return "has a control character"
+    return None
+
+
 def _fail(msg: str) -> ManifestError:
     return ManifestError(f"malformed manifest: {msg}. Fetch it again or re-push the model.")
 
@@ -81,10 +123,13 @@ class Manifest:
     chunks: tuple[ChunkRef, ...]
     fingerprint: str
     hash_algorithm: str = "blake3"
+    files: tuple[FileEntry, ...] = ()
+    weight_files: tuple[str, ...] = ()  # safetensors shards of a model folder, in order
+    tensor_file: tuple[int, ...] = ()  # per tensor: its index in weight_files
 
     # -- serialisation ---------------------------------------------------
     def to_bytes(self) -> bytes:
-        doc = {
+        doc: dict[str, Any] = {
             "format_version": self.format_version,
             "model": self.model,
             "version": self.version,
@@ -99,6 +144,16 @@ class Manifest:
                 for c in self.chunks
             ],
         }
+        if self.files:
+            doc["file_fields"] = list(FILE_FIELDS)
+            doc["file_chunk_fields"] = list(FILE_CHUNK_FIELDS)
+            doc["files"] = [
+                [f.path, f.size, f.blake3, [[c.id, c.raw_size, c.stored_size, c.codec, c.crc32c] for c in f.chunks]]
+                for f in self.files
+            ]
+        if self.weight_files:
+            doc["weight_files"] = list(self.weight_files)
+            doc["tensor_file"] = list(self.tensor_file)
         return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
     @classmethod
@@ -132,10 +187,16 @@ class Manifest:
 
     @classmethod
     def _from_doc(cls, doc: dict[str, Any]) -> Manifest:
-        expected_keys = {"format_version", "model", "version", "chunk_size", "hash_algorithm", "fingerprint",
-                         "tensor_fields", "tensors", "chunk_fields", "chunks"}
-        if set(doc) != expected_keys:
-            raise _fail(f"keys {sorted(set(doc) ^ expected_keys)} are missing or unexpected")
+        keys = set(doc)
+        expected_keys = set(BASE_KEYS)
+        if keys & FILE_KEYS:
+            expected_keys |= FILE_KEYS
+        if keys & SHARD_KEYS:
+            expected_keys |= SHARD_KEYS
+        if keys != expected_keys:
+            raise _fail(f"keys {sorted(keys ^ expected_keys)} are missing or unexpected")
+        if "files" in doc and (doc["file_fields"] != list(FILE_FIELDS) or doc["file_chunk_fields"] != list(FILE_CHUNK_FIELDS)):
+            raise _fail("file field lists differ from this format version")
         if doc["tensor_fields"] != list(TENSOR_FIELDS) or doc["chunk_fields"] != list(CHUNK_FIELDS):
             raise _fail("field lists differ from this format version")
         if not isinstance(doc["model"], str) or not isinstance(doc["fingerprint"], str):
@@ -144,6 +205,19 @@ class Manifest:
             raise _fail("tensors and chunks must be lists")
         tensors = tuple(_tensor_from(item, i) for i, item in enumerate(doc["tensors"]))
         chunks = tuple(_chunk_from(item, i) for i, item in enumerate(doc["chunks"]))
+        files: tuple[FileEntry, ...] = ()
+        if "files" in doc:
+            if not isinstance(doc["files"], list) or not doc["files"]:
+                raise _fail("files must be a non-empty list when present")
+            files = tuple(_file_from(item, i) for i, item in enumerate(doc["files"]))
+        weight_files: tuple[str, ...] = ()
+        tensor_file: tuple[int, ...] = ()
+        if "weight_files" in doc:
+            wf, tf = doc["weight_files"], doc["tensor_file"]
+            if not isinstance(wf, list) or not wf or not all(isinstance(p, str) for p in wf) or not isinstance(tf, list):
+                raise _fail("weight_files must be a non-empty list of paths and tensor_file a list")
+            weight_files = tuple(wf)
+            tensor_file = tuple(_int(x, "tensor_file entry", 0, len(wf) - 1) for x in tf)
         manifest = cls(
             model=doc["model"],
             version=_int(doc["version"], "version"),
@@ -153,6 +227,9 @@ class Manifest:
             chunks=chunks,
             fingerprint=doc["fingerprint"],
             hash_algorithm=doc["hash_algorithm"],
+            files=files,
+            weight_files=weight_files,
+            tensor_file=tensor_file,
         )
         manifest.check()
         return manifest
@@ -191,6 +268,32 @@ class Manifest:
                 raise _fail(f"raw chunk #{ref.index} has stored_size {ref.stored_size} != raw_size {ref.raw_size}")
         if not is_content_id(self.fingerprint):
             raise _fail("fingerprint is not 64 hex digits")
+        self._check_folder()
+
+    def _check_folder(self) -> None:
+        paths = [f.path for f in self.files] + list(self.weight_files)
+        for path in paths:
+            why = check_relative_path(path)
+            if why is not None:
+                raise _fail(f"file path {path!r} {why}")
+        if len(set(paths)) != len(paths):
+            raise _fail("file paths repeat")
+        if self.weight_files and len(self.tensor_file) != len(self.tensors):
+            raise _fail(f"tensor_file has {len(self.tensor_file)} entries for {len(self.tensors)} tensors")
+        if self.tensor_file and not self.weight_files:
+            raise _fail("tensor_file without weight_files")
+        if any(not p.endswith(".safetensors") for p in self.weight_files):
+            raise _fail("weight_files must be .safetensors paths")
+        for f in self.files:
+            if not is_content_id(f.blake3):
+                raise _fail(f"file {f.path!r} hash is not 64 hex digits")
+            if sum(c.raw_size for c in f.chunks) != f.size or (f.size and not f.chunks):
+                raise _fail(f"file {f.path!r}: its chunks do not add up to its size {f.size}")
+            for k, c in enumerate(f.chunks):
+                if c.index != k or c.raw_size > self.chunk_size:
+                    raise _fail(f"file {f.path!r} chunk #{k} is out of order or larger than the chunk size")
+                if c.codec == "raw" and c.stored_size != c.raw_size:
+                    raise _fail(f"file {f.path!r} raw chunk #{k} has stored_size {c.stored_size} != raw_size {c.raw_size}")
 
     # -- derived views ---------------------------------------------------
     @property
@@ -213,6 +316,21 @@ class Manifest:
     def chunk_ids(self) -> tuple[str, ...]:
         """Chunk ids in index order (an id repeats when two chunks hold equal bytes)."""
         return tuple(c.id for c in self.chunks)
+
+    def file_chunks(self) -> tuple[ChunkRef, ...]:
+        """One ref per distinct chunk id of the non-tensor files, first occurrence first."""
+        seen: dict[str, ChunkRef] = {}
+        for f in self.files:
+            for c in f.chunks:
+                seen.setdefault(c.id, c)
+        return tuple(seen.values())
+
+    def all_chunk_ids(self) -> frozenset[str]:
+        """Every chunk id the version needs: its tensors' and its files' (what GC must keep)."""
+        return frozenset(c.id for c in self.chunks) | frozenset(c.id for f in self.files for c in f.chunks)
+
+    def file(self, path: str) -> FileEntry | None:
+        return next((f for f in self.files if f.path == path), None)
 
     def unique_chunks(self) -> tuple[ChunkRef, ...]:
         """One ref per distinct chunk id, first occurrence first."""
@@ -275,3 +393,21 @@ def _chunk_from(item: Any, i: int) -> ChunkRef:
         created_at=float(created_at),
     )
 
+
+def _file_from(item: Any, i: int) -> FileEntry:
+    if not isinstance(item, list) or len(item) != len(FILE_FIELDS):
+        raise _fail(f"file #{i} is not a {len(FILE_FIELDS)}-field list")
+    path, size, digest, chunks = item
+    if not isinstance(path, str) or not isinstance(digest, str) or not isinstance(chunks, list):
+        raise _fail(f"file #{i} has a bad path, hash or chunk list")
+    refs = []
+    for k, c in enumerate(chunks):
+        if not isinstance(c, list) or len(c) != len(FILE_CHUNK_FIELDS):
+            raise _fail(f"file {path!r} chunk #{k} is not a {len(FILE_CHUNK_FIELDS)}-field list")
+        cid, raw_size, stored_size, codec, crc = c
+        if not is_content_id(cid) or not is_codec_name(codec):
+            raise _fail(f"file {path!r} chunk #{k} has a bad id or codec")
+        refs.append(ChunkRef(index=k, id=cid, raw_size=_int(raw_size, f"file {path!r} chunk raw_size", 1),
+                             stored_size=_int(stored_size, f"file {path!r} chunk stored_size", 1), codec=codec,
+                             crc32c=_int(crc, f"file {path!r} chunk crc32c", 0, 0xFFFFFFFF), introduced_in=0, created_at=0.0))
+    return FileEntry(path, _int(size, f"file {path!r} size"), digest, tuple(refs))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The code's shape, then the tests. What CI runs (.ci/run), after installing '.[test,bench]'.
+# The code's shape, then the tests. What CI runs (.ci/run), after installing '.[test,bench,hf]'.
 #
 #   scripts/check.sh             ruff, mypy and the import-layer test, then the whole pytest suite
 #   scripts/check.sh -m 'not slow' tests/unit   arguments are passed to the pytest run

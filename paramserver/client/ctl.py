@@ -22,6 +22,7 @@ from rich.table import Table
 
 from chunking.config import ChunkingConfig
 from chunking.errors import ChunkingError
+from chunking.manifest import Manifest
 
 from paramserver.client.cluster_view import ClusterOptions, ClusterView
 from paramserver.client.config import ClientSettings, add_client_arguments, float_in, int_in, settings_from_args
@@ -31,8 +32,10 @@ from paramserver.client.exit_codes import BAD_ARGUMENTS, CLIENT_ENV_HELP, EXIT_C
 from paramserver.client.progress import RichProgress
 from paramserver.client.refs import MAX_VERSION
 from paramserver.wire.proto import pb
+from paramserver.client.folder import pull_folder, shard_plan
 from paramserver.client.pull import PullOptions, pull
-from paramserver.client.push import PushOptions, PushReport, push
+from paramserver.client.push import PushOptions, PushReport, fetch_manifest, push
+from paramserver.client.refs import ModelRef
 from paramserver.client.errors import TransferError, rpc_code
 
 DEFAULT_CLUSTER = "127.0.0.1:7000"
@@ -95,8 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"seconds for each unary call (config file: timeout_s; default {DEFAULT_TIMEOUT_S:g})")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    sp = sub.add_parser("push", help="push a .safetensors or torch weights file as a new version", formatter_class=fmt, epilog=EPILOG)
-    sp.add_argument("file", type=Path, help="weights file: .safetensors, .pt, .pth or .bin (tensors only)")
+    sp = sub.add_parser("push", help="push a weights file or a model folder as a new version", formatter_class=fmt, epilog=EPILOG)
+    sp.add_argument("file", type=Path, metavar="FILE|DIR",
+                    help="weights file (.safetensors, .pt, .pth or .bin: tensors only), or a model folder (a Hugging Face "
+                         "checkpoint: its .safetensors shards become tensors, every other file is kept byte for byte; "
+                         "symlinks are refused)")
     sp.add_argument("--model", required=True, help="model name (letters, digits, '.', '_', '-')")
     sp.add_argument("--tag", default=None, help="tag to point at the new version, e.g. prod (default: no tag)")
     sp.add_argument(
@@ -115,7 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("pull", help="pull a version into a .safetensors file, verified chunk by chunk", formatter_class=fmt, epilog=EPILOG)
     sp.add_argument("ref", metavar="MODEL:TAG", help="MODEL:TAG, MODEL@VERSION or MODEL (its latest version)")
-    sp.add_argument("--out", "-o", type=Path, required=True, help="output .safetensors file (written atomically)")
+    out = sp.add_mutually_exclusive_group(required=True)
+    out.add_argument("--out", "-o", type=Path, help="output .safetensors file, the tensors only (written atomically)")
+    out.add_argument("--out-dir", type=Path, help="output model folder, which must not exist: every file byte for byte and "
+                                                  "the weights as safetensors shards with their index (written atomically)")
     sp.add_argument("--streams", type=int_in(1, 256, "--streams"), default=PullOptions().streams_per_server,
                     help=f"parallel GetChunks streams per server (default {PullOptions().streams_per_server})")
     sp.add_argument(
@@ -141,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("tag", help="tag name")
 
     sp = sub.add_parser("ls", help="list models; with MODEL, its versions and tags", epilog=EPILOG, formatter_class=fmt)
-    sp.add_argument("model", nargs="?", default=None, help="model name (default: list every model)")
+    sp.add_argument("model", nargs="?", default=None,
+                    help="model name (default: list every model); MODEL:TAG or MODEL@N also lists that version's files")
 
     sub.add_parser("status", help="members, leader, term, and per-server chunk counts and disk use", epilog=EPILOG, formatter_class=fmt)
 
@@ -182,8 +192,8 @@ def cmd_push(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> in
         config.validate()
     except ChunkingError as exc:
         raise UsageError(str(exc)) from None
-    if not args.file.is_file():
-        raise UsageError(f"weights file {args.file} does not exist")
+    if not args.file.is_file() and not args.file.is_dir():
+        raise UsageError(f"weights file or model folder {args.file} does not exist")
     show = not args.no_progress and sys.stderr.isatty()
     with RichProgress(enabled=show) as bar:
         report = push(
@@ -210,15 +220,20 @@ def push_summary(r: PushReport) -> str:
 
 
 def cmd_pull(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> int:
-    if args.out.suffix != ".safetensors":
+    if args.out is not None and args.out.suffix != ".safetensors":
         raise UsageError(f"--out {args.out} must end in .safetensors")
+    if args.out_dir is not None and args.out_dir.exists():
+        raise UsageError(f"--out-dir {args.out_dir} already exists; remove it or choose a new folder")
     if not 1 <= args.streams <= 16:
         raise UsageError(f"--streams must be between 1 and 16, got {args.streams}")
     show = not args.no_progress and sys.stderr.isatty()
     try:
         with RichProgress(enabled=show) as bar:
             options = PullOptions(streams_per_server=args.streams, verify=args.settings.verify, bulk=args.settings.bulk)
-            r = pull(opts.seeds, args.ref, args.out, progress=bar, options=options, cluster=opts)
+            if args.out_dir is not None:
+                r = pull_folder(opts.seeds, args.ref, args.out_dir, progress=bar, options=options, cluster=opts)
+            else:
+                r = pull(opts.seeds, args.ref, args.out, progress=bar, options=options, cluster=opts)
     except ClientError as exc:
         if isinstance(exc, TransferError):
             raise
@@ -286,6 +301,8 @@ def cmd_ls(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> int:
                 return 0
             out.print(table)
             return 0
+        ref = ModelRef.parse(args.model) if (":" in args.model or "@" in args.model) else ModelRef(args.model, None, None)
+        args.model = ref.model
         versions = client.list_versions(args.model).versions
         tags = client.list_tags(args.model).tags
         by_version: dict[int, list[str]] = {}
@@ -309,7 +326,26 @@ def cmd_ls(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> int:
             prev = f"v{last.from_version}" if last is not None and last.HasField("from_version") else "-"
             tt.add_row(t.tag, f"v{t.version}", prev, str(len(t.history)), last.who if last else "-", _when(last.when) if last else "-")
         out.print(tt)
+        shown = ref.version if ref.version is not None else next((t.version for t in tags if t.tag == ref.tag), None)
+        if ref.tag is not None and shown is None:
+            raise TransferError(f"{args.model} has no tag {ref.tag!r}", grpc.StatusCode.NOT_FOUND)
+        if shown is None and versions:
+            shown = max(v.number for v in versions)
+        if shown is not None:
+            _print_files(out, fetch_manifest(view, args.model, shown))
         return 0
+
+
+def _print_files(out: Console, manifest: Manifest) -> None:
+    """The files a pull --out-dir of this version writes: weight shards and the other files."""
+    ft = Table(title=f"{manifest.model} v{manifest.version}: files")
+    for col in ("path", "kind", "size", "blake3 / tensors"):
+        ft.add_column(col)
+    for path, entries in shard_plan(manifest).items():
+        ft.add_row(path, "weights", human_bytes(sum(t.nbytes for t in entries)), f"{len(entries)} tensors")
+    for f in manifest.files:
+        ft.add_row(f.path, "file", human_bytes(f.size), f.blake3[:16])
+    out.print(ft)
 
 
 def cmd_status(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> int:

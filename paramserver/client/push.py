@@ -25,6 +25,7 @@ from __future__ import annotations
 import getpass
 import re
 import socket
+import os
 import time
 from collections import deque
 from functools import partial
@@ -41,6 +42,7 @@ from chunking.hashing import crc32c
 from chunking.manifest import Manifest
 from chunking.hashing import Buffer
 from chunking.manifest import ChunkRef
+from chunking.folder import FolderPackResult, FolderPackStream, pack_folder_stream
 from chunking.pack import PackResult, PackStream, pack_stream
 from chunking.sources import Source
 from consensus.errors import Invalid
@@ -178,7 +180,8 @@ class _Push:
     the caller's tensors) in later rounds.
     """
 
-    def __init__(self, view: ClusterView, stream: PackStream, options: PushOptions, progress: ProgressFn) -> None:
+    def __init__(self, view: ClusterView, stream: PackStream | FolderPackStream, options: PushOptions,
+                 progress: ProgressFn) -> None:
         self.view = view
         self.stream = stream
         self.options = options
@@ -188,7 +191,7 @@ class _Push:
         self.items: dict[str, Item] = {}
         self.unreachable: set[str] = set()
         self.failed: dict[str, tuple[grpc.StatusCode | None, str]] = {}
-        self.packed: PackResult | None = None
+        self.packed: PackResult | FolderPackResult | None = None
         self.manifest_bytes = b""
         self.manifest_id = ""
         self.dedup = 0
@@ -460,7 +463,8 @@ def push(
     options: PushOptions = PushOptions(),
     cluster: ClusterOptions | None = None,
 ) -> PushReport:
-    """Push ``source`` (a state dict or a .safetensors / torch file) as a new version of ``model``.
+    """Push ``source`` (a state dict, a .safetensors / torch file, or a model folder: its
+    safetensors shards and every other file, see ``chunking.folder``) as a new version of ``model``.
 
     ``parent``: "head" (default) commits on the model's latest version, so a
     normal push never conflicts; an int commits on that version (ABORTED ->
@@ -482,8 +486,13 @@ def push(
         previous = fetch_manifest(view, model, base) if base is not None else None
         progress("pack", 0, 0)
         try:
-            stream = pack_stream(source, model=model, version=(head or 0) + 1, config=config, previous=previous,
-                                 created_at=time.time())
+            stream: PackStream | FolderPackStream
+            if isinstance(source, (str, os.PathLike)) and os.path.isdir(source):
+                stream = pack_folder_stream(source, model=model, version=(head or 0) + 1, config=config, previous=previous,
+                                            created_at=time.time())
+            else:
+                stream = pack_stream(source, model=model, version=(head or 0) + 1, config=config, previous=previous,
+                                     created_at=time.time())
         except ChunkingError as exc:
             raise PushError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
         job = _Push(view, stream, options, progress)

@@ -19,22 +19,16 @@ import os
 import struct
 import tempfile
 from pathlib import Path
-from typing import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
-from chunking.dtypes import torch_dtype
-from chunking.manifest import Manifest
+from chunking.dtypes import SAFETENSORS_CODES, torch_dtype
+from chunking.manifest import Manifest, TensorEntry
 
 from paramserver.client.hostmem import PAGE_ALIGNED_BYTES, Targets
 
-# torch dtype -> safetensors dtype code, for the codes safetensors.torch reads back.
-_CODES: dict[str, str] = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
-    "float8_e4m3fn": "F8_E4M3", "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2": "F8_E5M2",
-    "float8_e5m2fnuz": "F8_E5M2FNUZ", "complex64": "C64", "uint16": "U16", "uint32": "U32", "uint64": "U64",
-}
+_CODES = SAFETENSORS_CODES
 
 
 def supported(manifest: Manifest) -> bool:
@@ -42,9 +36,12 @@ def supported(manifest: Manifest) -> bool:
     return all(t.dtype in _CODES for t in manifest.tensors)
 
 
-def header_bytes(manifest: Manifest, metadata: Mapping[str, str]) -> tuple[bytes, dict[str, int]]:
-    """The file's first bytes (length prefix and JSON header, padded to 8) and each tensor's data offset."""
-    order = sorted(manifest.tensors, key=lambda t: -torch_dtype(t.dtype).itemsize)  # sorted() is stable
+def header_bytes(manifest: Manifest, metadata: Mapping[str, str],
+                 tensors: Sequence[TensorEntry] | None = None) -> tuple[bytes, dict[str, int]]:
+    """The file's first bytes (length prefix and JSON header, padded to 8) and each tensor's data
+    offset; ``tensors``: the ones this file holds (one shard of a folder), default all."""
+    entries = manifest.tensors if tensors is None else tensors
+    order = sorted(entries, key=lambda t: -torch_dtype(t.dtype).itemsize)  # sorted() is stable
     offsets: dict[str, int] = {}
     doc: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
     at = 0
@@ -60,14 +57,17 @@ def header_bytes(manifest: Manifest, metadata: Mapping[str, str]) -> tuple[bytes
 class SafetensorsOut:
     """A .safetensors file being filled in place; ``commit`` or ``abort`` it."""
 
-    def __init__(self, path: str | os.PathLike[str], manifest: Manifest, metadata: Mapping[str, str]) -> None:
-        if not supported(manifest):
-            bad = sorted({t.dtype for t in manifest.tensors if t.dtype not in _CODES})
+    def __init__(self, path: str | os.PathLike[str], manifest: Manifest, metadata: Mapping[str, str],
+                 only: Sequence[TensorEntry] | None = None) -> None:
+        """``only``: the tensors this file holds (one shard of a folder), default all of them."""
+        entries = manifest.tensors if only is None else tuple(only)
+        bad = sorted({t.dtype for t in entries if t.dtype not in _CODES})
+        if bad:
             raise ValueError(f"safetensors cannot store dtype {', '.join(bad)}")
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        head, offsets = header_bytes(manifest, metadata)
-        size = len(head) + sum(t.nbytes for t in manifest.tensors)
+        head, offsets = header_bytes(manifest, metadata, entries)
+        size = len(head) + sum(t.nbytes for t in entries)
         fd, self.tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
         self._fd: int | None = fd
         self._area: mmap.mmap | None = None
@@ -77,7 +77,7 @@ class SafetensorsOut:
             self._area = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             tensors: dict[str, torch.Tensor] = {}
             large: list[torch.Tensor] = []
-            for t in manifest.tensors:
+            for t in entries:
                 dtype = torch_dtype(t.dtype)
                 if not t.nbytes:
                     tensors[t.name] = torch.empty(t.shape, dtype=dtype)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import threading
+import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import replace
 from pathlib import Path
@@ -95,6 +96,22 @@ class PeerSet:
                 self._clients[member.grpc_address] = client
             return client
 
+    def reconnect(self, member: MemberRecord, failed: ParamServerClient) -> ParamServerClient:
+        """A fresh client for a peer in place of ``failed``, whose call just failed UNAVAILABLE.
+
+        A gRPC channel that could not connect while its peer was down stays in reconnect back-off
+        (1 s, growing to 2 min) and fails calls at once with the old "connection refused" long after
+        the peer came back; a new channel connects at once. Another thread may have reconnected
+        first: then its client is returned. The failed one is closed (its connection is gone)."""
+        with self._lock:
+            current = self._clients.get(member.grpc_address)
+            if current is not None and current is not failed:
+                return current
+            client = ParamServerClient(self.client_config(member.grpc_address))
+            self._clients[member.grpc_address] = client
+        failed.close()
+        return client
+
     def client_config(self, address: str) -> ClientConfig:
         """The one peer-client factory's settings: admin token, and mutual TLS when this server has a certificate."""
         return ClientConfig(
@@ -133,7 +150,7 @@ class QuorumVersionCheck:
         except ManifestError as exc:
             raise InvalidChunkError(manifest_id, f"manifest {manifest_id} cannot be committed: {exc}") from None
         expected: dict[str, tuple[int, str] | None] = {manifest_id: None}  # the manifest's own CRC is not in it
-        for ref in parsed.chunks:
+        for ref in (*parsed.chunks, *parsed.file_chunks()):  # a model folder's files are chunks too
             first = expected.setdefault(ref.id, (ref.crc32c, ref.codec))
             if first is not None and first[1] == ref.codec == "raw" and first[0] != ref.crc32c:
                 raise InvalidChunkError(ref.id, f"manifest {manifest_id} gives chunk {ref.id} two CRC32Cs "
@@ -197,11 +214,22 @@ class QuorumVersionCheck:
             return {cid: h for cid, h in zip(ids, self.local.stored_headers(ids, flags)) if h is not None}
         if member is None:
             return {}
+        request = pb.HasChunksRequest(ids=ids, claim=True, with_crc=True)
+        deadline = time.monotonic() + self.peer_timeout_s
+        client = self.peers.client(member)
         try:
-            reply = self.peers.client(member).stub.HasChunks(
-                pb.HasChunksRequest(ids=ids, claim=True, with_crc=True), timeout=self.peer_timeout_s)
-        except grpc.RpcError:
-            return {}  # an unreachable replica holds nothing we can count on
+            reply = client.stub.HasChunks(request, timeout=self.peer_timeout_s)
+        except grpc.RpcError as exc:
+            left = deadline - time.monotonic()
+            if (exc.code() if hasattr(exc, "code") else None) != grpc.StatusCode.UNAVAILABLE or left <= 0:
+                return {}  # an unreachable replica holds nothing we can count on
+            # Maybe only our channel's reconnect back-off from while that peer was down (a peer just
+            # restarted would otherwise fail every commit check until the back-off ends): once more,
+            # on a fresh channel.
+            try:
+                reply = self.peers.reconnect(member, client).stub.HasChunks(request, timeout=left)
+            except grpc.RpcError:
+                return {}
         if len(reply.crc32c) == len(reply.codec) == len(ids):
             headers: Sequence[tuple[int, str] | None] = list(zip(reply.crc32c, reply.codec))
         else:

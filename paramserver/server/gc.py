@@ -56,7 +56,7 @@ class References:
                     except (ParamServerError, ManifestError) as exc:
                         log.warning("orphan collection skipped: manifest %s of %s v%d unreadable (%s)", mid, model, version.number, exc)
                         return None
-                    self._chunks_of[mid] = frozenset(manifest.chunk_ids())
+                    self._chunks_of[mid] = manifest.all_chunk_ids()  # tensors' and files' chunks
                 refs.add(mid)
                 refs |= self._chunks_of[mid]
         return refs

@@ -9,26 +9,26 @@ from paramserver.client.errors import ClientClosed
 from paramserver.client.session import ClusterClient
 
 
+def _ask(client: ClusterClient, started: threading.Semaphore, errors: list[BaseException], base: int) -> None:
+    for i in range(300):
+        if i == 20:
+            started.release()  # close() then finds spares to close while more arrive
+        try:
+            client.server(f"127.0.0.1:{base + i}")
+        except ClientClosed:
+            return
+        except BaseException as exc:  # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+            return
+
+
 def test_close_while_other_threads_ask_for_servers() -> None:
     # No server listens: with no cluster view, server() hands out spare clients (channels connect lazily).
     for _round in range(20):
         client = ClusterClient(["127.0.0.1:9"])
         errors: list[BaseException] = []
         started = threading.Semaphore(0)
-
-        def ask(base: int) -> None:
-            for i in range(300):
-                if i == 20:
-                    started.release()  # close() then finds spares to close while more arrive
-                try:
-                    client.server(f"127.0.0.1:{base + i}")
-                except ClientClosed:
-                    return
-                except BaseException as exc:  # noqa: BLE001 - collected for the assertion
-                    errors.append(exc)
-                    return
-
-        threads = [threading.Thread(target=ask, args=(10000 + 1000 * k,)) for k in range(3)]
+        threads = [threading.Thread(target=_ask, args=(client, started, errors, 10000 + 1000 * k)) for k in range(3)]
         for t in threads:
             t.start()
         for _t in threads:

@@ -1,0 +1,226 @@
+"""Model folders on the client side: read one file of a version, pull a whole folder back.
+
+``push`` takes a folder already (``paramctl push DIR``; ``chunking.folder``). Here:
+
+- :func:`read_file`: one non-tensor file of a version (``config.json``), fetched and checked
+  against its BLAKE3 from the (content-verified) manifest.
+- :func:`pull_folder`: the folder written back under ``out_dir``: every file byte for byte, the
+  weights as the safetensors shards they came from (received straight into the shards' pages),
+  so the stored ``model.safetensors.index.json`` names them and ``transformers`` opens the
+  folder. It is built in a hidden sibling folder and renamed into place only when complete and
+  fsynced: a failed pull leaves no folder. A version pushed from a single weights file comes
+  back as ``model.safetensors``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import blake3
+import grpc
+import torch
+
+from chunking.errors import ChunkingError
+from chunking.hashing import Buffer, bytes_like
+from chunking.manifest import ChunkRef, FileEntry, Manifest, TensorEntry
+from paramserver.client.cluster_view import ClusterOptions, parse_seeds
+from paramserver.client.errors import NotFound, PullError, TransferError
+from paramserver.client.hostmem import Targets
+from paramserver.client.progress import ProgressFn, no_progress
+from paramserver.client.pull import PullOptions, PullReport, _pull
+from paramserver.client.push import PushReport, push
+from paramserver.client.refs import ModelRef
+from paramserver.client.safetensors_out import SafetensorsOut
+from paramserver.client.session import ClusterClient, VersionInfo
+
+SINGLE_FILE_NAME = "model.safetensors"
+
+
+class FileSink:
+    """Fetch-engine sink for whole files: each verified chunk is written at its offsets
+    (``into[path]`` is an open binary file or a bytearray)."""
+
+    def __init__(self, files: Sequence[FileEntry], chunk_size: int, into: Mapping[str, object]) -> None:
+        self._at: dict[str, list[tuple[str, int]]] = {}
+        for f in files:
+            for c in f.chunks:
+                self._at.setdefault(c.id, []).append((f.path, c.index * chunk_size))
+        self._into = into
+        self._lock = threading.Lock()
+
+    def region(self, ref: ChunkRef) -> memoryview | None:
+        return None
+
+    def landed_in_place(self, ref: ChunkRef) -> None:  # never: region() gives none
+        raise AssertionError("file chunks are never received in place")
+
+    def write(self, ref: ChunkRef, raw: Buffer) -> None:
+        data = raw if isinstance(raw, bytes) else bytes(memoryview(bytes_like(raw)).cast("B"))
+        with self._lock:
+            for path, offset in self._at[ref.id]:
+                target = self._into[path]
+                if isinstance(target, bytearray):
+                    target[offset:offset + len(data)] = data
+                else:
+                    os.pwrite(target.fileno(), data, offset)  # type: ignore[attr-defined]
+
+
+def _check_hash(f: FileEntry, data: bytes | None, path: Path | None) -> None:
+    h = blake3.blake3()
+    if data is not None:
+        h.update(data)
+    else:
+        assert path is not None
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    if h.hexdigest() != f.blake3:
+        raise PullError(f"file {f.path}: its bytes do not match the manifest's BLAKE3 after every chunk was verified; "
+                        "pull again (a replica may hold a damaged copy)", grpc.StatusCode.DATA_LOSS)
+
+
+def read_file(client: ClusterClient, manifest: Manifest, path: str) -> bytes:
+    """The bytes of the non-tensor file ``path`` of this version (e.g. ``config.json``)."""
+    entry = manifest.file(path)
+    if entry is None:
+        have = ", ".join(f.path for f in manifest.files[:20]) or "none (it was pushed from a weights file, not a folder)"
+        raise NotFound(f"{manifest.model} v{manifest.version} has no file {path!r}; its files: {have}")
+    buf = bytearray(entry.size)
+    refs = list({c.id: c for c in entry.chunks}.values())
+    if refs:
+        client.fetch(refs, FileSink([entry], manifest.chunk_size, {path: buf}), algorithm=manifest.hash_algorithm)
+    data = bytes(buf)
+    _check_hash(entry, data, None)
+    return data
+
+
+def shard_plan(manifest: Manifest) -> dict[str, tuple[TensorEntry, ...]]:
+    """Which tensors go into which safetensors file of the pulled folder."""
+    if not manifest.weight_files:
+        return {SINGLE_FILE_NAME: manifest.tensors}
+    out: dict[str, list[TensorEntry]] = {p: [] for p in manifest.weight_files}
+    for t, k in zip(manifest.tensors, manifest.tensor_file, strict=True):
+        out[manifest.weight_files[k]].append(t)
+    return {p: tuple(ts) for p, ts in out.items()}
+
+
+def pull_folder(
+    seeds: str | Sequence[str],
+    ref: str | ModelRef,
+    out_dir: str | os.PathLike[str],
+    *,
+    token: str | None = None,
+    progress: ProgressFn | None = None,
+    options: PullOptions = PullOptions(),
+    cluster: ClusterOptions | None = None,
+) -> PullReport:
+    """Pull ``ref`` as a model folder at ``out_dir`` (which must not exist yet)."""
+    t0 = time.perf_counter()
+    progress = progress or no_progress
+    final = Path(out_dir)
+    if final.exists():
+        raise TransferError(f"--out-dir {final} already exists; remove it or choose a new folder (nothing was written)",
+                            grpc.StatusCode.ALREADY_EXISTS)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
+    shards: list[SafetensorsOut] = []
+    seen: dict[str, Manifest] = {}
+
+    def in_shards(manifest: Manifest, version: VersionInfo) -> Targets:
+        seen["m"] = manifest
+        meta = {"format": "pt", "model": manifest.model, "version": str(version.number), "manifest_id": version.manifest_id}
+        tensors: dict[str, torch.Tensor] = {}
+        fresh: list[torch.Tensor] = []
+        try:
+            for rel, entries in shard_plan(manifest).items():
+                out = SafetensorsOut(staging / rel, manifest, meta, only=entries)
+                shards.append(out)
+                tensors.update(out.targets.tensors)
+                fresh.extend(out.targets.fresh)
+        except (OSError, ValueError) as exc:
+            raise TransferError(f"cannot write {final}: {exc}", grpc.StatusCode.UNKNOWN) from None
+        return Targets(tensors, fresh)
+
+    try:
+        tensors, report = _pull(seeds, ref, token=token, progress=progress, options=options, cluster=cluster,
+                                allocate=in_shards)
+        del tensors  # views of the shards' mappings: released before they are closed
+        manifest = seen["m"]
+        files_bytes = _pull_files(seeds, manifest, staging, token=token, options=options, cluster=cluster)
+        t_save = time.perf_counter()
+        for out in shards:
+            out.commit()
+        _fsync_tree(staging)
+        os.rename(staging, final)
+        _fsync_dir(final.parent)
+    except BaseException:
+        for out in shards:
+            out.abort()
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    now = time.perf_counter()
+    return dataclasses.replace(report, seconds=now - t0, save_seconds=now - t_save, path=str(final),
+                               bytes_total=report.bytes_total + files_bytes)
+
+
+def _pull_files(seeds: str | Sequence[str], manifest: Manifest, staging: Path, *, token: str | None,
+                options: PullOptions, cluster: ClusterOptions | None) -> int:
+    if not manifest.files:
+        return 0
+    cluster = cluster or ClusterOptions(parse_seeds(seeds), token=token)
+    with contextlib.ExitStack() as stack:
+        handles = {}
+        for f in manifest.files:
+            target = staging / f.path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            handle = stack.enter_context(open(target, "wb"))
+            handles[f.path] = handle
+            os.ftruncate(handle.fileno(), f.size)
+        refs = manifest.file_chunks()
+        with ClusterClient(cluster=cluster, token=token, config=options.session(), bulk=options.bulk,
+                           verify=options.verify) as client:
+            try:
+                client.fetch(list(refs), FileSink(manifest.files, manifest.chunk_size, handles),
+                             algorithm=manifest.hash_algorithm)
+            except ChunkingError as exc:
+                raise PullError(f"{manifest.model} v{manifest.version}: {exc}", grpc.StatusCode.DATA_LOSS) from None
+        for handle in handles.values():
+            handle.flush()
+            os.fsync(handle.fileno())
+    for f in manifest.files:
+        _check_hash(f, None, staging / f.path)
+    return sum(f.size for f in manifest.files)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass  # some filesystems cannot fsync a folder
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _dirs, _files in os.walk(root):
+        _fsync_dir(Path(dirpath))
+
+
+def push_folder(seeds: str | Sequence[str], folder: str | os.PathLike[str], *, model: str, tag: str | None = None,
+                token: str | None = None, **kwargs: object) -> PushReport:
+    """``push`` of a model folder (the same as ``push(seeds, folder, ...)``); named for readers."""
+    if not Path(folder).is_dir():
+        raise TransferError(f"{folder} is not a folder", grpc.StatusCode.INVALID_ARGUMENT)
+    return push(seeds, str(folder), model=model, tag=tag, token=token, **kwargs)  # type: ignore[arg-type]
+
+
+__all__ = ["FileSink", "SINGLE_FILE_NAME", "pull_folder", "push_folder", "read_file", "shard_plan"]
