@@ -6,7 +6,8 @@ removals happen too; it prints each acknowledgement once the call returned. The 
 with SIGKILL at a random moment, reopens the data dir and checks: every acknowledged chunk reads
 bit-exact (and every acknowledged delete stays deleted), across all the earlier rounds too (a chunk
 whose delete was in flight may be either); the
-index matches an independent scan of the segment files with every record's CRC checked; no
+index matches an independent scan of the segment files with every record's CRC checked (and each
+sealed segment's .idx lists what the scan found; ``tests.store_checks``); no
 segment keeps a torn tail or a damaged region; nothing half-written is served.
 """
 from __future__ import annotations
@@ -112,8 +113,8 @@ def run_round(data_dir: Path, round_no: int, rng: random.Random) -> list[str]:
 
 @pytest.mark.integration
 def test_kill_9_while_writing_deleting_and_compacting_loses_no_acknowledged_chunk(tmp_path: Path) -> None:
-    from paramserver.server.segments import list_segments, resolve, scan_segment, segment_file
     from paramserver.server.store import ChunkStore
+    from tests.store_checks import assert_index_matches_segments, scan_segments
 
     rng = random.Random(int(os.environ.get("STORE_CRASH_SEED", "1234")))  # another seed: other kill moments
     data_dir = tmp_path / "data"
@@ -144,22 +145,10 @@ def test_kill_9_while_writing_deleting_and_compacting_loses_no_acknowledged_chun
                 assert chunk_of(seed)[0] not in ids, f"round {round_no}: deleted chunk (seed {seed}) came back"
             for cid in ids:  # unacknowledged ones may be there, but only whole and correct
                 store.verify(cid)
-            # the index matches an independent scan of every segment (no .idx), each record's CRC checked
-            folder = data_dir / "segments"
-            scans = {}
-            for segno in list_segments(folder):
-                fd = os.open(segment_file(folder, segno), os.O_RDONLY)
-                try:
-                    scans[segno] = scan_segment(fd, segno, segment_file(folder, segno), check_data=True)
-                finally:
-                    os.close(fd)
-                assert scans[segno].torn == 0 and not scans[segno].damaged and not scans[segno].corrupt, scans[segno]
+            # the index matches an independent scan of every segment, each record's CRC checked
+            scans = scan_segments(data_dir)
             totals["segments_seen"] = max(totals["segments_seen"], max(scans, default=0))
-            view = resolve(scans)
-            assert set(view.index) == ids
-            for cid, (segno, rec) in view.index.items():
-                loc = store.locate(cid)
-                assert loc is not None and (int(loc.path.stem), loc.record_offset) == (segno, rec.off)
+            assert_index_matches_segments(store, scans)
         finally:
             store.close()
     assert totals["puts"] > 100 and totals["deletes"] > 5 and totals["segments_seen"] > 3, totals

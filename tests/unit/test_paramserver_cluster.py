@@ -74,6 +74,30 @@ def test_quorum_check_counts_replicas(cluster: list[RunningServer], model: tuple
     peers.close()
 
 
+def test_quorum_check_counts_a_replica_as_soon_as_it_is_back(cluster: list[RunningServer], model: tuple, tmp_path: Path) -> None:  # type: ignore[type-arg]
+    # A peer channel that failed to connect while its server was down sits in gRPC's reconnect
+    # back-off (1 s, growing) and failed every call at once with the old "connection refused":
+    # a commit right after a replica restarted was refused although its chunks were on W servers
+    # (found by tests/integration/test_push_crash.py). The check asks again on a fresh channel.
+    mid, body, chunks, manifest = model
+    members = members_of(cluster)  # the addresses stay: ps2 comes back on its port
+    peers = PeerSet("ps0", lambda: members)
+    check = QuorumVersionCheck(peers, cluster[0].servicer.chunks.store)
+    for cid, data in {**chunks, mid: body}.items():  # on ps0 and ps2 only: W=2 needs ps2
+        for server in (cluster[0], cluster[2]):
+            with ParamServerClient(server.address) as c:
+                c.put_chunks([make_chunk(cid, data)])
+    check(mid, body)
+    cluster[2].stop(0)
+    with pytest.raises(PreconditionFailed, match="have not reached"):
+        check(mid, body)  # the peer channel to ps2 fails to connect: back-off starts
+    cluster[2] = start_server(ServerConfig(server_id="ps2", data_dir=tmp_path / "ps2", listen=members[2].grpc_address,
+                                           fsync=False, workers=4, cache_bytes=0))
+    facts = check(mid, body)  # at once, not after the back-off
+    assert facts.nbytes == manifest.raw_bytes  # type: ignore[attr-defined]
+    peers.close()
+
+
 def test_replica_fetcher_repairs_from_a_healthy_copy(cluster: list[RunningServer]) -> None:
     data = b"x" * 50_000
     cid = content_id(data)
