@@ -2,6 +2,7 @@
 
     paramworker load MODEL:TAG --cluster HOST:PORT[,HOST:PORT] [--device cuda:0]
     paramworker serve --model MODEL:TAG --factory package.module:function --cluster HOST:PORT
+    paramworker serve --model bert:prod --hf [--hf-class AutoModelForMaskedLM] --cluster HOST:PORT
 
 Cluster addresses, tokens and TLS files come from ``paramserver.client.config`` (flags >
 environment > client config file), exit codes from ``paramserver.client.exit_codes``: the same as
@@ -68,6 +69,20 @@ A model reference is MODEL:TAG (e.g. resnet50:prod) or MODEL@N for the exact ver
 """
 
 
+HF_SERVE_HELP = """\
+--hf serves a Hugging Face transformers model pushed as a save_pretrained folder
+(paramctl push DIR: config.json + model.safetensors or its shards), without --factory: each
+version's config.json builds the model (--hf-class, default AutoModel, the base model) with its
+parameters on the meta device, filled from the cluster. POST /infer then takes token ids:
+  {"input": [[101, 2023, 102]], "attention_mask": [[1, 1, 1]]}
+(attention_mask is optional and has the shape of input; a bare [[101, 2023, 102]] works too;
+the rows of one request must have the same length) and answers
+  {"output": [[[...]]], "output_name": "logits" or "last_hidden_state", "model", "version", ...}
+with the model's logits when it has a head (e.g. --hf-class AutoModelForCausalLM), else its
+last_hidden_state, as nested lists of floats (batch x tokens x features).
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="paramworker",
@@ -84,9 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--json", action="store_true", help="print the summary as JSON lines instead of text")
     load.add_argument("--no-progress", action="store_true", help="no progress bar")
     serve = sub.add_parser("serve", help="keep a module loaded, follow tag moves, answer inference over HTTP",
-                           description="Serve MODEL:TAG: POST /infer with a JSON list, GET /healthz. Tag moves are hot-swapped.")
+                           description="Serve MODEL:TAG: POST /infer with a JSON list, GET /healthz. Tag moves are hot-swapped.",
+                           epilog=HF_SERVE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     serve.add_argument("--model", required=True, help="MODEL:TAG (followed) or MODEL@N (fixed)")
-    serve.add_argument("--factory", required=True, help="package.module:function returning the nn.Module (built on the meta device)")
+    what = serve.add_mutually_exclusive_group(required=True)
+    what.add_argument("--factory", help="package.module:function returning the nn.Module (built with its parameters on the "
+                                        "meta device, worker.loader.empty_weights)")
+    what.add_argument("--hf", action="store_true",
+                      help="a transformers model from the version's config.json, no factory (see below; needs transformers)")
+    serve.add_argument("--hf-class", default=None, metavar="CLASS",
+                       help="with --hf: the transformers class, e.g. AutoModelForCausalLM or BertForMaskedLM (default AutoModel)")
     serve.add_argument("--listen", default="127.0.0.1:8080", help="HTTP HOST:PORT, port 0 picks a free one (default 127.0.0.1:8080)")
     serve.add_argument("--poll-s", type=float_in(0, 86400, "--poll-s", low_inclusive=True),
                        default=2.0, help="seconds between tag checks, 0 = never (default 2.0)")
@@ -182,13 +204,19 @@ def cmd_load(args: argparse.Namespace, settings: ClientSettings) -> int:
 
 
 def cmd_serve(args: argparse.Namespace, settings: ClientSettings) -> int:
+    from worker.hf import HFServing
     from worker.serve import ModelServer, load_factory
 
-    factory = load_factory(args.factory)
+    if args.hf_class is not None and not args.hf:
+        raise ConfigError("--hf-class goes with --hf")
+    hf = HFServing(args.hf_class) if args.hf else None
+    factory = load_factory(args.factory) if hf is None else None
+    if hf is not None:
+        hf.check()  # transformers installed and the class known, before touching the cluster
     serve_config = serve_config_from_args(args)
     client, cache, prefetch = _setup(args, settings)
     server = ModelServer(client, args.model, factory, args.device, cache, prefetch, heat_report_s=args.heat_report_s,
-                         serve=serve_config, factory_name=args.factory)
+                         serve=serve_config, factory_name=args.factory or "", hf=hf)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

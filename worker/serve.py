@@ -10,7 +10,10 @@ Endpoints (stdlib ``http.server``, HTTP/1.1 keep-alive, JSON):
 - ``GET /metrics``: Prometheus text (``worker.serve_metrics``).
 
 A tag move loads the new version beside the old one (only changed chunks travel), builds a new
-module from the factory, and swaps the module reference; requests in flight finish on the old one.
+module from the factory (under ``worker.loader.empty_weights``: parameters on meta, buffers as the
+constructor makes them), and swaps the module reference; requests in flight finish on the old one.
+With ``--hf`` (``worker.hf.HFServing``) there is no factory: each version's ``config.json`` builds a
+transformers model, and ``/infer`` takes token ids (``paramworker serve --help`` has the JSON contract).
 Results are cached by the version's model fingerprint (``worker.result_service``), so a request
 after the swap never gets the old version's answer; each answer names the version it came from.
 """
@@ -33,7 +36,8 @@ from worker.admission import Admission, AdmissionConfig, Shed
 from worker.config import PrefetchConfig
 from worker.errors import ConfigError, WorkerError
 from worker.forward_heat import ForwardHeat
-from worker.loader import LoadedModel, fill_module
+from worker.hf import HFServing
+from worker.loader import LoadedModel, empty_weights, fill_module
 from worker.result_cache import ResultCacheConfig, canonical_json, result_key
 from worker.result_service import Answer, Computed, ResultService
 from worker.result_store import RedisResultStore, ResultStore
@@ -92,15 +96,22 @@ class ModelServer:
 
     ``factory_name`` is part of every result key (two factories over the same weights are two
     models); ``store`` overrides the Redis store the config names (tests pass an in-memory one).
+    ``hf`` instead of a factory serves a transformers model built from each version's config.json.
     """
 
-    def __init__(self, client: ClusterClient, ref: str, factory: Callable[[], torch.nn.Module],
+    def __init__(self, client: ClusterClient, ref: str, factory: Callable[[], torch.nn.Module] | None,
                  device: str | torch.device | None = "cpu", cache: TieredCache | None = None,
                  config: PrefetchConfig = PrefetchConfig(), heat_report_s: float = 60.0,
-                 serve: ServeConfig = ServeConfig(), factory_name: str = "", store: ResultStore | None = None) -> None:
+                 serve: ServeConfig = ServeConfig(), factory_name: str = "", store: ResultStore | None = None,
+                 hf: HFServing | None = None) -> None:
         self.serve_config = serve.validate()
+        if (factory is None) == (hf is None):
+            raise ConfigError("serve needs exactly one of a factory (--factory) and a Hugging Face model (--hf)")
+        if hf is not None:
+            hf.check()
         self.factory = factory
-        self.factory_name = factory_name or getattr(factory, "__qualname__", repr(factory))
+        self.hf = hf
+        self.factory_name = hf.name if hf is not None else factory_name or getattr(factory, "__qualname__", repr(factory))
         self.heat_report_s = heat_report_s
         self._heat: ForwardHeat | None = None
         self._lock = threading.Lock()
@@ -117,9 +128,13 @@ class ModelServer:
         self._http: _Server | None = None
 
     def _on_swap(self, new: LoadedModel, _old: LoadedModel | None) -> None:
-        with torch.device("meta"):
-            module = self.factory()
-        fill_module(module, new.tensors, self.swapper.device)
+        if self.hf is not None:
+            module = self.hf.build(self.swapper.client, new, self.swapper.device)
+        else:
+            assert self.factory is not None
+            with empty_weights():  # parameters on meta; buffers keep the constructor's values
+                module = self.factory()
+            fill_module(module, new.tensors, self.swapper.device)
         module.eval()
         heat = ForwardHeat(module, new.manifest, version=new.info.number, sink=self.swapper.client, report_every_s=self.heat_report_s)
         with self._lock:  # readers take the reference under this lock: they see old or new, never a mix
@@ -156,9 +171,11 @@ class ModelServer:
         params = list(module.parameters())
         return params[0].dtype if params and params[0].is_floating_point() else torch.float32
 
-    def _forward(self, module: torch.nn.Module, data: Any) -> Computed:
+    def _forward(self, module: torch.nn.Module, data: Any, request: dict[str, Any] | None = None) -> Computed:
         """One forward pass; a request the model cannot run is a 400 (cached briefly), not an error."""
         try:
+            if self.hf is not None:
+                return Computed(200, canonical_json(self.hf.forward(module, request or {"input": data}, self.swapper.device)))
             x = torch.tensor(data, dtype=self._dtype(module), device=self.swapper.device)
             with torch.no_grad():
                 y = module(x)
@@ -175,7 +192,7 @@ class ModelServer:
         if use_cache and self.results.config.enabled:
             params = {"dtype": str(self._dtype(module)), "device": self.swapper.device.type, "factory": self.factory_name}
             key = result_key(loaded.manifest.fingerprint, request if request is not None else {"input": data}, params)
-        return self.results.answer(key, lambda: self._forward(module, data)), loaded
+        return self.results.answer(key, lambda: self._forward(module, data, request)), loaded
 
     def handle_infer(self, raw: bytes) -> tuple[int, bytes, dict[str, str]]:
         """HTTP status, body and extra headers for one ``POST /infer`` body; counts it in the metrics."""

@@ -1,32 +1,36 @@
 """Prometheus metrics, read from the live components at scrape time.
 
 A custom collector rather than counters updated on the hot path: a scrape
-costs a few dict reads, a GetChunks stream costs nothing extra.
+costs a few dict reads and one statvfs, a GetChunks stream costs nothing extra.
+The alert rules and the dashboard in ``deploy/monitoring/`` use these names
+(``tests/integration/test_monitoring.py`` checks them against a live server).
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Iterator
 
 from prometheus_client import start_http_server
-from prometheus_client.core import CollectorRegistry, GaugeMetricFamily
+from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from consensus.api import MetadataPlane
 
-from paramserver.server.repair import RepairQueue
+from paramserver.server.repair import RepairQueue, Scrubber
 from paramserver.server.store import ChunkStore
 
 
 class ServerCollector(Collector):
     def __init__(self, server_id: str, store: ChunkStore, metadata: MetadataPlane, queue: RepairQueue,
-                 members: Callable[[], int]) -> None:
+                 members: Callable[[], int], scrubber: Scrubber | None = None) -> None:
         self.server_id = server_id
+        self.scrubber = scrubber
         self.store = store
         self.metadata = metadata
         self.queue = queue
         self.members = members
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         labels = ["server"]
         stats = self.store.stats()
 
@@ -37,6 +41,12 @@ class ServerCollector(Collector):
 
         yield gauge("paramserver_chunks", "chunks stored on disk", stats.chunk_count)
         yield gauge("paramserver_disk_bytes", "stored chunk bytes on disk", stats.bytes_on_disk)
+        fs = self._filesystem()
+        if fs is not None:
+            # free: what an unprivileged writer may still use, the figure the store refuses writes by (so blocks
+            # reserved for root count as used); capacity: the file system's size
+            yield gauge("paramserver_disk_free_bytes", "bytes still writable on the data dir's file system", fs[0])
+            yield gauge("paramserver_disk_capacity_bytes", "size of the data dir's file system in bytes", fs[1])
         yield gauge("paramserver_quarantined_chunks", "chunk files found corrupt and set aside", stats.quarantined)
         yield gauge("paramserver_repair_queue", "chunks waiting for repair from a healthy replica", len(self.queue))
         yield gauge("paramserver_cache_bytes", "bytes in the hot-chunk cache", stats.cache.used_bytes)
@@ -49,6 +59,35 @@ class ServerCollector(Collector):
         except Exception:  # noqa: BLE001 - a node shutting down has no term; skip those two
             pass
         yield gauge("paramserver_members", "cluster members known to this server", self.members())
+        try:
+            has_quorum = self.metadata.status().get("has_quorum")
+        except Exception:  # noqa: BLE001 - a node shutting down has no status; skip the gauge
+            has_quorum = None
+        if isinstance(has_quorum, bool):
+            yield gauge("paramserver_raft_has_quorum",
+                        "1 while this server is connected to a majority of the Raft members (itself included)",
+                        1.0 if has_quorum else 0.0)
+        # The background scrubber, since start (zeros with --scrub-mb-per-s 0: enabled says which).
+        scrub = self.scrubber
+        yield gauge("paramserver_scrub_enabled", "1 when the background scrubber runs", 0.0 if scrub is None else 1.0)
+        for name, doc, value in (
+            ("paramserver_scrub_checked_chunks", "chunks the scrubber proved intact or found corrupt", scrub.checked_total if scrub else 0),
+            ("paramserver_scrub_checked_bytes", "raw bytes the scrubber checked", scrub.bytes_total if scrub else 0),
+            ("paramserver_scrub_corrupt_chunks", "chunks the scrubber found corrupt (quarantined, queued for repair)",
+             scrub.corrupt_total if scrub else 0),
+            ("paramserver_scrub_passes", "complete passes of the scrubber over the store", scrub.passes if scrub else 0),
+        ):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric([self.server_id], float(value))
+            yield c
+
+    def _filesystem(self) -> tuple[int, int] | None:
+        """(free bytes, capacity bytes) of the store's file system; None when it cannot be read."""
+        try:
+            st = os.statvfs(self.store.data_dir)
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
 
 
 def serve_metrics(port: int, host: str, collector: ServerCollector) -> CollectorRegistry:

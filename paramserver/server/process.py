@@ -89,6 +89,7 @@ class ParamServer:
             Periodic("re-replicate", cfg.anti_entropy_interval_s, ReReplicator(peers, store, references=references).step),
             Periodic("compact", store.config.compact_interval_s, Compactor(store).step),
         ]
+        scrubber: Scrubber | None = None
         if cfg.scrub_bytes_per_s:
             scrubber = Scrubber(store, queue)
             self._tasks.append(Periodic("scrub", 1.0, lambda: scrubber.step(cfg.scrub_bytes_per_s)))
@@ -99,7 +100,8 @@ class ParamServer:
             task.start()
         if self.metrics_port is not None:
             host = cfg.listen.rpartition(":")[0]
-            serve_metrics(self.metrics_port, host, ServerCollector(cfg.server_id, store, node, queue, lambda: len(members())))
+            serve_metrics(self.metrics_port, host, ServerCollector(cfg.server_id, store, node, queue, lambda: len(members()),
+                                                                     scrubber=scrubber))
 
     def _register_loop(self) -> None:
         """Publish this server's member record once a leader exists; retry until it sticks."""

@@ -178,6 +178,10 @@ class Scrubber:
         self._walk: Iterator[str] | None = None
         self._debt = 0  # raw bytes checked beyond earlier steps' budgets
         self.passes = 0
+        # Since start, for /metrics: chunks and raw bytes proven, chunks found corrupt.
+        self.checked_total = 0
+        self.bytes_total = 0
+        self.corrupt_total = 0
 
     def step(self, budget_bytes: int) -> ScrubReport:
         checked = nbytes = 0
@@ -208,6 +212,9 @@ class Scrubber:
                 continue  # unknown codec: cannot prove, do not condemn
             checked += 1
         self._debt = max(0, nbytes - budget)
+        self.checked_total += checked
+        self.bytes_total += nbytes
+        self.corrupt_total += len(corrupt)
         return ScrubReport(checked, nbytes, corrupt, finished)
 
 

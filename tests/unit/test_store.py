@@ -223,6 +223,9 @@ def test_scrubber_finds_untouched_corruption_and_repairer_restores(tmp_path: Pat
         if report.finished_pass:
             break
     assert total_corrupt == [victim] and victim in queue
+    # what /metrics exports (paramserver_scrub_*_total)
+    assert scrubber.corrupt_total == 1 and scrubber.checked_total == 12 and scrubber.passes == 1
+    assert scrubber.bytes_total >= 11 * 16 * KiB
     missing = [chunks[0][0]]
     store.delete(missing[0])
     queue.add(missing[0], "under-replicated")
