@@ -208,6 +208,7 @@ def push_summary(r: PushReport) -> str:
     tag = f" tag {r.tag} ->" if r.tag else ""
     parent = f"parent v{r.parent}" if r.parent is not None else "first version"
     down = f"; unreachable: {', '.join(r.unreachable)}" if r.unreachable else ""
+    down += "".join(f"; {s} failed: {m[:200]}" for s, m in r.refused.items())
     return (
         f"pushed {r.model}{tag} v{r.version} ({parent}, manifest {r.manifest_id[:16]})\n"
         f"  bytes {human_bytes(r.bytes_total)}  sent {human_bytes(r.bytes_sent)} "

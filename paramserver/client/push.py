@@ -59,12 +59,15 @@ from paramserver.client.errors import ClusterUnreachable, PushConflict, PushErro
 
 Parent = int | None | Literal["head"]
 
-# PutChunks failures another round would only repeat (bad token, refused bytes, a message over
-# the server's limit): the push stops at once. Others (a server dying, DATA_LOSS in transit) are retried.
+# PutChunks failures another round would only repeat (bad token, refused bytes): the push stops
+# at once. Others (a server dying, DATA_LOSS in transit) are retried.
 FATAL_STREAM_CODES = frozenset({
     grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT,
-    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.UNIMPLEMENTED,
 })  # fmt: skip
+# A full disk (or a message over one server's limit) is that server's problem: the push goes on
+# to the other replicas, and commits if they reach W; it stops at once when every server refuses.
+PER_SERVER_CODES = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,7 @@ class PushReport:
     replication: int
     write_quorum: int
     unreachable: tuple[str, ...] = ()  # servers that took no part (down or failing)
+    refused: Mapping[str, str] = field(default_factory=dict)  # server -> why its chunks failed (a full disk, a crash)
     forced: bool = False
     servers: tuple[str, ...] = field(default=())
 
@@ -262,6 +266,11 @@ class _Push:
             if code in FATAL_STREAM_CODES:
                 # Another round would fail the same way: this is the caller's to fix.
                 raise PushError(f"PutChunks to {server} refused: {message}; nothing was committed", code)
+        exhausted = {s: m for s, (c, m) in self.failed.items() if c in PER_SERVER_CODES}
+        if exhausted and set(exhausted) >= set(self.view.members):
+            server, message = sorted(exhausted.items())[0]
+            raise PushError(f"PutChunks refused by every server (e.g. {server}: {message}); nothing was committed",
+                            grpc.StatusCode.RESOURCE_EXHAUSTED)
 
     def _session(self) -> SendSession:
         chunk_size = self.stream.config.chunk_size
@@ -536,6 +545,7 @@ def push(
             replication=view.replication,
             write_quorum=view.write_quorum,
             unreachable=tuple(sorted(job.unreachable)),
+            refused={server: message for server, (_code, message) in sorted(job.failed.items())},
             forced=version.forced,
             servers=tuple(sorted(view.members)),
         )

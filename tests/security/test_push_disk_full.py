@@ -100,6 +100,7 @@ def test_a_push_bigger_than_one_servers_disk_fails_over_or_names_it_and_loses_no
         if report is not None:  # failed over: committed on the other replicas
             print(f"push committed v{report.version} without {report.unreachable or FULL}")
             assert report.write_quorum == 2 and report.replication == 3
+            assert FULL in report.refused and "full" in report.refused[FULL], report.refused  # the report says why
             tensors, _ = pull_tensors(cluster.seed, f"big@{report.version}", token=READ)
             assert_bit_exact(tensors, big, "big")
 
