@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -314,7 +315,10 @@ def add_client_arguments(parser: argparse.ArgumentParser, *, write: bool, cluste
     else:
         token_help = (f"read token (env {READ_TOKEN_ENV}, else {ADMIN_TOKEN_ENV}; or the config file's "
                       "read_token_file/admin_token_file); default: none")
-    g.add_argument("--token", default=None, help=token_help)
+    tokens = g.add_mutually_exclusive_group()
+    tokens.add_argument("--token", default=None, help=token_help + "; visible in the process list: prefer --token-file")
+    tokens.add_argument("--token-file", default=None, metavar="FILE",
+                        help="read the --token from this file (one token; keeps it out of the process list)")
     g.add_argument("--config", dest="config_file", type=Path, default=None, metavar="FILE",
                    help=f"client config file (TOML: cluster, admin_token_file, read_token_file, tls_ca, tls_cert, tls_key, "
                         f"verify, bulk, timeout_s) (env {CONFIG_ENV}; default: none)")
@@ -353,9 +357,27 @@ def settings_from_args(
         "bulk": False if getattr(args, "no_bulk", False) else None,
     }
     token = getattr(args, "token", None)
+    token_file = getattr(args, "token_file", None)
+    if token_file is not None:
+        token = _read_token_flag(Path(token_file))
+    elif token is not None:
+        print(f"{Path(sys.argv[0]).name}: warning: --token puts the token in the process list, where every local user "
+              f"can read it; use --token-file FILE or {ADMIN_TOKEN_ENV if write else READ_TOKEN_ENV}", file=sys.stderr)
     if token is not None:
         flags["admin_token" if write else "read_token"] = token
     return ClientSettings.load(flags, environ, defaults=defaults)
+
+
+def _read_token_flag(path: Path) -> str:
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"--token-file {path}: cannot read it ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--token-file {path} is not a text file") from None
+    if not token or any(c.isspace() for c in token):
+        raise ConfigError(f"--token-file {path} must hold one token (no spaces), got {'nothing' if not token else 'several words'}")
+    return token
 
 
 __all__ = [

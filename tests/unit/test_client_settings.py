@@ -190,3 +190,23 @@ def test_help_names_flags_environment_and_defaults() -> None:
     for word in ("--cluster", "--token", "--config", "--tls-ca", "--tls-cert", "--tls-key", "PARAMS_CLUSTER", "PARAMS_ADMIN_TOKEN",
                  "PARAMS_READ_TOKEN", "PARAMS_CONFIG", "PARAMS_TLS_CA", "PARAMS_TLS_CERT", "PARAMS_TLS_KEY", "127.0.0.1:7000", "default"):
         assert word in text, word
+
+
+def test_token_file_keeps_the_token_out_of_argv_and_token_value_warns(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_client_arguments(parser, write=False)
+    f = tmp_path / "read.token"
+    f.write_text("tok-123\n")
+    s = settings_from_args(parser.parse_args(["--cluster", "127.0.0.1:1", "--token-file", str(f)]), {})
+    assert s.read_token == "tok-123"
+    assert "warning" not in capsys.readouterr().err
+    s = settings_from_args(parser.parse_args(["--cluster", "127.0.0.1:1", "--token", "tok-456"]), {})
+    assert s.read_token == "tok-456"
+    assert "--token-file" in capsys.readouterr().err
+    f.write_text("two words")
+    with pytest.raises(ConfigError, match="one token"):
+        settings_from_args(parser.parse_args(["--cluster", "127.0.0.1:1", "--token-file", str(f)]), {})
+    with pytest.raises(ConfigError, match="cannot read"):
+        settings_from_args(parser.parse_args(["--cluster", "127.0.0.1:1", "--token-file", str(tmp_path / "nope")]), {})
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--token", "a", "--token-file", str(f)])
