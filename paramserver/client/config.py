@@ -256,7 +256,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
             raise ConfigError(f"client config file {path}: {exc}") from None
     for key, field in (("admin_token_file", "admin_token"), ("read_token_file", "read_token")):
         if key in data:
-            out[field] = _read_token(file_path(key), path, key)
+            out[field] = _read_token(file_path(key), f"client config file {path}: {key}")
     for key in ("tls_ca", "tls_cert", "tls_key"):
         if key in data:
             out[key] = file_path(key)
@@ -280,16 +280,17 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return out
 
 
-def _read_token(token_file: Path, config: Path, key: str) -> str:
+def _read_token(token_file: Path, what: str) -> str:
+    """The one token in ``token_file``; errors name it as ``what`` (the flag or config key)."""
     try:
         token = token_file.read_text().strip()
     except OSError as exc:
-        raise ConfigError(f"client config file {config}: cannot read {key} {token_file}: {exc.strerror}") from None
+        raise ConfigError(f"{what} {token_file}: cannot read it ({exc.strerror})") from None
     except UnicodeDecodeError:
-        raise ConfigError(f"client config file {config}: {key} {token_file} is not a text file") from None
+        raise ConfigError(f"{what} {token_file} is not a text file") from None
     if not token or any(c.isspace() for c in token):
         got = "nothing" if not token else "several words"
-        raise ConfigError(f"client config file {config}: {key} {token_file} must hold one token (no spaces), got {got}")
+        raise ConfigError(f"{what} {token_file} must hold one token (no spaces), got {got}")
     return token
 
 
@@ -359,7 +360,7 @@ def settings_from_args(
     token = getattr(args, "token", None)
     token_file = getattr(args, "token_file", None)
     if token_file is not None:
-        token = _read_token_flag(Path(token_file))
+        token = _read_token(Path(token_file), "--token-file")
     elif token is not None:
         print(f"{Path(sys.argv[0]).name}: warning: --token puts the token in the process list, where every local user "
               f"can read it; use --token-file FILE or {ADMIN_TOKEN_ENV if write else READ_TOKEN_ENV}", file=sys.stderr)
@@ -367,17 +368,6 @@ def settings_from_args(
         flags["admin_token" if write else "read_token"] = token
     return ClientSettings.load(flags, environ, defaults=defaults)
 
-
-def _read_token_flag(path: Path) -> str:
-    try:
-        token = path.read_text().strip()
-    except OSError as exc:
-        raise ConfigError(f"--token-file {path}: cannot read it ({exc.strerror})") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"--token-file {path} is not a text file") from None
-    if not token or any(c.isspace() for c in token):
-        raise ConfigError(f"--token-file {path} must hold one token (no spaces), got {'nothing' if not token else 'several words'}")
-    return token
 
 
 __all__ = [

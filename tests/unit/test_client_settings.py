@@ -130,7 +130,7 @@ def test_cluster_options_and_client_config_carry_tls_and_the_right_token(tls_fil
     ('bulk = "yes"\n', ["bulk must be true or false"]),
     ('timeout_s = 0\n', ["timeout_s"]),
     ('cluster = [\n', ["not valid TOML"]),
-    ('read_token_file = "missing.token"\n', ["cannot read read_token_file", "missing.token"]),
+    ('read_token_file = "missing.token"\n', ["read_token_file", "missing.token: cannot read it"]),
     ('tls_ca = "missing-ca.pem"\n', ["tls_ca", "missing-ca.pem", "does not exist"]),
     ('tls_cert = "client.pem"\n', ["tls_cert is set but tls_key is not"]),
 ])  # fmt: skip
