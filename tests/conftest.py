@@ -1,6 +1,7 @@
 """Shared fixtures: free loopback ports and per-test data directories."""
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,3 +47,19 @@ def local_cluster(root: Path, wait: float = 90.0, **config: Any) -> Iterator[Loc
         yield cluster
     finally:
         cluster.down()
+
+
+@contextmanager
+def mounted_tmpfs(mount: Path, mib: int, why: str) -> Iterator[Path]:
+    """A ``mib`` MiB tmpfs at ``mount`` (root only; the test is skipped with ``why`` elsewhere), unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip(f"needs root to mount a {mib} MiB tmpfs as {why} (run as root, e.g. in the CI container)")
+    mount.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m,mode=0755", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or done.returncode}): no full-disk case without one")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

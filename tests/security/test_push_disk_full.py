@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +25,7 @@ from paramserver.client.errors import TransferError
 from paramserver.client.pull import pull_tensors
 from paramserver.client.push import PushOptions, PushReport, push
 from paramserver.client.rpc import ParamServerClient
-from tests.conftest import local_cluster
+from tests.conftest import local_cluster, mounted_tmpfs
 from tests.store_checks import assert_bit_exact, check_stopped_store, load_from_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.root, pytest.mark.timeout(240)]
@@ -55,19 +54,9 @@ def leader_of(cluster: LocalCluster) -> str:
 @pytest.fixture
 def cluster_root(tmp_path: Path) -> Iterator[Path]:
     """The cluster folder, with FULL's data dir a small tmpfs (unmounted afterwards)."""
-    if os.geteuid() != 0:
-        pytest.skip(f"needs root to mount a {TMPFS_MIB} MiB tmpfs as one server's full disk (run as root, e.g. in the CI container)")
     root = tmp_path / "cluster"
-    mount = root / FULL  # where LocalCluster keeps that server's data dir
-    mount.mkdir(parents=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_MIB}m,mode=0755", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or done.returncode}): no full-disk case without one")
-    try:
+    with mounted_tmpfs(root / FULL, TMPFS_MIB, "one server's full disk"):  # where LocalCluster keeps that server's data dir
         yield root
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_a_push_bigger_than_one_servers_disk_fails_over_or_names_it_and_loses_nothing(cluster_root: Path) -> None:

@@ -32,6 +32,7 @@ from paramserver.server.segments import read_view
 from paramserver.server.store import ChunkStore, StoreConfig, StoredChunk
 from paramserver.wire.proto import pb
 from paramserver.wire.ring import RingConfig
+from tests.conftest import mounted_tmpfs
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -51,17 +52,8 @@ def leftovers(data_dir: Path) -> list[str]:
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:
     """A 4 MiB tmpfs (root only), unmounted afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to mount a 4 MiB tmpfs as a full disk (run as root, e.g. in the CI container)")
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0755", "tmpfs", str(mount)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or done.returncode}): no full-disk case without one")
-    try:
+    with mounted_tmpfs(tmp_path / "small", 4, "a full disk") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_a_full_disk_refuses_the_write_keeps_every_chunk_and_recovers(small_fs: Path, caplog: pytest.LogCaptureFixture) -> None:
