@@ -263,6 +263,8 @@ def parse_request(raw: bytes) -> tuple[dict[str, Any], bool]:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"the body is not JSON ({exc}); send a JSON list or {{\"input\": [...]}}") from None
+    except RecursionError:
+        raise BadRequest("the body nests too deeply to be an input; send a JSON list of numbers") from None
     if isinstance(body, list):
         body = {"input": body}
     if not isinstance(body, dict) or body.get("input") is None:
@@ -274,6 +276,8 @@ def parse_request(raw: bytes) -> tuple[dict[str, Any], bool]:
         canonical_json(body)
     except ValueError as exc:  # NaN or Infinity: not JSON we can key
         raise BadRequest(f"the request holds a number JSON cannot carry ({exc})") from None
+    except RecursionError:
+        raise BadRequest("the body nests too deeply to be an input; send a JSON list of numbers") from None
     return body, use_cache
 
 

@@ -326,7 +326,7 @@ def test_parse_request_and_with_fields() -> None:
     assert parse_request(b"[[1, 2]]") == ({"input": [[1, 2]]}, True)
     assert parse_request(b'{"input": [1], "cache": false, "opt": 3}') == ({"input": [1], "opt": 3}, False)
     for bad, why in ((b"{", "not JSON"), (b'{"x": 1}', "expected"), (b'{"input": [1], "cache": "no"}', "true or false"),
-                     (b'{"input": [NaN]}', "JSON cannot carry")):
+                     (b'{"input": [NaN]}', "JSON cannot carry"), (b"[" * 100_000 + b"]" * 100_000, "nests too deeply")):
         with pytest.raises(BadRequest, match=why):
             parse_request(bad)
     assert with_fields(b'{"output":[1]}', version=3, cache="hit_l1") == b'{"output":[1],"cache":"hit_l1","version":3}'
