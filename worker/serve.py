@@ -120,7 +120,10 @@ class ModelServer:
         self.metrics = ServeMetrics()
         rc = serve.result_cache
         if store is None and rc.redis_url is not None:
-            store = RedisResultStore(rc.redis_url, timeout_s=rc.redis_timeout_s, max_connections=serve.max_connections)
+            try:
+                store = RedisResultStore(rc.redis_url, timeout_s=rc.redis_timeout_s, max_connections=serve.max_connections)
+            except (ValueError, TypeError) as exc:  # redis-py's word for a malformed URL
+                raise ConfigError(f"--result-cache-redis: {exc}; give redis://HOST:PORT/DB") from None
         self.admission = Admission(serve.admission)
         self.results = ResultService(rc, self.admission, self.metrics, store, request_timeout_s=serve.request_timeout_s)
         self.swapper = HotSwapper(client, ref, device, cache, config=config, on_swap=self._on_swap)

@@ -45,3 +45,20 @@ def test_paramworker_refuses_bad_integers_in_one_line(args: tuple[str, ...]) -> 
     proc = run("worker.cli", *args)
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
     assert "Traceback" not in proc.stderr
+
+
+SERVE = ("serve", "--model", "m:prod", "--factory", "tests.integration.serve_models:slow_net")
+
+
+@pytest.mark.parametrize("args,why", [
+    ((*SERVE, "--result-cache-redis", "http://h:1/0"), "redis://"),
+    ((*SERVE, "--result-cache-redis", "redis://h:notaport/0"), "--result-cache-redis"),
+    ((*SERVE, "--result-cache-redis", "redis://:secret@h:6379/0"), "PARAMS_RESULT_CACHE_REDIS"),
+    ((*SERVE, "--max-queue", "-1"), "--max-queue"),
+    ((*SERVE, "--result-cache-ttl", "0"), "--result-cache-ttl"),
+])  # fmt: skip
+def test_paramworker_serve_refuses_bad_cache_settings_in_one_line(args: tuple[str, ...], why: str) -> None:
+    proc = run("worker.cli", *args)
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr and why in proc.stderr, proc.stderr
+    assert "secret" not in proc.stderr  # a password in the URL is never echoed
