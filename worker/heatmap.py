@@ -93,7 +93,14 @@ def _build(model: str, version: int, sources: int, rows: dict[int, tuple[int, in
         index, (count, rank_sum, seen) = item
         return (Fraction(rank_sum, seen), -count, index)
 
-    ordered = sorted(rows.items(), key=key)
+    def plain_key(item: tuple[int, tuple[int, int, int]]) -> tuple[int, int, int]:
+        index, (count, rank_sum, _seen) = item
+        return (rank_sum, -count, index)
+
+    # Every row seen once (a GetHeat reply: the servers' aggregate rank): the mean rank is the
+    # rank itself, and integers sort ~50x faster than Fractions (a large model has 10^5+ rows).
+    once = all(r[2] == 1 for r in rows.values())
+    ordered = sorted(rows.items(), key=plain_key if once else key)
     return HeatReport(
         model=model,
         version=version,

@@ -448,7 +448,7 @@ def check_fillable(module: torch.nn.Module) -> None:
 
 
 def fill_module(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor], device: torch.device,
-                strict: bool = True) -> FillReport:
+                strict: bool = True, *, values_ready: bool = True) -> FillReport:
     """Put ``tensors`` into ``module`` without copying them; everything else the module holds moves to ``device``.
 
     ``module`` may be real, or built under ``empty_weights()`` (parameters on meta, buffers as the
@@ -461,9 +461,12 @@ def fill_module(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor], de
       has no storage (meta); names the module ties to one tensor need only one of them.
     - Tied names stay tied: the others point at the tensor loaded for the first one present.
 
+    ``values_ready=False``: the tensors are still being filled (a cold start serving while its
+    weights arrive), so tied names are not compared by value; the full fill after the load does.
+
     Raises FillError (a RuntimeError) naming what does not fit, before changing anything.
     """
-    plan = plan_fill(module, list(tensors), strict, tensors)
+    plan = plan_fill(module, list(tensors), strict, tensors if values_ready else None)
     result = module.load_state_dict({n: tensors[n] for n in plan.load}, strict=False, assign=True)
     if result.unexpected_keys:  # a module whose state-dict hooks rename keys: what it refused is still an error
         raise FillError(f"the module refused checkpoint tensor(s) {_shown(result.unexpected_keys)}")

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -361,9 +360,6 @@ def settings_from_args(
     token_file = getattr(args, "token_file", None)
     if token_file is not None:
         token = _read_token(Path(token_file), "--token-file")
-    elif token is not None:
-        print(f"{Path(sys.argv[0]).name}: warning: --token puts the token in the process list, where every local user "
-              f"can read it; use --token-file FILE or {ADMIN_TOKEN_ENV if write else READ_TOKEN_ENV}", file=sys.stderr)
     if token is not None:
         flags["admin_token" if write else "read_token"] = token
     return ClientSettings.load(flags, environ, defaults=defaults)

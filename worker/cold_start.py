@@ -1,0 +1,87 @@
+"""Serve while the weights are still arriving: a module whose forward waits only for what it uses.
+
+:func:`start_cold` starts a load in the background (``worker.loader.start_load``: chunks in
+heatmap order, which the forward passes recorded, so the first layers come first), builds the
+module under ``empty_weights()`` with its parameters pointing at the tensors being filled, and
+puts a forward pre-hook on every submodule that owns weights: it blocks until that submodule's
+own tensors have landed (per-tensor readiness; on CUDA it also orders the caller's stream after
+the copies). A request can therefore run layer 1 while layer 12 is still on the wire. Once the
+load is complete, :meth:`ColdStart.finish` removes the hooks and hands over the ``LoadedModel``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from paramserver.client.session import ClusterClient
+from worker.config import PrefetchConfig
+from worker.loader import LoadedModel, LoadHandle, empty_weights, fill_module, start_load
+from worker.tiered_cache import TieredCache
+
+
+class ColdStart:
+    """A module being filled by ``handle``; usable at once (its forward waits per submodule)."""
+
+    def __init__(self, handle: LoadHandle, module: torch.nn.Module, wait_s: float = 600.0) -> None:
+        self.handle = handle
+        self.module = module
+        self.wait_s = wait_s
+        self._total = sum(t.nbytes for t in handle.manifest.tensors) or 1
+        self._sizes = {t.name: t.nbytes for t in handle.manifest.tensors}
+        self._hooks: list[RemovableHandle] = attach_waits(module, handle, wait_s)
+
+    def progress(self) -> float:
+        """Fraction of the weights' bytes whose tensors are ready."""
+        pending = self.handle.readiness.pending()
+        return 1.0 - sum(self._sizes.get(n, 0) for n in pending) / self._total
+
+    def finish(self, timeout: float | None = None) -> LoadedModel:
+        """Wait for the whole load (raises what it raised); the hooks go, the module stays usable."""
+        tensors, report = self.handle.result(timeout)
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        return LoadedModel(tensors, self.handle.manifest, self.handle.info, report, self.handle)
+
+
+def attach_waits(module: torch.nn.Module, handle: LoadHandle, wait_s: float) -> list[RemovableHandle]:
+    """A forward pre-hook per submodule that owns loaded tensors: wait for exactly those."""
+    loading = set(handle.tensors)
+    hooks: list[RemovableHandle] = []
+    for prefix, sub in module.named_modules():
+        own = [n for n, _ in (*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False))]
+        names = tuple(full for full in ((f"{prefix}.{n}" if prefix else n) for n in own) if full in loading)
+        if not names:
+            continue
+
+        def wait(_m: torch.nn.Module, _args: Any, names: tuple[str, ...] = names) -> None:
+            for name in names:
+                handle.wait(name, wait_s)
+
+        hooks.append(sub.register_forward_pre_hook(wait))
+    return hooks
+
+
+def start_cold(client: ClusterClient, ref: str, factory: Callable[[], torch.nn.Module], device: torch.device,
+               cache: TieredCache | None = None, *, config: PrefetchConfig = PrefetchConfig(), strict: bool = True,
+               wait_s: float = 600.0) -> ColdStart:
+    """Start loading ``ref`` and return a module built by ``factory`` that can run right away."""
+    handle = start_load(client, ref, device, cache, config=config)
+    try:
+        with empty_weights():
+            module = factory()
+        fill_module(module, handle.tensors, device, strict, values_ready=False)
+        module.eval()
+    except BaseException:
+        try:
+            handle.result()  # let the load end (its client is the caller's) before the error goes up
+        except BaseException:  # noqa: BLE001 - the module's error is the one to report
+            pass
+        raise
+    return ColdStart(handle, module, wait_s)
+
+
+__all__ = ["ColdStart", "attach_waits", "start_cold"]
