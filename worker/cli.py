@@ -114,6 +114,17 @@ def build_parser() -> argparse.ArgumentParser:
                        default=2.0, help="seconds between tag checks, 0 = never (default 2.0)")
     serve.add_argument("--heat-report-s", type=float_in(0, 86400, "--heat-report-s", low_inclusive=True), default=60.0,
                        help="seconds between reports of which chunks forward passes read, in order (default 60)")
+    rt = serve.add_argument_group("router (paramrouter) and pre-warm")
+    rt.add_argument("--router", action="append", default=[], metavar="URL",
+                    help="register with the paramrouter at URL (http://HOST:PORT) and heartbeat to it every second: the versions "
+                         "held, their bytes in the cache tiers, queue, requests running, device memory free; repeatable for "
+                         "several routers side by side (default: none)")
+    rt.add_argument("--advertise", default=None, metavar="HOST:PORT",
+                    help="the address routers reach this worker at (default: the address --listen bound)")
+    rt.add_argument("--worker-id", default=None, help="this worker's name in the routers' table (default: HOSTNAME:PORT)")
+    rt.add_argument("--other-versions", type=int_in(0, 64, "--other-versions"), default=0, metavar="N",
+                    help="load up to N versions besides the one followed, on demand, for requests a router sends for them "
+                         "(least recently used dropped first); 0: such requests are answered 421 (default 0)")
     rc = serve.add_argument_group("result cache and admission")
     rc.add_argument("--result-cache-mb", type=int_in(0, 1048576, "--result-cache-mb"), default=64,
                     help="in-process result cache (L1, LRU-2) in MiB, 0 turns it off (default 64)")
@@ -216,12 +227,17 @@ def cmd_serve(args: argparse.Namespace, settings: ClientSettings) -> int:
     serve_config = serve_config_from_args(args)
     client, cache, prefetch = _setup(args, settings)
     server = ModelServer(client, args.model, factory, args.device, cache, prefetch, heat_report_s=args.heat_report_s,
-                         serve=serve_config, factory_name=args.factory or "", hf=hf)
+                         serve=serve_config, factory_name=args.factory or "", hf=hf, other_versions=args.other_versions)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
         address = server.start(args.listen, args.poll_s)
+        if args.router:
+            advertise = args.advertise or address
+            if advertise.startswith(("0.0.0.0:", "[::]:", ":::")):
+                raise ConfigError(f"--listen {args.listen} binds every address: give --advertise HOST:PORT for the routers")
+            server.register(args.router, advertise, args.worker_id)
         _module, loaded = server.snapshot()
         print(f"LISTENING {address} serving {loaded.info.model} v{loaded.info.number}", flush=True)
         print(loaded.report.summary(), flush=True)

@@ -21,9 +21,13 @@ from __future__ import annotations
 
 import importlib
 import json
+import socket as socketlib
 import threading
 import time
-from collections.abc import Callable
+import urllib.error
+import urllib.request
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from socket import socket
@@ -37,10 +41,14 @@ from worker.config import PrefetchConfig
 from worker.errors import ConfigError, WorkerError
 from worker.forward_heat import ForwardHeat
 from worker.hf import HFServing
-from worker.loader import LoadedModel, empty_weights, fill_module
+from chunking.manifest import Manifest
+from paramserver.client.errors import ClientError
+from paramserver.client.refs import ModelRef
+from worker.loader import LoadedModel, LoadReport, empty_weights, fill_module, load, start_load
 from worker.result_cache import ResultCacheConfig, canonical_json, result_key
 from worker.result_service import Answer, Computed, ResultService
 from worker.result_store import RedisResultStore, ResultStore
+from worker.router_state import EXACT_HEADER, HEARTBEAT_S, MISDIRECTED, WANT_HEADER
 from worker.serve_metrics import CONTENT_TYPE, ServeMetrics
 from worker.swap import HotSwapper
 from worker.tiered_cache import TieredCache
@@ -77,6 +85,39 @@ class BadRequest(WorkerError, ValueError):
     """The request body is not something the model can run; answered 400."""
 
 
+class Misdirected(WorkerError):
+    """A router asked for a version this worker neither holds nor loads on demand; answered 421."""
+
+
+MAX_PREWARMED = 16  # versions a worker keeps track of pre-warming (the oldest finished one is forgotten first)
+
+
+@dataclass
+class _Prewarm:
+    """One pre-warm: a version fetched into the cache tiers, into throwaway tensors, without a swap."""
+
+    model: str
+    version: int
+    state: str = "loading"  # loading, done, failed
+    manifest: Manifest | None = None
+    report: LoadReport | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"model": self.model, "version": self.version, "state": self.state}
+        if self.error:
+            out["error"] = self.error
+        if self.report is not None:
+            out["bytes"] = _tiers(self.report)
+        return out
+
+
+def _tiers(r: LoadReport) -> dict[str, Any]:
+    """Where one load's bytes came from (``/healthz``: a swap with ``network == 0`` was fully pre-warmed)."""
+    return {"version": r.version, "total": r.bytes_total, "network": r.bytes_network, "disk": r.bytes_disk,
+            "memory": r.bytes_memory, "local": r.bytes_local, "seconds": round(r.seconds, 4)}
+
+
 def load_factory(spec: str) -> Callable[[], torch.nn.Module]:
     """``package.module:function`` -> the function (called with no arguments, returns an nn.Module)."""
     module_name, sep, attr = spec.partition(":")
@@ -103,7 +144,7 @@ class ModelServer:
                  device: str | torch.device | None = "cpu", cache: TieredCache | None = None,
                  config: PrefetchConfig = PrefetchConfig(), heat_report_s: float = 60.0,
                  serve: ServeConfig = ServeConfig(), factory_name: str = "", store: ResultStore | None = None,
-                 hf: HFServing | None = None) -> None:
+                 hf: HFServing | None = None, other_versions: int = 0) -> None:
         self.serve_config = serve.validate()
         if (factory is None) == (hf is None):
             raise ConfigError("serve needs exactly one of a factory (--factory) and a Hugging Face model (--hf)")
@@ -129,8 +170,24 @@ class ModelServer:
         self.swapper = HotSwapper(client, ref, device, cache, config=config, on_swap=self._on_swap)
         self._stop = threading.Event()
         self._http: _Server | None = None
+        # Registration with routers, pre-warm, versions loaded on demand (--router, POST /prewarm, --other-versions)
+        if not 0 <= other_versions <= 64:
+            raise ConfigError(f"other_versions must be 0..64, got {other_versions}")
+        self.other_versions = other_versions
+        self._others: OrderedDict[tuple[str, int], tuple[torch.nn.Module, LoadedModel]] = OrderedDict()
+        self._others_lock = threading.Lock()
+        self._others_loading: dict[tuple[str, int], threading.Lock] = {}
+        self._prewarms: OrderedDict[tuple[str, int], _Prewarm] = OrderedDict()
+        self._prewarm_lock = threading.Lock()
+        self.last_load: LoadReport | None = None
+        self.last_swap: LoadReport | None = None
+        self.routers: tuple[str, ...] = ()
+        self.worker_id = ""
+        self.advertise = ""
+        self.router_error: str | None = None
+        self.beats_sent = 0
 
-    def _on_swap(self, new: LoadedModel, _old: LoadedModel | None) -> None:
+    def _build(self, new: LoadedModel) -> torch.nn.Module:
         if self.hf is not None:
             module = self.hf.build(self.swapper.client, new, self.swapper.device)
         else:
@@ -139,11 +196,18 @@ class ModelServer:
                 module = self.factory()
             fill_module(module, new.tensors, self.swapper.device)
         module.eval()
+        return module
+
+    def _on_swap(self, new: LoadedModel, old: LoadedModel | None) -> None:
+        module = self._build(new)
         heat = ForwardHeat(module, new.manifest, version=new.info.number, sink=self.swapper.client, report_every_s=self.heat_report_s)
         with self._lock:  # readers take the reference under this lock: they see old or new, never a mix
             self._module, self._loaded = module, new
             old_heat, self._heat = self._heat, heat
         r = new.report
+        self.last_load = r
+        if old is not None:
+            self.last_swap = r
         self.metrics.loaded(r.bytes_memory, r.bytes_disk, r.bytes_network)
         self.metrics.version.labels(new.info.model).set(new.info.number)
         if old_heat is not None:
@@ -187,29 +251,36 @@ class ModelServer:
         except (ValueError, TypeError, IndexError, RuntimeError) as exc:
             return Computed(400, canonical_json({"error": f"the model cannot run this input: {str(exc)[:500]}"}))
 
-    def infer(self, data: Any, use_cache: bool = True, request: dict[str, Any] | None = None) -> tuple[Answer, LoadedModel]:
-        """Answer one request on the version loaded now. ``request``: every field that may change
-        the output (the key's request part; default ``{"input": data}``)."""
-        module, loaded = self.snapshot()
+    def infer(self, data: Any, use_cache: bool = True, request: dict[str, Any] | None = None,
+              target: tuple[torch.nn.Module, LoadedModel] | None = None) -> tuple[Answer, LoadedModel]:
+        """Answer one request on the version loaded now (or on ``target``, from ``target_for``). ``request``:
+        every field that may change the output (the key's request part; default ``{"input": data}``)."""
+        module, loaded = target if target is not None else self.snapshot()
         key = None
         if use_cache and self.results.config.enabled:
             params = {"dtype": str(self._dtype(module)), "device": self.swapper.device.type, "factory": self.factory_name}
             key = result_key(loaded.manifest.fingerprint, request if request is not None else {"input": data}, params)
         return self.results.answer(key, lambda: self._forward(module, data, request)), loaded
 
-    def handle_infer(self, raw: bytes) -> tuple[int, bytes, dict[str, str]]:
-        """HTTP status, body and extra headers for one ``POST /infer`` body; counts it in the metrics."""
+    def handle_infer(self, raw: bytes, want: str | None = None, exact: bool = False) -> tuple[int, bytes, dict[str, str]]:
+        """HTTP status, body and extra headers for one ``POST /infer`` body; counts it in the metrics.
+
+        ``want`` (a router's ``X-Pdparams-Want: MODEL@N``): the version asked for; with ``exact`` False
+        (a tag request) the version of that model loaded now does as well."""
         started = time.monotonic()
         outcome = "error"
         try:
             request, use_cache = parse_request(raw)
-            answer, loaded = self.infer(request["input"], use_cache, request)
+            target = self.target_for(want, exact) if want else None
+            answer, loaded = self.infer(request["input"], use_cache, request, target)
             outcome = answer.outcome
             body = with_fields(answer.body, model=loaded.info.model, version=loaded.info.number,
                                fingerprint=loaded.manifest.fingerprint, cache=answer.outcome)
             return answer.status, body, {}
         except BadRequest as exc:
             return 400, canonical_json({"error": str(exc)}), {}
+        except Misdirected as exc:
+            return MISDIRECTED, canonical_json({"error": str(exc)}), {}
         except Shed as exc:
             outcome = "shed"
             return 503, canonical_json({"error": str(exc)}), {"Retry-After": str(exc.retry_after_s)}
@@ -232,7 +303,166 @@ class ModelServer:
                 "swaps": self.swapper.swaps, "last_error": str(err) if err else None,
                 "result_cache": {"l1_bytes": self.results.l1.bytes if self.results.l1 else 0,
                                  "redis": self.results.store is not None, "breaker": self.results.breaker.state},
-                "queue": self.admission.waiting, "running": self.admission.running}
+                "queue": self.admission.waiting, "running": self.admission.running,
+                "last_load": _tiers(self.last_load) if self.last_load is not None else None,
+                "last_swap": _tiers(self.last_swap) if self.last_swap is not None else None,
+                "prewarm": [p.to_json() for p in self._prewarm_list()],
+                "other_versions": [f"{m}@{v}" for m, v in self._other_keys()],
+                "router": {"urls": list(self.routers), "worker_id": self.worker_id, "beats": self.beats_sent,
+                           "last_error": self.router_error} if self.routers else None}
+
+    # ------------------------------------------------------------------ other versions, pre-warm, heartbeats
+
+    def _other_keys(self) -> list[tuple[str, int]]:
+        with self._others_lock:
+            return list(self._others)
+
+    def _prewarm_list(self) -> list[_Prewarm]:
+        with self._prewarm_lock:
+            return list(self._prewarms.values())
+
+    def target_for(self, want: str, exact: bool) -> tuple[torch.nn.Module, LoadedModel]:
+        """The module to answer a request for ``want`` (``MODEL@N``): the one served, a version loaded on
+        demand (``other_versions`` > 0, least recently used dropped first), else Misdirected."""
+        try:
+            ref = ModelRef.parse(want)
+        except ClientError:
+            raise BadRequest(f"{WANT_HEADER} {want!r} is not MODEL@N") from None
+        if ref.version is None:
+            raise BadRequest(f"{WANT_HEADER} {want!r} is not MODEL@N")
+        module, loaded = self.snapshot()
+        if loaded.info.model == ref.model and (not exact or loaded.info.number == ref.version):
+            return module, loaded
+        key = (ref.model, ref.version)
+        with self._others_lock:
+            hit = self._others.get(key)
+            if hit is not None:
+                self._others.move_to_end(key)
+                return hit
+            if self.other_versions <= 0:
+                raise Misdirected(f"this worker serves {loaded.info.model} v{loaded.info.number}, not {want}, and loads no "
+                                  "other version on demand (paramworker serve --other-versions N)")
+            gate = self._others_loading.setdefault(key, threading.Lock())
+        with gate:  # one load per version; requests for it meanwhile wait for that load
+            with self._others_lock:
+                hit = self._others.get(key)
+            if hit is not None:
+                return hit
+            new = load(self.swapper.client, ref, self.swapper.device, self.swapper.cache, config=self.swapper.config,
+                       report_heat=False)
+            built = (self._build(new), new)
+            r = new.report
+            self.metrics.loaded(r.bytes_memory, r.bytes_disk, r.bytes_network)
+            with self._others_lock:
+                self._others[key] = built
+                self._others_loading.pop(key, None)
+                while len(self._others) > self.other_versions:
+                    self._others.popitem(last=False)
+            return built
+
+    def prewarm(self, model: str, version: int) -> _Prewarm:
+        """Fetch ``model@version`` into the cache tiers in the background (throwaway CPU tensors, no swap);
+        a later swap to it then reads its chunks from the tiers, not the network."""
+        if self.swapper.cache is None:
+            raise ConfigError("this worker has no cache tiers (--cache-mb 0 and no --disk-cache): nothing to pre-warm into")
+        key = (model, version)
+        with self._prewarm_lock:
+            current = self._prewarms.get(key)
+            if current is not None and current.state != "failed":
+                return current
+            entry = self._prewarms[key] = _Prewarm(model, version)
+            while len(self._prewarms) > MAX_PREWARMED:
+                oldest = next((k for k, p in self._prewarms.items() if p.state != "loading"), None)
+                if oldest is None:
+                    break
+                del self._prewarms[oldest]
+        threading.Thread(target=self._run_prewarm, args=(entry,), name="paramworker-prewarm", daemon=True).start()
+        return entry
+
+    def _run_prewarm(self, entry: _Prewarm) -> None:
+        client = self.swapper.client
+        try:
+            info = client.resolve_ref(ModelRef(entry.model, None, entry.version))
+            entry.manifest = client.manifest(info.manifest_id)
+            handle = start_load(client, ModelRef(entry.model, None, entry.version), "cpu", self.swapper.cache,
+                                config=self.swapper.config, info=info, manifest=entry.manifest, report_heat=False)
+            _tensors, entry.report = handle.result()
+            r = entry.report
+            self.metrics.loaded(r.bytes_memory, r.bytes_disk, r.bytes_network)
+            entry.state = "done"
+        except Exception as exc:  # noqa: BLE001 - reported in /healthz and the heartbeat; serving goes on
+            entry.error = f"{type(exc).__name__}: {str(exc)[:300]}"
+            entry.state = "failed"
+
+    def _cached(self, model: str, version: int, manifest: Manifest) -> dict[str, Any]:
+        cache = self.swapper.cache
+        total = cached = memory = disk = 0
+        for ref in manifest.unique_chunks():
+            total += ref.raw_size
+            if cache is None:
+                continue
+            in_memory = cache.memory.contains(ref.id)
+            on_disk = cache.disk is not None and cache.disk.contains(ref.id)
+            memory += ref.raw_size if in_memory else 0
+            disk += ref.raw_size if on_disk else 0
+            cached += ref.raw_size if (in_memory or on_disk) else 0
+        # the version number is the cluster's (a manifest is packed before its version is committed)
+        return {"model": model, "version": version, "bytes_total": total, "bytes_cached": cached,
+                "bytes_memory": memory, "bytes_disk": disk}
+
+    def heartbeat(self) -> dict[str, Any]:
+        """What this worker tells its routers every second (``worker.router_state.Heartbeat``)."""
+        with self._lock:
+            loaded = self._loaded
+        with self._others_lock:
+            others = [lm for _m, lm in self._others.values()]
+        held = ([loaded] if loaded is not None else []) + others
+        manifests: dict[tuple[str, int], Manifest] = {(lm.info.model, lm.info.number): lm.manifest for lm in held}
+        for p in self._prewarm_list():
+            if p.manifest is not None:
+                manifests.setdefault((p.model, p.version), p.manifest)
+        free: int | None = None
+        if self.swapper.device.type == "cuda":
+            try:
+                free = int(torch.cuda.mem_get_info(self.swapper.device)[0])
+            except RuntimeError:
+                free = None
+        return {"worker_id": self.worker_id, "url": f"http://{self.advertise}", "serves": str(self.swapper.ref),
+                "loaded": [{"model": lm.info.model, "version": lm.info.number} for lm in held],
+                "cached": [self._cached(mv[0], mv[1], m) for mv, m in list(manifests.items())[:64]],
+                "queue": self.admission.waiting, "running": self.admission.running,
+                "max_queue": self.serve_config.admission.max_queue, "other_versions": self.other_versions,
+                "device_free_bytes": free}
+
+    def _post_router(self, url: str, path: str, body: dict[str, Any], timeout: float) -> None:
+        request = urllib.request.Request(f"{url.rstrip('/')}{path}", data=json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            r.read()
+
+    def _beat_loop(self, url: str) -> None:
+        """Beat to one router every second (one thread per router: a dead one never delays the others)."""
+        while True:
+            try:
+                self._post_router(url, "/heartbeat", self.heartbeat(), timeout=HEARTBEAT_S)
+                self.beats_sent += 1
+            except (OSError, urllib.error.URLError, ValueError) as exc:
+                self.router_error = f"{url}: {exc}"
+            except Exception as exc:  # noqa: BLE001 - a beat is skipped, the next one tries again
+                self.router_error = f"heartbeat: {type(exc).__name__}: {exc}"
+            if self._stop.wait(HEARTBEAT_S):
+                return
+
+    def register(self, routers: Sequence[str], advertise: str, worker_id: str | None = None) -> None:
+        """Beat to every router in ``routers`` each second from now on (``advertise``: HOST:PORT they reach us at)."""
+        for url in routers:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"--router {url!r} must be http://HOST:PORT")
+        self.routers = tuple(u.rstrip("/") for u in routers)
+        self.advertise = advertise
+        self.worker_id = worker_id or f"{socketlib.gethostname()}:{advertise.rpartition(':')[2]}"
+        for url in self.routers:
+            threading.Thread(target=self._beat_loop, args=(url,), name="paramworker-heartbeat", daemon=True).start()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -253,6 +483,11 @@ class ModelServer:
 
     def stop(self) -> None:
         self._stop.set()
+        for url in self.routers:
+            try:
+                self._post_router(url, "/leave", {"worker_id": self.worker_id}, timeout=1.0)
+            except (OSError, urllib.error.URLError, ValueError):
+                pass  # the router drops us when the lease runs out
         self._report_heat(self._heat, force=True)
         if self._http is not None:
             self._http.shutdown()
@@ -369,9 +604,12 @@ def _handler(server: ModelServer) -> type[BaseHTTPRequestHandler]:
                 self._json(404, {"error": f"no endpoint {self.path}; use POST /infer, GET /healthz or GET /metrics"})
 
         def do_POST(self) -> None:
+            if self.path.rstrip("/") == "/prewarm":
+                self._prewarm()
+                return
             if self.path.rstrip("/") not in ("/infer", ""):
                 self._discard_body()
-                self._json(404, {"error": f"no endpoint {self.path}; use POST /infer"})
+                self._json(404, {"error": f"no endpoint {self.path}; use POST /infer or POST /prewarm"})
                 return
             try:
                 length = int(self.headers.get("Content-Length") or 0)
@@ -382,8 +620,34 @@ def _handler(server: ModelServer) -> type[BaseHTTPRequestHandler]:
                 self._json(400 if length <= config.max_body_bytes else 413,
                            {"error": f"send a JSON body of 1 to {config.max_body_bytes} bytes with a Content-Length"})
                 return
-            code, data, headers = server.handle_infer(self.rfile.read(length))
+            raw = self.rfile.read(length)
+            want = self.headers.get(WANT_HEADER)
+            code, data, headers = server.handle_infer(raw, want, self.headers.get(EXACT_HEADER, "1") != "0")
             self._send(code, data, headers)
+
+        def _prewarm(self) -> None:
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                length = -1
+            if not 0 < length <= 4096:
+                self.close_connection = True
+                self._json(400, {"error": 'send {"model": NAME, "version": N} with a Content-Length'})
+                return
+            try:
+                body = json.loads(self.rfile.read(length))
+                model, version = body["model"], body["version"]
+                if not isinstance(model, str) or isinstance(version, bool) or not isinstance(version, int) or version < 1:
+                    raise TypeError
+            except (ValueError, KeyError, TypeError):
+                self._json(400, {"error": 'send {"model": NAME, "version": N} (N >= 1)'})
+                return
+            try:
+                entry = server.prewarm(model, version)
+            except ConfigError as exc:
+                self._json(409, {"error": str(exc)})
+                return
+            self._json(202, entry.to_json())
 
         def _discard_body(self) -> None:
             try:

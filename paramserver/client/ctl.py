@@ -8,13 +8,17 @@ Where the cluster is and which credentials to use come from ``paramserver.client
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import grpc
 from rich.console import Console
@@ -28,7 +32,9 @@ from paramserver.client.cluster_view import ClusterOptions, ClusterView
 from paramserver.client.config import ClientSettings, add_client_arguments, float_in, int_in, settings_from_args
 from paramserver.client.errors import ClientError
 from paramserver.client.exit_codes import EXIT_CODES  # noqa: F401 - re-exported: paramctl's table is the shared one
-from paramserver.client.exit_codes import BAD_ARGUMENTS, CLIENT_ENV_HELP, EXIT_CODES_HELP, INTERRUPTED, describe_failure
+from paramserver.client.exit_codes import (
+    BAD_ARGUMENTS, CLIENT_ENV_HELP, EXIT_CODES_HELP, INTERRUPTED, NOT_FOUND, OTHER, PRECONDITION, UNAVAILABLE, describe_failure,
+)  # fmt: skip
 from paramserver.client.progress import RichProgress
 from paramserver.client.refs import MAX_VERSION
 from paramserver.wire.proto import pb
@@ -54,6 +60,19 @@ KiB, MiB = 1024, 1 << 20
 
 class UsageError(Exception):
     """Bad command-line input found after parsing (exit code 2)."""
+
+
+class RouterFailure(Exception):
+    """The router refused or could not be reached, or a pre-warm wait ran out; ``code`` is the exit code."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+ROUTER_ENV = "PARAMS_ROUTER"
+# The router's HTTP status -> paramctl's exit code (the shared table's meanings)
+_ROUTER_CODES = {400: BAD_ARGUMENTS, 404: NOT_FOUND, 409: PRECONDITION, 503: UNAVAILABLE, 504: UNAVAILABLE}
 
 
 def parse_size(text: str) -> int:
@@ -140,6 +159,23 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("model", help="model name")
     sp.add_argument("tag", help="tag name, e.g. prod")
     sp.add_argument("version", type=parse_version, help="version number")
+    sp.add_argument("--when-warm", type=int_in(1, 100000, "--when-warm"), default=None, metavar="K",
+                    help="move the tag only once K workers registered with the router report VERSION fully in their cache "
+                         "tiers (paramctl prewarm first); waits at most --warm-timeout-s, then exits 7 without moving it")
+    _router_flags(sp)
+
+    sp = sub.add_parser(
+        "prewarm", formatter_class=fmt, epilog=EPILOG,
+        help="ask workers, through the router, to fetch a version into their cache tiers without swapping to it",
+    )  # fmt: skip
+    sp.add_argument("ref", metavar="MODEL:TAG", help="MODEL:TAG, MODEL@VERSION or MODEL (resolved by the router)")
+    who = sp.add_mutually_exclusive_group()
+    who.add_argument("--workers", type=int_in(1, 100000, "--workers"), default=None, metavar="N",
+                     help="this many workers, those following the model first (default: --all)")
+    who.add_argument("--all", action="store_true", help="every worker registered with the router (the default)")
+    sp.add_argument("--wait", action="store_true",
+                    help="wait until those workers report the version fully cached (at most --warm-timeout-s; exit 7 after)")
+    _router_flags(sp)
 
     sp = sub.add_parser("rollback", help="move TAG of MODEL back to the version it pointed at before", epilog=EPILOG, formatter_class=fmt)
     sp.add_argument("model", help="model name")
@@ -162,6 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     sp.add_argument("drill_args", nargs=argparse.REMAINDER, help="the drill and its options")
     return p
+
+
+def _router_flags(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--router", default=None, metavar="URL",
+                    help=f"the paramrouter the workers register with, http://HOST:PORT (env {ROUTER_ENV}; default: none)")
+    sp.add_argument("--warm-timeout-s", type=float_in(0, 86400, "--warm-timeout-s"), default=300.0, metavar="S",
+                    help="longest wait for workers to report a version cached (default 300)")
 
 
 WRITES = frozenset({"push", "tag", "rollback", "untag"})
@@ -257,7 +300,81 @@ def _write_call(opts: ClusterOptions, call: Callable[[ClusterView], object]) -> 
         return call(view)
 
 
+def _router_url(args: argparse.Namespace) -> str:
+    url = (args.router or os.environ.get(ROUTER_ENV) or "").strip().rstrip("/")
+    if not url:
+        raise UsageError(f"no router given: pass --router http://HOST:PORT or set {ROUTER_ENV}")
+    if not url.startswith(("http://", "https://")):
+        raise UsageError(f"--router {url!r} must be http://HOST:PORT")
+    return url
+
+
+def router_call(url: str, path: str, body: dict[str, Any] | None = None, timeout: float = 15.0) -> dict[str, Any]:
+    """One JSON call to the router; its refusals and its absence become RouterFailure with an exit code."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(f"{url}{path}", data=data, method="POST" if body is not None else "GET",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            answer: dict[str, Any] = json.loads(r.read())
+            return answer
+    except urllib.error.HTTPError as exc:
+        try:
+            message = str(json.loads(exc.read()).get("error", exc.reason))
+        except (ValueError, AttributeError):
+            message = str(exc.reason)
+        raise RouterFailure(_ROUTER_CODES.get(exc.code, OTHER), f"router {url}: {exc.code}: {message}") from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise RouterFailure(UNAVAILABLE, f"UNAVAILABLE: router {url} did not answer ({reason}); is paramrouter running?") from None
+
+
+def wait_warm(url: str, ref: str, need: int, timeout_s: float, workers: set[str] | None = None,
+              poll_s: float = 0.25) -> dict[str, Any]:
+    """Poll ``GET /warm/REF`` until ``need`` workers (of ``workers``, if given) report it fully cached."""
+    deadline = time.monotonic() + timeout_s
+    path = f"/warm/{urllib.parse.quote(ref, safe=':@')}"
+    while True:
+        state = router_call(url, path)
+        done = [w["worker_id"] for w in state["workers"] if w["complete"] and (workers is None or w["worker_id"] in workers)]
+        if len(done) >= need:
+            return state
+        if time.monotonic() >= deadline:
+            partial_ = ", ".join(f"{w['worker_id']} {w.get('bytes_cached', 0)}/{w.get('bytes_total', '?')} B"
+                                 for w in state["workers"]) or "no worker registered"
+            raise RouterFailure(PRECONDITION, f"FAILED_PRECONDITION: after {timeout_s:g} s only {len(done)} of the {need} "
+                                              f"workers needed report {state['model']}@{state['version']} fully cached "
+                                              f"({partial_})")
+        time.sleep(poll_s)
+
+
+def cmd_prewarm(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> int:
+    url = _router_url(args)
+    ref = str(ModelRef.parse(args.ref))
+    answer = router_call(url, "/prewarm", {"ref": ref, "workers": args.workers})
+    model, version, asked = answer["model"], answer["version"], answer["workers"]
+    accepted = {w["worker_id"] for w in asked if w["accepted"]}
+    for w in asked:
+        out.print(f"  {w['worker_id']}: " + ("fetching" if w["accepted"] else f"refused: {w.get('error', '?')}"),
+                  markup=False, highlight=False)
+    out.print(f"pre-warming {model}@{version} on {len(accepted)} of {len(asked)} workers", markup=False, highlight=False)
+    if not accepted:
+        raise RouterFailure(UNAVAILABLE, f"UNAVAILABLE: no worker accepted the pre-warm of {model}@{version}")
+    if args.wait:
+        t0 = time.monotonic()
+        wait_warm(url, f"{model}@{version}", len(accepted), args.warm_timeout_s, accepted)
+        out.print(f"{model}@{version} fully cached on {len(accepted)} workers after {time.monotonic() - t0:.1f} s",
+                  markup=False, highlight=False)
+    return 0 if len(accepted) == len(asked) else OTHER
+
+
 def cmd_tag(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> int:
+    if args.when_warm is not None:
+        url = _router_url(args)
+        t0 = time.monotonic()
+        wait_warm(url, f"{args.model}@{args.version}", args.when_warm, args.warm_timeout_s)
+        out.print(f"{args.model}@{args.version} fully cached on at least {args.when_warm} workers "
+                  f"({time.monotonic() - t0:.1f} s); moving the tag", markup=False, highlight=False)
     reply = _write_call(opts, lambda v: v.leader_client().set_tag(args.model, args.tag, args.version, who=_who()))
     assert isinstance(reply, pb.TagReply)
     out.print(f"{args.model}:{args.tag} -> v{reply.tag.version}")
@@ -390,6 +507,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, ClusterOptions, Console], int]
     "untag": cmd_untag,
     "ls": cmd_ls,
     "status": cmd_status,
+    "prewarm": cmd_prewarm,
 }
 
 
@@ -424,6 +542,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[args.command](args, opts, out)
     except UsageError as exc:
         return _fail(err, BAD_ARGUMENTS, str(exc))
+    except RouterFailure as exc:
+        return _fail(err, exc.code, str(exc))
     except (ClientError, ChunkingError, grpc.RpcError) as exc:
         failure = describe_failure(exc, settings)
         return _fail(err, failure.code, failure.message)

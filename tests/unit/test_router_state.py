@@ -1,0 +1,174 @@
+"""The router's choice logic (worker.router_state) with a fake clock: no sockets, no threads."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from worker.router_state import Cached, Heartbeat, HeartbeatError, RefCache, RouterConfig, RouterState, VersionKey
+
+A1, A2, B1 = VersionKey("a", 1), VersionKey("a", 2), VersionKey("b", 1)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def beat(wid: str, serves: str, loaded: tuple[VersionKey, ...], queue: int = 0, running: int = 0,
+         cached: tuple[Cached, ...] = (), other_versions: int = 0) -> Heartbeat:
+    return Heartbeat(wid, f"http://{wid}:1", serves, loaded, cached, queue=queue, running=running,
+                     other_versions=other_versions)
+
+
+def state(clock: Clock, **config: object) -> RouterState:
+    return RouterState(clock, RouterConfig(**config), random.Random(1))  # type: ignore[arg-type]
+
+
+def test_holder_with_the_shortest_queue_is_chosen() -> None:
+    clock = Clock()
+    s = state(clock)
+    s.heartbeat(beat("w1", "a:prod", (A1,), queue=3))
+    s.heartbeat(beat("w2", "a:prod", (A1,), queue=1))
+    s.heartbeat(beat("w3", "b:prod", (B1,)))
+    d = s.choose(A1)
+    assert (d.worker_id, d.hit, d.spilled) == ("w2", True, False)
+    # this router's own requests in flight count before the next beat says so
+    for _ in range(4):
+        s.started("w2")
+    assert s.choose(A1).worker_id == "w1"
+
+
+def test_a_worker_of_another_model_is_never_chosen_unless_it_loads_on_demand() -> None:
+    clock = Clock()
+    s = state(clock)
+    s.heartbeat(beat("w3", "b:prod", (B1,)))
+    d = s.choose(A1)
+    assert d.worker_id is None and "no live worker" in d.reason
+    s.heartbeat(beat("w4", "b:prod", (B1,), other_versions=1))
+    d = s.choose(A1)
+    assert d.worker_id == "w4" and not d.hit
+
+
+def test_tag_request_may_go_to_a_worker_of_the_model_on_another_version_exact_may_not() -> None:
+    clock = Clock()
+    s = state(clock)
+    s.heartbeat(beat("w1", "a:prod", (A1,)))
+    assert s.choose(A2, exact=False).worker_id == "w1"
+    assert s.choose(A2, exact=True).worker_id is None
+
+
+def test_no_holder_goes_to_the_worker_with_most_chunks_cached() -> None:
+    clock = Clock()
+    s = state(clock)
+    s.heartbeat(beat("w1", "a:prod", (A1,), cached=(Cached("a", 2, 100, 10),)))
+    s.heartbeat(beat("w2", "a:prod", (A1,), cached=(Cached("a", 2, 100, 90),), queue=2))
+    d = s.choose(A2, exact=False)
+    assert d.worker_id == "w2" and not d.hit
+
+
+def test_spill_past_a_full_holder_to_the_next_worker() -> None:
+    clock = Clock()
+    s = state(clock, spill_queue=4)
+    s.heartbeat(beat("w1", "a:prod", (A1,), queue=5))
+    s.heartbeat(beat("w2", "a:canary", (A2,), cached=(Cached("a", 1, 100, 50),)))
+    s.heartbeat(beat("w3", "a:canary", (A2,)))
+    d = s.choose(A1, exact=False)
+    assert (d.worker_id, d.hit, d.spilled) == ("w2", False, True)
+    # every worker at the bound: back to the holder, whose queue is still the best place
+    s.heartbeat(beat("w2", "a:canary", (A2,), queue=9))
+    s.heartbeat(beat("w3", "a:canary", (A2,), queue=9))
+    d = s.choose(A1, exact=False)
+    assert (d.worker_id, d.hit, d.spilled) == ("w1", True, False)
+
+
+def test_a_worker_missing_three_beats_is_dropped_and_a_restarted_router_rebuilds_from_beats() -> None:
+    clock = Clock()
+    s = state(clock)
+    s.heartbeat(beat("w1", "a:prod", (A1,)))
+    s.heartbeat(beat("w2", "a:prod", (A1,)))
+    clock.now += 2.0
+    s.heartbeat(beat("w2", "a:prod", (A1,)))
+    clock.now += 1.5  # w1: 3.5 s since its last beat
+    assert [r["worker_id"] for r in s.table()] == ["w2"]
+    assert s.choose(A1).worker_id == "w2"
+    fresh = state(clock)  # a restarted router: empty until the next beats
+    assert fresh.choose(A1).worker_id is None
+    fresh.heartbeat(beat("w2", "a:prod", (A1,)))
+    assert fresh.choose(A1).worker_id == "w2"
+
+
+def test_failed_worker_is_left_out_until_it_beats_again_and_retry_excludes_it() -> None:
+    clock = Clock()
+    s = state(clock)
+    s.heartbeat(beat("w1", "a:prod", (A1,)))
+    s.heartbeat(beat("w2", "a:prod", (A1,), queue=3))
+    first = s.choose(A1)
+    assert first.worker_id == "w1"
+    s.started("w1")
+    s.finished("w1", ok=False)
+    retry = s.choose(A1, exclude=[first.worker_id])
+    assert retry.worker_id == "w2"
+    assert s.choose(A1).worker_id == "w2"  # still left out
+    clock.now += 1.0
+    s.heartbeat(beat("w1", "a:prod", (A1,)))
+    assert s.choose(A1).worker_id == "w1"
+    assert s.choose(A1, exclude=["w1", "w2"]).worker_id is None
+
+
+def test_random_choice_spreads_over_every_able_worker() -> None:
+    clock = Clock()
+    s = state(clock, affinity=False)
+    for i in range(4):
+        s.heartbeat(beat(f"w{i}", "a:prod" if i < 2 else "b:prod", (A1,) if i < 2 else (B1,), other_versions=1))
+    picks = [s.choose(A1) for _ in range(400)]
+    counts = {w: sum(1 for p in picks if p.worker_id == w) for w in ("w0", "w1", "w2", "w3")}
+    assert all(60 < n < 140 for n in counts.values()), counts
+    hits = sum(p.hit for p in picks)
+    assert 150 < hits < 250
+
+
+def test_prewarm_targets_prefer_workers_of_the_model_then_most_cached() -> None:
+    clock = Clock()
+    s = state(clock)
+    s.heartbeat(beat("w1", "b:prod", (B1,), cached=(Cached("a", 2, 100, 100),)))
+    s.heartbeat(beat("w2", "a:prod", (A1,)))
+    s.heartbeat(beat("w3", "a:prod", (A1,), cached=(Cached("a", 2, 100, 40),)))
+    assert s.prewarm_targets(A2, 2) == ["w3", "w2"]
+    assert s.prewarm_targets(A2, None) == ["w3", "w2", "w1"]
+    warm = {wid: (c.complete if c else False) for wid, c, _loaded in s.warm(A2)}
+    assert warm == {"w1": True, "w2": False, "w3": False}
+
+
+def test_version_from_workers_when_the_cluster_is_unreachable() -> None:
+    clock = Clock()
+    s = state(clock)
+    s.heartbeat(beat("w1", "a:prod", (A1,)))
+    s.heartbeat(beat("w2", "a:prod", (A2,)))
+    s.heartbeat(beat("w3", "a:canary", (VersionKey("a", 3),)))
+    assert s.version_from_workers("a", "prod") == 2
+    assert s.version_from_workers("a", None) == 3
+    assert s.version_from_workers("c", "prod") is None
+
+
+def test_ref_cache_expires_after_its_ttl() -> None:
+    clock = Clock()
+    c = RefCache(clock, ttl_s=1.0)
+    c.put("a:prod", 2)
+    assert c.get("a:prod") == 2
+    clock.now += 1.01
+    assert c.get("a:prod") is None
+
+
+def test_heartbeat_parsing_round_trips_and_refuses_bad_fields() -> None:
+    b = beat("w1", "a:prod", (A1,), cached=(Cached("a", 1, 10, 10, 10, 0),), queue=2)
+    assert Heartbeat.from_json(b.to_json()) == b
+    assert b.model == "a" and b.tag == "prod"
+    for bad in ({}, {"worker_id": "w", "url": "ftp://x", "serves": "a:prod"},
+                {**b.to_json(), "queue": -1}, {**b.to_json(), "loaded": [{"model": "a", "version": 0}]},
+                {**b.to_json(), "loaded": "a@1"}, [1, 2]):
+        with pytest.raises(HeartbeatError):
+            Heartbeat.from_json(bad)

@@ -1,0 +1,437 @@
+"""``paramrouter``: send each inference request to a worker that already holds its model version.
+
+    paramrouter --listen 127.0.0.1:8090 --cluster HOST:PORT[,HOST:PORT]     # any cluster flags of paramctl
+    paramworker serve --model bert:prod --factory pkg:build --router http://127.0.0.1:8090
+    curl -s localhost:8090/infer/bert:prod -d '{"input": [[1, 2, 3, 4]]}'   # or /infer/bert@3
+
+A small asyncio HTTP service (aiohttp). The choice is ``worker.router_state`` (pure, unit-tested);
+this module is the thin HTTP layer around it:
+
+- ``POST /heartbeat``: a worker's beat (its lease: every second; three missed and it is dropped);
+  ``POST /leave``: a worker stopping says so at once.
+- ``POST /infer/MODEL:TAG`` (or ``MODEL@N``, ``MODEL``): the tag is resolved through the cluster
+  (cached 1 s), or from what workers report when the cluster cannot be reached; the request goes
+  to the chosen worker with a deadline (``X-Pdparams-Timeout-S`` header or ``?timeout_s=``,
+  default ``--request-timeout-s``); a worker that fails, vanishes, sheds or does not hold the
+  version is retried once on another. Errors are one-line JSON ``{"error": ...}``: 404 unknown
+  model or tag, 503 with ``Retry-After`` when no worker can answer, 504 past the deadline.
+- ``POST /prewarm`` ``{"ref": "MODEL:TAG", "workers": N | null}``: asks N workers (null: all) to
+  fetch that version into their cache tiers without swapping; ``GET /warm/MODEL:TAG``: how much of
+  the version each worker caches (``paramctl prewarm --wait`` and ``paramctl tag --when-warm`` read it).
+- ``GET /workers``: the table; ``GET /metrics``: Prometheus text; ``GET /healthz``.
+
+State is soft: a restarted router rebuilds its table from the next beats; several routers can run
+side by side (each worker beats to every ``--router`` it was given).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from paramserver.client.config import CLUSTER_ENV, CONFIG_ENV, ClientSettings, add_client_arguments, float_in, int_in, settings_from_args
+from paramserver.client.errors import ClientError, NotFound
+from paramserver.client.refs import BadModelRef, ModelRef
+from worker.router_state import (
+    DEADLINE_HEADER, EXACT_HEADER, MISDIRECTED, WANT_HEADER, Heartbeat, HeartbeatError, RefCache, RouterConfig, RouterState,
+    VersionKey,
+)  # fmt: skip
+
+MAX_BODY = 64 << 20
+MAX_TIMEOUT_S = 600.0
+RESOLVE_TIMEOUT_S = 2.0
+ROUTER_ENV = "PARAMS_ROUTER"
+WORKER_HEADER = "X-Pdparams-Worker"  # on every answer: the worker that gave it
+
+
+@dataclass(frozen=True)
+class RouterOptions:
+    listen: str = "127.0.0.1:8090"
+    request_timeout_s: float = 30.0
+    resolve_ttl_s: float = 1.0
+    state: RouterConfig = RouterConfig()
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.routed = Counter("pdparams_router_routed", "Requests answered by a worker (any status)", registry=r)
+        self.retried = Counter("pdparams_router_retried", "Second attempts on another worker (failed, vanished, shed or misdirected)",
+                               registry=r)
+        self.spilled = Counter("pdparams_router_spilled", "Requests sent past a holder whose queue reached --spill-queue",
+                               registry=r)
+        self.shed = Counter("pdparams_router_shed", "Requests answered 503 (no worker could take them, or all failed)",
+                            registry=r)
+        self.timeouts = Counter("pdparams_router_deadline_exceeded", "Requests answered 504 at their deadline", registry=r)
+        self.hits = Counter("pdparams_router_affinity_hits", "Routed requests answered by a worker holding that exact version",
+                            registry=r)
+        self.ratio = Gauge("pdparams_router_affinity_hit_ratio", "affinity_hits / routed since start", registry=r)
+        self.ratio.set_function(lambda: self.hits._value.get() / max(1.0, self.routed._value.get()))
+        self.workers = Gauge("pdparams_router_workers", "Live workers in the table", registry=r)
+        self.seconds = Histogram("pdparams_router_seconds", "Request latency through the router", registry=r,
+                                 buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=json.dumps({"error": message}).encode(), content_type="application/json",
+                        headers=headers)
+
+
+class Router:
+    """The HTTP layer: parse, resolve, ask ``RouterState``, forward with a deadline, count."""
+
+    def __init__(self, options: RouterOptions, resolver: Callable[[ModelRef], Any] | None = None) -> None:
+        self.options = options
+        self.state = RouterState(time.monotonic, options.state, random.Random())
+        self.refs = RefCache(time.monotonic, options.resolve_ttl_s)
+        self.metrics = RouterMetrics()
+        self.metrics.workers.set_function(lambda: len(self.state))
+        self._resolver = resolver  # blocking: ClusterClient.resolve_ref (run in a thread)
+        self._session: aiohttp.ClientSession | None = None
+
+    # ------------------------------------------------------------ app
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._errors])
+        app.router.add_post("/heartbeat", self.heartbeat)
+        app.router.add_post("/leave", self.leave)
+        app.router.add_post("/infer/{ref}", self.infer)
+        app.router.add_post("/prewarm", self.prewarm)
+        app.router.add_get("/warm/{ref}", self.warm)
+        app.router.add_get("/workers", self.workers)
+        app.router.add_get("/metrics", self.metrics_page)
+        app.router.add_get("/healthz", self.healthz)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, _app: web.Application) -> None:
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+                                              auto_decompress=False)
+
+    async def _stop(self, _app: web.Application) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    @web.middleware
+    async def _errors(self, request: web.Request,
+                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return error(exc.status, exc.reason if exc.status != 404 else
+                         f"no endpoint {request.method} {request.path}; use POST /infer/MODEL:TAG, GET /workers or GET /metrics")
+        except Exception as exc:  # noqa: BLE001 - one failed request must not take the router down; one line, no traceback
+            return error(500, f"{type(exc).__name__}: {str(exc)[:300]}")
+
+    # ------------------------------------------------------------ workers
+
+    async def heartbeat(self, request: web.Request) -> web.Response:
+        try:
+            beat = Heartbeat.from_json(await request.json())
+        except (ValueError, HeartbeatError) as exc:
+            return error(400, f"bad heartbeat: {exc}")
+        if not self.state.heartbeat(beat):
+            return error(503, "the router's table is full", {"Retry-After": "1"})
+        return web.json_response({"ok": True, "lease_s": self.state.config.lease_s})
+
+    async def leave(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            worker_id = body["worker_id"]
+        except (ValueError, KeyError, TypeError):
+            return error(400, 'send {"worker_id": ID}')
+        self.state.leave(str(worker_id))
+        return web.json_response({"ok": True})
+
+    async def workers(self, _request: web.Request) -> web.Response:
+        return web.json_response({"workers": self.state.table()})
+
+    async def healthz(self, _request: web.Request) -> web.Response:
+        return web.json_response({"workers": len(self.state), "affinity": self.state.config.affinity})
+
+    async def metrics_page(self, _request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    # ------------------------------------------------------------ resolution
+
+    async def resolve(self, text: str) -> tuple[VersionKey, bool]:
+        """``(model@N, exact)`` for a reference; raises BadModelRef, NotFound or LookupError (unresolvable)."""
+        ref = ModelRef.parse(text)
+        if ref.version is not None:
+            return VersionKey(ref.model, ref.version), True
+        cache_key = str(ref)
+        cached = self.refs.get(cache_key)
+        if cached is not None:
+            return VersionKey(ref.model, cached), False
+        why = "no --cluster given"
+        if self._resolver is not None:
+            try:
+                info = await asyncio.wait_for(asyncio.to_thread(self._resolver, ref), RESOLVE_TIMEOUT_S)
+                self.refs.put(cache_key, int(info.number))
+                return VersionKey(ref.model, int(info.number)), False
+            except NotFound:
+                raise
+            except (ClientError, TimeoutError, OSError) as exc:
+                why = f"the cluster did not answer ({str(exc)[:200]})"
+        version = self.state.version_from_workers(ref.model, ref.tag)
+        if version is None:
+            raise LookupError(f"cannot resolve {ref}: {why}, and no worker reports it loaded")
+        return VersionKey(ref.model, version), False
+
+    # ------------------------------------------------------------ inference
+
+    def _deadline_s(self, request: web.Request) -> float:
+        raw = request.headers.get(DEADLINE_HEADER) or request.query.get("timeout_s")
+        if raw is None:
+            return self.options.request_timeout_s
+        try:
+            value = float(raw)
+        except ValueError:
+            raise web.HTTPBadRequest(reason=f"timeout {raw!r} is not a number of seconds") from None
+        if not 0 < value <= MAX_TIMEOUT_S or math.isnan(value):
+            raise web.HTTPBadRequest(reason=f"timeout must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {raw}")
+        return value
+
+    async def infer(self, request: web.Request) -> web.Response:
+        started = time.monotonic()
+        try:
+            return await self._infer(request, started)
+        finally:
+            self.metrics.seconds.observe(time.monotonic() - started)
+
+    async def _infer(self, request: web.Request, started: float) -> web.Response:
+        deadline = started + self._deadline_s(request)
+        body = await request.read()
+        try:
+            key, exact = await self.resolve(request.match_info["ref"])
+        except BadModelRef as exc:
+            return error(400, str(exc))
+        except NotFound as exc:
+            return error(404, str(exc))
+        except LookupError as exc:
+            self.metrics.shed.inc()
+            return error(503, str(exc), {"Retry-After": "1"})
+        tried: list[str] = []
+        last = f"no live worker can answer {key}"
+        for attempt in range(2):
+            decision = self.state.choose(key, exact=exact, exclude=tried)
+            left = deadline - time.monotonic()
+            if decision.worker_id is None or decision.url is None or left <= 0:
+                break
+            if attempt:
+                self.metrics.retried.inc()
+            if decision.spilled:
+                self.metrics.spilled.inc()
+            wid = decision.worker_id
+            tried.append(wid)
+            self.state.started(wid)
+            try:
+                status, data, headers = await self._forward(decision.url, key, exact, body, left)
+            except (TimeoutError, asyncio.TimeoutError):
+                self.state.finished(wid, ok=True)  # slow, not gone: its queue says so in the next beat
+                self.metrics.timeouts.inc()
+                return error(504, f"{key}: no answer from worker {wid} within the deadline "
+                                  f"({deadline - started:.3g} s); retry later or raise the timeout")
+            except (aiohttp.ClientError, OSError) as exc:
+                self.state.finished(wid, ok=False)
+                last = f"worker {wid} failed mid-request ({type(exc).__name__}: {str(exc)[:200]})"
+                continue
+            self.state.finished(wid, ok=True)
+            if status in (MISDIRECTED, 503):
+                last = f"worker {wid} answered {status} ({_error_text(data)})"
+                continue
+            self.metrics.routed.inc()
+            if decision.hit:
+                self.metrics.hits.inc()
+            return web.Response(status=status, body=data, content_type="application/json", headers={WORKER_HEADER: wid})
+        self.metrics.shed.inc()
+        if time.monotonic() >= deadline:
+            self.metrics.timeouts.inc()
+            return error(504, f"{key}: deadline ({deadline - started:.3g} s) passed; {last}")
+        return error(503, f"{key}: {last}; retry later", {"Retry-After": "1"})
+
+    async def _forward(self, url: str, key: VersionKey, exact: bool, body: bytes, left: float) -> tuple[int, bytes, dict[str, str]]:
+        assert self._session is not None
+        headers = {"Content-Type": "application/json", WANT_HEADER: str(key), EXACT_HEADER: "1" if exact else "0",
+                   DEADLINE_HEADER: f"{left:.3f}"}
+        async with self._session.post(f"{url}/infer", data=body, headers=headers,
+                                      timeout=aiohttp.ClientTimeout(total=left)) as r:
+            data = await r.read()
+            return r.status, data, dict(r.headers)
+
+    # ------------------------------------------------------------ pre-warm
+
+    async def prewarm(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            ref_text = body["ref"]
+            count = body.get("workers")
+        except (ValueError, KeyError, TypeError):
+            return error(400, 'send {"ref": "MODEL:TAG", "workers": N or null}')
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+            return error(400, f"workers must be a number >= 1 or null (all), got {count!r}")
+        try:
+            key, _exact = await self.resolve(str(ref_text))
+        except BadModelRef as exc:
+            return error(400, str(exc))
+        except NotFound as exc:
+            return error(404, str(exc))
+        except LookupError as exc:
+            return error(503, str(exc), {"Retry-After": "1"})
+        targets = self.state.prewarm_targets(key, count)
+        if not targets:
+            return error(503, "no worker is registered with this router", {"Retry-After": "1"})
+        if count is not None and len(targets) < count:
+            return error(409, f"{count} workers asked for, {len(targets)} registered; nothing was asked")
+
+        async def ask(wid: str) -> dict[str, Any]:
+            url = self.state.url_of(wid)
+            assert self._session is not None and url is not None
+            try:
+                async with self._session.post(f"{url}/prewarm", json={"model": key.model, "version": key.version},
+                                              timeout=aiohttp.ClientTimeout(total=10)) as r:
+                    data = await r.read()
+                    if r.status >= 300:
+                        return {"worker_id": wid, "accepted": False, "error": f"{r.status}: {_error_text(data)}"}
+                    return {"worker_id": wid, "accepted": True}
+            except (aiohttp.ClientError, OSError, TimeoutError, asyncio.TimeoutError) as exc:
+                return {"worker_id": wid, "accepted": False, "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+
+        answers = await asyncio.gather(*(ask(w) for w in targets))
+        return web.json_response({"model": key.model, "version": key.version, "workers": answers})
+
+    async def warm(self, request: web.Request) -> web.Response:
+        try:
+            key, _exact = await self.resolve(request.match_info["ref"])
+        except BadModelRef as exc:
+            return error(400, str(exc))
+        except NotFound as exc:
+            return error(404, str(exc))
+        except LookupError as exc:
+            return error(503, str(exc), {"Retry-After": "1"})
+        rows = []
+        for wid, cached, loaded in self.state.warm(key):
+            rows.append({"worker_id": wid, "loaded": loaded, "complete": bool(cached is not None and cached.complete),
+                         **({"bytes_total": cached.bytes_total, "bytes_cached": cached.bytes_cached,
+                             "bytes_memory": cached.bytes_memory, "bytes_disk": cached.bytes_disk} if cached else {})})
+        return web.json_response({"model": key.model, "version": key.version, "workers": rows,
+                                  "complete": sum(1 for r in rows if r["complete"])})
+
+
+def _error_text(data: bytes) -> str:
+    try:
+        parsed = json.loads(data)
+        if isinstance(parsed, dict) and "error" in parsed:
+            return str(parsed["error"])[:300]
+    except ValueError:
+        pass
+    return data[:300].decode(errors="replace")
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="paramrouter", description=__doc__.splitlines()[0] if __doc__ else None,
+                                epilog="Workers register with: paramworker serve ... --router http://HOST:PORT")
+    p.add_argument("--listen", default="127.0.0.1:8090", help="HTTP HOST:PORT, port 0 picks a free one (default 127.0.0.1:8090)")
+    p.add_argument("--request-timeout-s", type=float_in(0, MAX_TIMEOUT_S, "--request-timeout-s"), default=30.0,
+                   help="deadline of a request without its own X-Pdparams-Timeout-S header (default 30)")
+    p.add_argument("--spill-queue", type=int_in(1, 100000, "--spill-queue"), default=8,
+                   help="a worker whose queue (waiting + running) reaches this is passed over for the next (default 8)")
+    p.add_argument("--lease-s", type=float_in(0, 3600, "--lease-s"), default=3.0,
+                   help="a worker not heard from for this long is dropped: three 1 s beats (default 3)")
+    p.add_argument("--resolve-ttl-s", type=float_in(0, 3600, "--resolve-ttl-s"), default=1.0,
+                   help="seconds a tag resolution is reused (default 1)")
+    p.add_argument("--no-affinity", action="store_true",
+                   help="choose a random worker among those that can answer (the baseline affinity is measured against)")
+    add_client_arguments(p, write=False)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        host, _, port = args.listen.rpartition(":")
+        port_no = int(port)
+        if not 0 <= port_no <= 65535:
+            raise ValueError
+    except ValueError:
+        print(f"paramrouter: error: --listen {args.listen!r} must be HOST:PORT", file=sys.stderr)
+        return 2
+    resolver: Callable[[ModelRef], Any] | None = None
+    client = None
+    try:
+        if args.cluster or os.environ.get(CLUSTER_ENV) or args.config_file or os.environ.get(CONFIG_ENV):
+            settings: ClientSettings = settings_from_args(args, write=False)
+            from paramserver.client.session import ClusterClient, SessionConfig
+
+            client = ClusterClient(settings.cluster, token=settings.token_for(write=False),
+                                   config=SessionConfig(call_timeout_s=RESOLVE_TIMEOUT_S), settings=settings)
+            resolver = client.resolve_ref
+    except ClientError as exc:
+        print(f"paramrouter: error: {exc}", file=sys.stderr)
+        return 2
+    if resolver is None:
+        print("paramrouter: warning: no cluster given (--cluster, PARAMS_CLUSTER or PARAMS_CONFIG): tags are resolved from "
+              "what workers report", file=sys.stderr)
+    options = RouterOptions(args.listen, args.request_timeout_s, args.resolve_ttl_s,
+                            RouterConfig(lease_s=args.lease_s, spill_queue=args.spill_queue, affinity=not args.no_affinity))
+    router = Router(options, resolver)
+    try:
+        return asyncio.run(_serve(router, host or "127.0.0.1", port_no))
+    except OSError as exc:
+        print(f"paramrouter: error: cannot listen on {args.listen}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if client is not None:
+            client.close()
+
+
+async def _serve(router: Router, host: str, port: int) -> int:
+    runner = web.AppRunner(router.app(), access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=1024)
+    await site.start()
+    server = site._server
+    sockets = getattr(server, "sockets", None) or []
+    bound = sockets[0].getsockname()[:2] if sockets else (host, port)
+    print(f"LISTENING {bound[0]}:{bound[1]} affinity={'on' if router.state.config.affinity else 'off'}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+    return 0
+
+
+def router_from_env(flag: str | None) -> str | None:
+    """The router URL: the flag, else PARAMS_ROUTER."""
+    return flag or os.environ.get(ROUTER_ENV) or None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
