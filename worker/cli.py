@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--other-versions", type=int_in(0, 64, "--other-versions"), default=0, metavar="N",
                     help="load up to N versions besides the one followed, on demand, for requests a router sends for them "
                          "(least recently used dropped first); 0: such requests are answered 421 (default 0)")
+    serve.add_argument("--no-cold-start", action="store_true",
+                       help="answer only once the first version is fully loaded (default: answer at once; each layer "
+                            "waits for its own weights, /healthz says loading with progress; not with --hf)")
     rc = serve.add_argument_group("result cache and admission")
     rc.add_argument("--result-cache-mb", type=int_in(0, 1048576, "--result-cache-mb"), default=64,
                     help="in-process result cache (L1, LRU-2) in MiB, 0 turns it off (default 64)")
@@ -227,7 +230,8 @@ def cmd_serve(args: argparse.Namespace, settings: ClientSettings) -> int:
     serve_config = serve_config_from_args(args)
     client, cache, prefetch = _setup(args, settings)
     server = ModelServer(client, args.model, factory, args.device, cache, prefetch, heat_report_s=args.heat_report_s,
-                         serve=serve_config, factory_name=args.factory or "", hf=hf, other_versions=args.other_versions)
+                         serve=serve_config, factory_name=args.factory or "", hf=hf, other_versions=args.other_versions,
+                         cold_start=not args.no_cold_start)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -239,9 +243,19 @@ def cmd_serve(args: argparse.Namespace, settings: ClientSettings) -> int:
                 raise ConfigError(f"--listen {args.listen} binds every address: give --advertise HOST:PORT for the routers")
             server.register(args.router, advertise, args.worker_id)
         _module, loaded = server.snapshot()
-        print(f"LISTENING {address} serving {loaded.info.model} v{loaded.info.number}", flush=True)
-        print(loaded.report.summary(), flush=True)
+        state = "" if server.wait_loaded(0) else " (loading: answering while the weights arrive)"
+        print(f"LISTENING {address} serving {loaded.info.model} v{loaded.info.number}{state}", flush=True)
+
+        def when_loaded() -> None:
+            server.wait_loaded()
+            if server.load_exception is None:
+                print(server.snapshot()[1].report.summary(), flush=True)
+            stop.set() if server.load_exception is not None else None
+
+        threading.Thread(target=when_loaded, name="paramworker-loaded", daemon=True).start()
         stop.wait()
+        if server.load_exception is not None:
+            raise server.load_exception  # the first load failed: exit with its code and one line
     finally:
         server.stop()
         client.close()

@@ -44,7 +44,9 @@ from worker.hf import HFServing
 from chunking.manifest import Manifest
 from paramserver.client.errors import ClientError
 from paramserver.client.refs import ModelRef
-from worker.loader import LoadedModel, LoadReport, empty_weights, fill_module, load, start_load
+from worker.cold_start import ColdStart, start_cold
+from worker.loader import LoadedModel, LoadReport, empty_weights, fill_module, load, make_report, start_load
+from worker.prefetch import LoadCounters
 from worker.result_cache import ResultCacheConfig, canonical_json, result_key
 from worker.result_service import Answer, Computed, ResultService
 from worker.result_store import RedisResultStore, ResultStore
@@ -144,8 +146,14 @@ class ModelServer:
                  device: str | torch.device | None = "cpu", cache: TieredCache | None = None,
                  config: PrefetchConfig = PrefetchConfig(), heat_report_s: float = 60.0,
                  serve: ServeConfig = ServeConfig(), factory_name: str = "", store: ResultStore | None = None,
-                 hf: HFServing | None = None, other_versions: int = 0) -> None:
+                 hf: HFServing | None = None, other_versions: int = 0, cold_start: bool = True) -> None:
         self.serve_config = serve.validate()
+        # Answer while the first load is still arriving (worker.cold_start); a factory's modules only:
+        # an --hf model is built from its version's config.json once loaded.
+        self.cold_start = cold_start and hf is None
+        self._cold: ColdStart | None = None
+        self.load_error: str | None = None
+        self.load_exception: BaseException | None = None
         if (factory is None) == (hf is None):
             raise ConfigError("serve needs exactly one of a factory (--factory) and a Hugging Face model (--hf)")
         if hf is not None:
@@ -169,6 +177,7 @@ class ModelServer:
         self.results = ResultService(rc, self.admission, self.metrics, store, request_timeout_s=serve.request_timeout_s)
         self.swapper = HotSwapper(client, ref, device, cache, config=config, on_swap=self._on_swap)
         self._stop = threading.Event()
+        self._loaded_event = threading.Event()
         self._http: _Server | None = None
         # Registration with routers, pre-warm, versions loaded on demand (--router, POST /prewarm, --other-versions)
         if not 0 <= other_versions <= 64:
@@ -229,8 +238,40 @@ class ModelServer:
     def snapshot(self) -> tuple[torch.nn.Module, LoadedModel]:
         with self._lock:
             if self._module is None or self._loaded is None:
+                if self.load_error is not None:
+                    raise WorkerError(f"the model could not be loaded: {self.load_error}")
                 raise WorkerError("no model loaded yet")
             return self._module, self._loaded
+
+    def _start_cold(self) -> None:
+        """Serve the first version while it arrives: requests run on a module whose layers each wait
+        for their own weights; once the load is complete the normal swap installs the full module."""
+        sw = self.swapper
+        assert self.factory is not None
+        cold = start_cold(sw.client, str(sw.ref), self.factory, sw.device, sw.cache, config=sw.config)
+        h = cold.handle
+        loading = LoadedModel(h.tensors, h.manifest, h.info, make_report(h.info, h.manifest, sw.device, LoadCounters(), 0.0), h)
+        with self._lock:
+            self._module, self._loaded, self._cold = cold.module, loading, cold
+        threading.Thread(target=self._finish_cold, args=(cold,), name="paramworker-cold-start", daemon=True).start()
+
+    def _finish_cold(self, cold: ColdStart) -> None:
+        try:
+            loaded = cold.finish()
+            self.swapper.install(loaded)  # on_swap: the full module (no waiting hooks), heat, metrics
+        except Exception as exc:  # noqa: BLE001 - kept for /healthz, the answers and the CLI's exit code
+            self.load_exception = exc
+            self.load_error = f"{type(exc).__name__}: {str(exc)[:300]}"
+            with self._lock:
+                self._module = self._loaded = None
+        finally:
+            with self._lock:
+                self._cold = None
+            self._loaded_event.set()
+
+    def wait_loaded(self, timeout: float | None = None) -> bool:
+        """True once the first load is complete (or failed: see ``load_error``)."""
+        return self._loaded_event.wait(timeout)
 
     # ------------------------------------------------------------------ answering
 
@@ -296,9 +337,12 @@ class ModelServer:
 
     def health(self) -> dict[str, Any]:
         with self._lock:
-            loaded = self._loaded
+            loaded, cold = self._loaded, self._cold
         err = self.swapper.last_error
-        return {"model": self.swapper.ref.model, "tag": self.swapper.ref.tag, "version": loaded.info.number if loaded else None,
+        state = "loading" if cold is not None else "failed" if self.load_error else "ready" if loaded else "starting"
+        return {"state": state, "progress": round(cold.progress(), 4) if cold is not None else (1.0 if loaded else 0.0),
+                "load_error": self.load_error,
+                "model": self.swapper.ref.model, "tag": self.swapper.ref.tag, "version": loaded.info.number if loaded else None,
                 "fingerprint": loaded.manifest.fingerprint if loaded else None,
                 "swaps": self.swapper.swaps, "last_error": str(err) if err else None,
                 "result_cache": {"l1_bytes": self.results.l1.bytes if self.results.l1 else 0,
@@ -472,10 +516,18 @@ class ModelServer:
             port_no = int(port or 0)
         except ValueError:
             raise ConfigError(f"--listen {listen!r} must be HOST:PORT") from None
-        self.swapper.start()
+        if self.cold_start:
+            self._start_cold()
+        else:
+            self.swapper.start()
+            self._loaded_event.set()
         threading.Thread(target=self._heat_loop, name="paramworker-heat", daemon=True).start()
         if self.swapper.ref.tag is not None and poll_s > 0:
-            self.swapper.follow(poll_s, self._stop)
+            def follow_after_load() -> None:  # tag checks begin once the first version is in
+                self._loaded_event.wait()
+                if self.load_error is None:
+                    self.swapper.follow(poll_s, self._stop)
+            threading.Thread(target=follow_after_load, name="paramworker-follow-start", daemon=True).start()
         self._http = _Server((host or "127.0.0.1", port_no), _handler(self), self.serve_config.max_connections)
         threading.Thread(target=self._http.serve_forever, name="paramworker-http", daemon=True).start()
         h, p = self._http.socket.getsockname()[:2]

@@ -119,6 +119,10 @@ class HotSwapper:
             self._install(new)
             return new
 
+    def install(self, new: LoadedModel) -> None:
+        """Make ``new`` (loaded elsewhere, e.g. a cold start) the version served; runs ``on_swap``."""
+        self._install(new)
+
     def _install(self, new: LoadedModel) -> None:
         with self._lock:
             old, self._current = self._current, new

@@ -11,6 +11,7 @@ import time
 from functools import partial
 from collections import OrderedDict
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,3 +139,51 @@ def test_first_answer_of_a_cold_start_overlaps_load_and_compute(cluster: LocalCl
     ratio = statistics.median(cold) / statistics.median(full)
     print(f"cold start: first answer {statistics.median(cold):.3f} s vs load then forward {statistics.median(full):.3f} s "
           f"= {ratio:.2f}x (per layer: fetch and compute {Slow.pause * 1000:.1f} ms each)")
+
+
+@pytest.mark.timeout(180)
+def test_paramworker_serve_answers_while_loading_and_says_so(cluster: LocalCluster) -> None:
+    import json
+    import subprocess
+    import sys
+    import urllib.request
+
+    from tests.conftest import stop_process
+
+    torch.manual_seed(1)
+    state = build().state_dict()
+    push(cluster.seed, state, model="deepserve", tag="prod")
+    reference = build()
+    reference.load_state_dict(state)
+    x = [[0.5] * WIDTH, [-0.25] * WIDTH]
+    with torch.no_grad():
+        want = reference(torch.tensor(x)).tolist()
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "worker", "serve", "--model", "deepserve:prod", "--factory",
+         "tests.integration.test_cold_start:build", "--cluster", cluster.seed, "--listen", "127.0.0.1:0",
+         "--device", "cpu", "--cache-mb", "0", "--poll-s", "0"],
+        cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("LISTENING") and "loading" in line, line  # up before its weights are in
+        address = line.split()[1]
+        with urllib.request.urlopen(f"http://{address}/healthz", timeout=10) as r:
+            first = json.loads(r.read())
+        assert first["state"] in ("loading", "ready") and 0.0 <= first["progress"] <= 1.0, first
+        req = urllib.request.Request(f"http://{address}/infer", data=json.dumps({"input": x}).encode())
+        with urllib.request.urlopen(req, timeout=60) as r:
+            got = json.loads(r.read())
+        assert got["output"] == want  # the first answer, possibly computed while loading, is exact
+        deadline = time.monotonic() + 60
+        while True:
+            with urllib.request.urlopen(f"http://{address}/healthz", timeout=10) as r:
+                health = json.loads(r.read())
+            if health["state"] == "ready" or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert health["state"] == "ready" and health["progress"] == 1.0 and health["load_error"] is None, health
+    finally:
+        stop_process(proc)
