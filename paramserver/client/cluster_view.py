@@ -20,7 +20,7 @@ from typing import Any, TypeAlias, TypeVar
 import grpc
 
 from paramserver.client.rpc import ClientConfig, ParamServerClient
-from paramserver.wire.limits import DEFAULT_MAX_MESSAGE_BYTES
+from paramserver.wire.limits import DEFAULT_MAX_MESSAGE_BYTES, MAX_HOT_CHUNKS_ADVERTISED, MAX_HOT_CHUNKS_KEPT
 from paramserver.client.errors import ClientClosed, ConfigError
 from paramserver.client.failover import FailoverPolicy, LeaderFailover, best_answer
 from paramserver.wire.proto import pb
@@ -270,6 +270,38 @@ class ClusterView:
 
     def replicas(self, chunk_id: str) -> list[str]:
         return self.ring.replicas(chunk_id, self.replication)
+
+    def hot_chunks(self, timeout_s: float = 0.5) -> dict[str, tuple[str, ...]]:
+        """Hot chunk id -> the members holding an extra copy, merged from every up member's GetHotChunks.
+
+        Asked of all at once; a member that does not answer within ``timeout_s`` (down, cut off, or a
+        server from before hot chunks: UNIMPLEMENTED) contributes nothing. Bounded: at most
+        MAX_HOT_CHUNKS_ADVERTISED entries from one member and MAX_HOT_CHUNKS_KEPT in all; holders that
+        are not members are left out. Soft state: a holder may have dropped its copy meanwhile (it then
+        answers MISSING and the read goes to a replica)."""
+        asked: list[grpc.Future[pb.GetHotChunksReply]] = []
+        for member in self.members.values():
+            if member.state != "up":
+                continue
+            try:
+                asked.append(self.client(member.grpc_address).stub.GetHotChunks.future(pb.GetHotChunksRequest(),
+                                                                                      timeout=timeout_s))
+            except Exception:  # noqa: BLE001 - a closed view, a bad address: no hot copies from it
+                continue
+        merged: dict[str, list[str]] = {}
+        for f in asked:
+            try:
+                reply = f.result()
+            except (grpc.RpcError, grpc.FutureCancelledError):
+                continue
+            for entry in list(reply.chunks)[:MAX_HOT_CHUNKS_ADVERTISED]:
+                holders = merged.get(entry.id)
+                if holders is None:
+                    if len(merged) >= MAX_HOT_CHUNKS_KEPT:
+                        break
+                    holders = merged[entry.id] = []
+                holders.extend(h for h in entry.holders if h in self.members and h not in holders)
+        return {cid: tuple(holders) for cid, holders in merged.items() if holders}
 
     def client(self, address: str) -> ParamServerClient:
         with self._lock:

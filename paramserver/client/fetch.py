@@ -62,6 +62,7 @@ class FetchStats:
     corrupt_reports: int = 0
     by_server: dict[str, int] = field(default_factory=dict)
     in_place: int = 0  # chunks received straight into their destination
+    extra_bytes: int = 0  # stored bytes read from extra copies of hot chunks (not ring replicas)
 
 
 @dataclass(frozen=True)
@@ -78,14 +79,16 @@ Report = Callable[[str, tuple[str, ...], str], None]  # (server, chunk ids, reas
 class _Fetch:
     def __init__(self, engine: FetchEngine, refs: Sequence[ChunkRef], placement: Callable[[str], Sequence[str]],
                  members: Sequence[str], sink: ChunkSink, tensors_of: Callable[[ChunkRef], Sequence[str]] | None,
-                 verifier: Verifier) -> None:
+                 verifier: Verifier, extras: Callable[[str], Sequence[str]] | None = None, salt: int = 0) -> None:
         self.engine = engine
         self.verifier = verifier
         self.sink = sink
         self.tensors_of = tensors_of
         self.refs = {r.id: r for r in refs}
-        wants = [Want(r.id, r.stored_size, tuple(placement(r.id))) for r in refs]
-        self.planner = FetchPlanner(wants, list(members), engine.reads_per_server, engine.options.max_read_bytes)
+        wants = [Want(r.id, r.stored_size, tuple(placement(r.id)), tuple(extras(r.id)) if extras is not None else ())
+                 for r in refs]
+        self.extras = {w.id: frozenset(w.extras) - frozenset(w.replicas) for w in wants if w.extras}
+        self.planner = FetchPlanner(wants, list(members), engine.reads_per_server, engine.options.max_read_bytes, salt)
         self.lock = threading.Lock()
         self.finished = threading.Condition(self.lock)
         self.queues: dict[str, collections.deque[Read]] = {}
@@ -229,6 +232,8 @@ class _Fetch:
             self.stats.in_place += in_place
             self.stats.stored_bytes += nbytes
             self.stats.by_server[read.server] = self.stats.by_server.get(read.server, 0) + nbytes
+            if read.server in self.extras.get(arrival.id, ()):
+                self.stats.extra_bytes += nbytes
             self._apply(self.planner.step(Landed(read.read, arrival.id)))
 
 
@@ -245,12 +250,15 @@ class FetchEngine:
 
     def fetch(self, refs: Sequence[ChunkRef], placement: Callable[[str], Sequence[str]], members: Sequence[str],
               sink: ChunkSink, *, verifier: Verifier | None = None,
-              tensors_of: Callable[[ChunkRef], Sequence[str]] | None = None) -> FetchStats:
+              tensors_of: Callable[[ChunkRef], Sequence[str]] | None = None,
+              extras: Callable[[str], Sequence[str]] | None = None, salt: int = 0) -> FetchStats:
         """Fetch ``refs`` (distinct ids) into ``sink``; raises ChunkUnavailable / ChunkDataLoss naming
-        the first chunk no replica could serve intact, or what the sink or transport raised."""
+        the first chunk no replica could serve intact, or what the sink or transport raised.
+        ``extras(id)``: servers with an extra copy of a hot chunk (read from as readily as its
+        replicas; ``salt`` orders them on ties, vary it per fetch)."""
         if not refs:
             return FetchStats()
-        return _Fetch(self, refs, placement, members, sink, tensors_of, verifier or self.verifier).run()
+        return _Fetch(self, refs, placement, members, sink, tensors_of, verifier or self.verifier, extras, salt).run()
 
 
 __all__ = ["ChunkSink", "EngineOptions", "FetchEngine", "FetchStats"]

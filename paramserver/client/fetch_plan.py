@@ -9,12 +9,17 @@ gives up naming it.
 
 Placement: each chunk goes to the least-loaded (by bytes assigned) of its ring replicas not yet
 tried; when every ring replica has failed, to any other member not yet tried (repair or a
-rebalance may have moved a copy there). A replica whose read broke, or ran past its deadline,
+rebalance may have moved a copy there). A hot chunk (``Want.extras``: servers that advertised an
+extra copy, paramserver.server.hot_chunks) has those holders as candidates too, and its ties go
+to a per-fetch ``salt``-ed order instead of the primary, so that clients which do not know of
+each other spread their reads of it over every holder; ties of other chunks go to the primary
+(their reads stay on one server's cache). A replica whose read broke, or ran past its deadline,
 is taken out of this fetch, so its leftovers, and later re-plans, go to the others at once; it
 is asked again only for a chunk no other replica could serve.
 """
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -90,11 +95,19 @@ Decision = Read | ReportCorrupt | GiveUp
 
 @dataclass(frozen=True)
 class Want:
-    """A chunk to fetch: its id, its stored size and its ring replicas (primary first)."""
+    """A chunk to fetch: its id, its stored size, its ring replicas (primary first) and the servers
+    that advertised an extra copy of it (a hot chunk; candidates as good as the replicas)."""
 
     id: str
     size: int
     replicas: tuple[str, ...]
+    extras: tuple[str, ...] = ()
+
+
+def spread_rank(salt: int, chunk_id: str, server: str) -> int:
+    """A salted order of a hot chunk's holders (rendezvous hashing): each fetch prefers another one."""
+    digest = hashlib.blake2b(f"{salt}:{chunk_id}:{server}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
 
 
 @dataclass
@@ -116,6 +129,7 @@ class FetchPlanner:
     members: Sequence[str]
     reads_per_server: Callable[[str], int] = lambda _server: 1
     max_read_bytes: int = 64 << 20
+    salt: int = 0  # orders the holders of hot chunks (Want.extras) on ties; vary it per fetch
     _want: dict[str, Want] = field(init=False)
     _order: dict[str, int] = field(init=False)
     _pending: dict[str, None] = field(init=False)  # not landed, not given up
@@ -219,7 +233,9 @@ class FetchPlanner:
 
     def _candidates(self, cid: str) -> list[str]:
         tried = self._attempts.get(cid, {})
-        ring = [s for s in self._want[cid].replicas if s not in tried and s not in self._down]
+        want = self._want[cid]
+        holders = (*want.replicas, *(s for s in want.extras if s not in want.replicas))
+        ring = [s for s in holders if s not in tried and s not in self._down]
         if ring:
             return ring
         others = [s for s in self.members if s not in tried and s not in self._down]
@@ -255,8 +271,12 @@ class FetchPlanner:
                 del self._pending[cid]
                 out.append(give_up)
                 continue
-            # Least loaded; ties go to the earliest in ring order (the primary).
-            best = min(candidates, key=lambda s: (load.get(s, 0), candidates.index(s)))
+            # Least loaded; ties go to the earliest in ring order (the primary), or for a hot chunk to
+            # this fetch's salted order of its holders.
+            if self._want[cid].extras:
+                best = min(candidates, key=lambda s: (load.get(s, 0), spread_rank(self.salt, cid, s)))
+            else:
+                best = min(candidates, key=lambda s: (load.get(s, 0), candidates.index(s)))
             self._down.discard(best)  # a last-resort pick gets its chance
             load[best] = load.get(best, 0) + self._want[cid].size
             by_server.setdefault(best, []).append(cid)
@@ -295,5 +315,5 @@ class FetchPlanner:
 
 __all__ = [
     "Decision", "Event", "FetchPlanner", "GiveUp", "Landed", "Read", "ReadEnded", "ReadFailed", "Refused", "ReportCorrupt",
-    "Want",
+    "Want", "spread_rank",
 ]

@@ -10,6 +10,7 @@ over the bulk and gRPC transports, verifying each chunk as the mode asks.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import threading
 import time
@@ -70,6 +71,11 @@ class SessionConfig:
     monotonic_path: str | None = None
     allow_rollback: bool = True
     worker_id: str = ""
+    # Hot chunks: read extra copies that servers advertise (GetHotChunks, asked of every member at
+    # most every hot_refresh_s, before a fetch); False reads ring replicas only.
+    hot_chunks: bool = True
+    hot_refresh_s: float = 2.0
+    hot_timeout_s: float = 0.2
 
     def validate(self) -> SessionConfig:
         if self.call_timeout_s <= 0 or self.min_stream_bytes_per_s <= 0:
@@ -80,6 +86,8 @@ class SessionConfig:
             raise ConfigError(f"get_message_bytes must be between 64 KiB and 64 MiB, got {self.get_message_bytes}")
         if self.max_read_bytes < 1 * MIB:
             raise ConfigError(f"max_read_bytes must be >= 1 MiB, got {self.max_read_bytes}")
+        if self.hot_refresh_s <= 0 or self.hot_timeout_s <= 0:
+            raise ConfigError("hot_refresh_s and hot_timeout_s must be > 0")
         if self.refresh_interval_s <= 0 or self.bulk_down_s < 0:
             raise ConfigError("refresh_interval_s must be > 0 and bulk_down_s >= 0")
         return self
@@ -149,6 +157,9 @@ class ClusterClient:
         self._view: ClusterView | None = None
         self._spare: dict[str, ParamServerClient] = {}
         self._refreshed_at = -1e9
+        self._hot: dict[str, tuple[str, ...]] = {}
+        self._hot_at = -1.0  # never asked
+        self._hot_busy = False
         self.transport = ClusterTransport(
             self._members, token=cluster.token, tls=cluster.tls, tls_ca=cluster.tls_ca,
             tls_cert=getattr(cluster, "tls_cert", None), tls_key=getattr(cluster, "tls_key", None), bulk=bulk,
@@ -475,7 +486,9 @@ class ClusterClient:
         members = sorted(sid for sid, m in view.members.items() if m.state == "up")
         others = sorted(sid for sid in view.members if sid not in members)
         verifier = Verifier(self.verify, algorithm)
-        stats = self.engine.fetch(refs, view.replicas, members + others, sink, verifier=verifier, tensors_of=tensors_of)
+        hot = self.hot_chunks(view) if self.config.hot_chunks else {}
+        stats = self.engine.fetch(refs, view.replicas, members + others, sink, verifier=verifier, tensors_of=tensors_of,
+                                  extras=(lambda cid: hot.get(cid, ())) if hot else None, salt=random.getrandbits(32))
         with self._lock:
             s = self.stats
             s.chunks += stats.chunks
@@ -484,9 +497,41 @@ class ClusterClient:
             s.failovers += stats.failovers
             s.corrupt_reports += stats.corrupt_reports
             s.in_place += stats.in_place
+            s.extra_bytes += stats.extra_bytes
             for k, v in stats.by_server.items():
                 s.by_server[k] = s.by_server.get(k, 0) + v
         return stats
+
+
+    def hot_chunks(self, view: ClusterView | None = None) -> dict[str, tuple[str, ...]]:
+        """The hot chunks the servers advertise (id -> members with an extra copy).
+
+        The first call asks every member (waiting at most ``hot_timeout_s``); later ones return the
+        last answer at once and, when it is older than ``hot_refresh_s``, ask again on a background
+        thread, so a load never waits on a member that is down or cut off."""
+        with self._lock:
+            first = self._hot_at < 0
+            stale = first or time.monotonic() - self._hot_at >= self.config.hot_refresh_s
+            if not stale or self._hot_busy:
+                return self._hot
+            self._hot_busy = True
+            current = self._hot
+        if first:
+            return self._refresh_hot(view)
+        threading.Thread(target=self._refresh_hot, args=(view,), name="hot-chunks-refresh", daemon=True).start()
+        return current
+
+    def _refresh_hot(self, view: ClusterView | None) -> dict[str, tuple[str, ...]]:
+        try:
+            found = (view or self.view()).hot_chunks(self.config.hot_timeout_s)
+        except ClientError:
+            found = {}
+        finally:
+            with self._lock:
+                self._hot_busy = False
+        with self._lock:
+            self._hot, self._hot_at = found, time.monotonic()
+            return found
 
 
 def client_for(cluster: ClusterClient | ClientSettings | str | Sequence[str], token: str | None = None) -> tuple[ClusterClient, bool]:

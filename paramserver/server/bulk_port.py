@@ -186,8 +186,10 @@ class BulkServer:
 
     def __init__(self, store: ChunkStore, auth: AuthConfig, listen: str = "127.0.0.1:0",
                  config: BulkServerConfig = BulkServerConfig(), *, server_id: str = "",
-                 repair_queue: RepairQueue | None = None, forward_to: Callable[[], Collection[str]] | None = None) -> None:
+                 repair_queue: RepairQueue | None = None, forward_to: Callable[[], Collection[str]] | None = None,
+                 on_read: Callable[[str], None] | None = None) -> None:
         self.store = store
+        self.on_read = on_read  # told the id of every chunk served (hot-chunk read rates)
         self.auth = auth.validate()
         self.config = config.validate()
         # The name error acks give this server: the store knows it when the caller does not say.
@@ -424,6 +426,8 @@ class BulkServer:
             else:
                 payload = chunk.data
                 head = encode_header(OK, chunk.codec, chunk.raw_size, len(payload), chunk.crc32c)
+                if self.on_read is not None:
+                    self.on_read(chunk_id)
             headers.append(head)
             payloads.append(payload)
             batch_bytes += len(payload)

@@ -94,6 +94,18 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--bulk-listen", help="plain-TCP bulk chunk-read address HOST:PORT (default: the --listen host, a free port); "
                                          "advertised to clients, off when TLS is on")
     s.add_argument("--no-bulk", action="store_true", help="serve chunk bytes over gRPC GetChunks only (no bulk port)")
+    s.add_argument("--hot-chunks", choices=["on", "off"],
+                   help="extra copies of often-read chunks on servers beyond their R replicas, advertised to clients "
+                        "(soft state, bounded, dropped when the chunk cools; no effect while R covers every server) "
+                        "(default on)")
+    s.add_argument("--hot-rate", type=float, help="reads per second of one chunk on this server (decayed over "
+                                                  "hot_tau_s, default 10 s) that make it hot (default 2.0)")
+    s.add_argument("--hot-extra-copies", type=int, help="extra copies per hot chunk, beyond its R replicas (default 2)")
+    s.add_argument("--hot-cool-s", type=float, help="a hot chunk cools once its rate stayed below hot_cool_rate "
+                                                    "(default a quarter of --hot-rate) this long (default 30)")
+    s.add_argument("--hot-lease-s", type=float, help="an extra copy no replica renewed for this long is dropped (default 30)")
+    s.add_argument("--hot-max-mb", type=int, help="bound in MiB on the hot chunks this server places extras for, and on "
+                                                  "the extra copies it holds for others (default 256 each)")
     s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default: off)")
     s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (default INFO)")
     return p
@@ -126,6 +138,14 @@ def _overrides(a: argparse.Namespace) -> dict[str, Any]:
         o["store_segment_bytes"] = a.segment_mb * MiB
     if a.compact_mb_per_s is not None:
         o["store_compact_bytes_per_s"] = a.compact_mb_per_s * MiB
+    if a.hot_chunks is not None:
+        o["hot_chunks"] = a.hot_chunks
+    for flag, key in (("hot_rate", "hot_rate"), ("hot_extra_copies", "hot_extra_copies"), ("hot_cool_s", "hot_cool_s"),
+                      ("hot_lease_s", "hot_lease_s")):
+        if getattr(a, flag) is not None:
+            o[key] = getattr(a, flag)
+    if a.hot_max_mb is not None:
+        o["hot_max_bytes"] = o["hot_max_extra_bytes"] = a.hot_max_mb * MiB
     if a.no_fsync:
         o["fsync"] = False
     if a.no_bulk:
@@ -150,6 +170,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from paramserver.server.store import StoreConfig  # after parsing: --help stays fast
 
         StoreConfig.from_extra(config.extra)  # the store's options, checked before anything starts
+        from paramserver.server.hot_chunks import HotConfig
+
+        HotConfig.from_extra(config.extra)
     except ConfigError as exc:
         print(f"paramserver: {exc}", file=sys.stderr)
         return 2

@@ -34,6 +34,7 @@ import grpc
 from paramserver.server.auth import AuthConfig, has_admin_token
 from paramserver.server.config import DEFAULT_GET_MESSAGE_BYTES
 from paramserver.server.errors import ChunkCorruptError, ChunkNotFoundError, ConfigError, InvalidChunkError, ParamServerError
+from paramserver.server.hot_chunks import HotChunks
 from paramserver.wire.proto import pb
 from paramserver.server.repair import RepairQueue
 from paramserver.server.rpc_errors import abort_with, invalid, status_for
@@ -204,8 +205,10 @@ class ChunkService:
         workers: int = 16,
         write_limits: WriteLimits = WriteLimits(),
         max_call_bytes: int = DEFAULT_MAX_CALL_BYTES,
+        hot: HotChunks | None = None,
     ) -> None:
         self.store = store
+        self.hot = hot  # hot chunks: reads are counted, hot copies admitted (None: off)
         self.server_id = server_id
         self.repair_queue = repair_queue
         self.get_message_bytes = get_message_bytes
@@ -255,11 +258,28 @@ class ChunkService:
                 break
             watch.touch(busy=True)
             batch = [(c.id, c.data, c.codec, c.raw_size, c.crc32c) for c in request.chunks]
+            extras: set[str] = set()
+            refused: dict[str, str] = {}
+            received = batch
+            if request.hot_copy:
+                batch, extras, refused = self._hot_copies(batch)
             try:
                 results = self.store.put_many(batch)
             except ParamServerError as exc:  # invalid chunk, damaged in transit, disk full, ...
+                for chunk_id in extras:
+                    assert self.hot is not None
+                    self.hot.stored(chunk_id, False)
                 context.abort(status_for(exc), f"server {self.server_id}: {exc}")
-            for (chunk_id, data, *_rest), was_stored in zip(batch, results):
+            outcome = iter(results)
+            for chunk_id, data, *_rest in received:
+                why = refused.get(chunk_id)
+                if why is not None:
+                    reply.acks.add(id=chunk_id, status=pb.REJECTED, message=why)
+                    continue
+                was_stored = next(outcome)
+                if chunk_id in extras:
+                    assert self.hot is not None
+                    self.hot.stored(chunk_id, was_stored)
                 if was_stored:
                     stored += 1
                     nbytes += len(data)
@@ -272,6 +292,28 @@ class ChunkService:
             watch.touch(busy=False)
         reply.chunks_stored, reply.chunks_present, reply.bytes_stored = stored, present, nbytes
         return reply
+
+    def _hot_copies(self, batch: list[tuple[str, bytes, str, int, int]]
+                    ) -> tuple[list[tuple[str, bytes, str, int, int]], set[str], dict[str, str]]:
+        """Of a PutChunks(hot_copy) message: the chunks this server takes, which of them it keeps as
+        leased extras, and the refused ones with the reason (over the bounds, or hot chunks off)."""
+        kept: list[tuple[str, bytes, str, int, int]] = []
+        extras: set[str] = set()
+        refused: dict[str, str] = {}
+        for item in batch:
+            if item[0] in refused:
+                continue  # a repeated id: refused again
+            if item[0] in extras:
+                kept.append(item)  # a repeated id: put_many answers it again
+                continue
+            decision = "this server runs with --hot-chunks off" if self.hot is None else self.hot.admit(item[0], len(item[1]))
+            if decision == HotChunks.ADMIT:
+                extras.add(item[0])
+            elif decision != HotChunks.PLAIN:
+                refused[item[0]] = f"server {self.server_id}: hot copy refused: {decision}"
+                continue
+            kept.append(item)
+        return kept, extras, refused
 
     # ----------------------------------------------------------- GetChunks
 
@@ -320,6 +362,8 @@ class ChunkService:
                               f"GetChunks answers at most {self.max_call_bytes} bytes of chunk data per call; {len(ids) - n} of "
                               f"{len(ids)} distinct ids were not sent, from {chunk_id}: ask for them in another call")
             sent += len(chunk.data)
+            if self.hot is not None:
+                self.hot.record_read(chunk_id)
             if reply and reply.size + len(chunk.data) > target:
                 yield reply.encode()
                 reply = ReplyBuilder()
@@ -344,6 +388,14 @@ class ChunkService:
             # A chunk reported present to a push will not be sent again: it must not be
             # collected as an orphan before that push commits (see paramserver.server.gc).
             present = self.store.claim(request.ids)
+        elif request.renew_hot:
+            if not has_admin_token(context.invocation_metadata(), self.auth):
+                context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                              "HasChunks with renew_hot keeps hot copies alive, a write: it needs the admin token")
+            has = self.store.has
+            present = [has(chunk_id) for chunk_id in request.ids]
+            if self.hot is not None:
+                self.hot.renew(cid for cid, ok in zip(request.ids, present) if ok)
         else:
             has = self.store.has
             present = [has(chunk_id) for chunk_id in request.ids]

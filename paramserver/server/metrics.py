@@ -16,14 +16,16 @@ from prometheus_client.registry import Collector
 
 from consensus.api import MetadataPlane
 
+from paramserver.server.hot_chunks import HotChunks
 from paramserver.server.repair import RepairQueue, Scrubber
 from paramserver.server.store import ChunkStore
 
 
 class ServerCollector(Collector):
     def __init__(self, server_id: str, store: ChunkStore, metadata: MetadataPlane, queue: RepairQueue,
-                 members: Callable[[], int], scrubber: Scrubber | None = None) -> None:
+                 members: Callable[[], int], scrubber: Scrubber | None = None, hot: HotChunks | None = None) -> None:
         self.server_id = server_id
+        self.hot = hot
         self.scrubber = scrubber
         self.store = store
         self.metadata = metadata
@@ -80,6 +82,26 @@ class ServerCollector(Collector):
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric([self.server_id], float(value))
             yield c
+
+        # Hot chunks (paramserver.server.hot_chunks): absent with --hot-chunks off.
+        if self.hot is not None:
+            h = self.hot.stats()
+            yield gauge("paramserver_hot_chunks", "chunks this server holds as a ring replica and placed extra copies of", h.hot_chunks)
+            yield gauge("paramserver_hot_chunk_bytes", "stored bytes of those hot chunks", h.hot_bytes)
+            yield gauge("paramserver_hot_advertised_chunks", "hot chunks advertised with at least one confirmed extra copy",
+                        h.advertised)
+            yield gauge("paramserver_hot_extra_chunks", "extra copies of other servers' hot chunks held here", h.extra_chunks)
+            yield gauge("paramserver_hot_extra_bytes", "stored bytes of the extra copies held here", h.extra_bytes)
+            yield gauge("paramserver_hot_tracked_chunks", "chunks whose read rate is tracked", h.tracked)
+            for name, doc, value in (
+                ("paramserver_hot_copies_pushed", "extra copies this server sent to other servers", h.pushed_total),
+                ("paramserver_hot_copies_pushed_bytes", "bytes of extra copies this server sent", h.pushed_bytes_total),
+                ("paramserver_hot_extras_dropped", "extra copies held here dropped after their chunk cooled", h.dropped_total),
+                ("paramserver_hot_copies_refused", "hot copies refused here (over the extra-copy bounds)", h.refused_total),
+            ):
+                c = CounterMetricFamily(name, doc, labels=labels)
+                c.add_metric([self.server_id], float(value))
+                yield c
 
     def _filesystem(self) -> tuple[int, int] | None:
         """(free bytes, capacity bytes) of the store's file system; None when it cannot be read."""

@@ -1,5 +1,5 @@
 """The paramserver process: chunk store + metadata node + gRPC service + the
-background tasks (self-registration, repair, scrub, re-replication, orphan GC).
+background tasks (self-registration, repair, scrub, re-replication, orphan GC, hot-chunk copies).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from paramserver.server.compaction import Compactor
 from paramserver.server.cluster import MemberCheck, PeerSet, QuorumVersionCheck, ReplicaFetcher, cluster_blob_fetcher
 from paramserver.server.config import ServerConfig, is_loopback_host
 from paramserver.server.gc import OrphanCollector, References
+from paramserver.server.hot_chunks import STATE_FILE, HotChunks, HotConfig
 from paramserver.server.metrics import ServerCollector, serve_metrics
 from paramserver.server.repair import RepairQueue, Repairer, Scrubber
 from paramserver.server.replication import ReReplicator
@@ -39,6 +40,7 @@ class ParamServer:
     running: RunningServer | None = None
     bulk: BulkServer | None = None
     peers: PeerSet | None = None
+    hot: HotChunks | None = None
     _tasks: list[Periodic] = field(default_factory=list)
     _stopped: threading.Event = field(default_factory=threading.Event)
     _registered: threading.Event = field(default_factory=threading.Event)
@@ -72,14 +74,16 @@ class ParamServer:
         self.peers = peers
         fetcher = ReplicaFetcher(peers, store)
         fetch_blob = cluster_blob_fetcher(store, fetcher)
+        hot_config = HotConfig.from_extra(cfg.extra)
+        self.hot = hot = HotChunks(hot_config, store, peers, state_path=cfg.data_dir / STATE_FILE) if hot_config.enabled else None
         self.running = start_server(cfg, store, metadata=node, repair_queue=queue, fetch_blob=fetch_blob,
                                     version_check=QuorumVersionCheck(peers, store),
-                                    member_probe=MemberCheck(peers, cluster_id(cfg.cluster_secret, cfg.vnodes)))
+                                    member_probe=MemberCheck(peers, cluster_id(cfg.cluster_secret, cfg.vnodes)), hot=hot)
         log.info("%s serving gRPC on %s, Raft on %s", cfg.server_id, self.running.address, cfg.raft)
         if cfg.bulk_enabled:
             self.bulk = BulkServer(store, AuthConfig(cfg.admin_token, cfg.read_token), cfg.bulk_listen_address,
                                    BulkServerConfig.from_extra(cfg.extra), server_id=cfg.server_id,
-                                   repair_queue=queue).start()
+                                   repair_queue=queue, on_read=hot.record_read if hot is not None else None).start()
             log.info("%s serving bulk chunk reads and writes on %s", cfg.server_id, self.bulk.address)
 
         references = References(node, fetch_blob)
@@ -96,12 +100,14 @@ class ParamServer:
         if cfg.gc_interval_s:
             gc = OrphanCollector(references, store, grace_s=cfg.orphan_grace_s)
             self._tasks.append(Periodic("orphan-gc", cfg.gc_interval_s, gc.step))
+        if hot is not None:
+            self._tasks.append(Periodic("hot-chunks", hot.config.interval_s, hot.step))
         for task in self._tasks:
             task.start()
         if self.metrics_port is not None:
             host = cfg.listen.rpartition(":")[0]
             serve_metrics(self.metrics_port, host, ServerCollector(cfg.server_id, store, node, queue, lambda: len(members()),
-                                                                     scrubber=scrubber))
+                                                                     scrubber=scrubber, hot=hot))
 
     def _register_loop(self) -> None:
         """Publish this server's member record once a leader exists; retry until it sticks."""

@@ -32,6 +32,7 @@ from paramserver.server.config import ServerConfig
 from paramserver.server.dataplane import DEFAULT_MAX_CALL_BYTES, ChunkService, WriteLimits
 from paramserver.server.errors import ConfigError
 from paramserver.server.heat import HeatAggregator, request_arrays
+from paramserver.server.hot_chunks import HotChunks
 from paramserver.wire.grpc_options import server_options
 from paramserver.wire.limits import MAX_HEAT_ENTRIES_PER_CALL, MAX_HEAT_REQUEST_BYTES
 from paramserver.server.metaservice import (
@@ -90,6 +91,13 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
     def ReportCorrupt(self, request: pb.ReportCorruptRequest, context: grpc.ServicerContext) -> pb.ReportCorruptReply:
         return self.chunks.ReportCorrupt(request, context)
 
+    def GetHotChunks(self, request: pb.GetHotChunksRequest, context: grpc.ServicerContext) -> pb.GetHotChunksReply:
+        """The hot chunks this server placed extra copies for, and where (empty with hot chunks off)."""
+        hot = self.chunks.hot
+        if hot is None:
+            return pb.GetHotChunksReply(server_id=self.chunks.server_id)
+        return hot.reply(self.chunks.server_id)
+
     # operations
     def ServerStatus(self, request: pb.ServerStatusRequest, context: grpc.ServicerContext) -> pb.ServerStatusReply:
         stats = self.chunks.store.stats()
@@ -106,6 +114,10 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
             ),
         )
         reply.extra[CLUSTER_ID_KEY] = self.cluster_id
+        if self.chunks.hot is not None:
+            h = self.chunks.hot.stats()
+            reply.extra.update({"hot_chunks": str(h.hot_chunks), "hot_advertised": str(h.advertised),
+                                "hot_extra_chunks": str(h.extra_chunks), "hot_extra_bytes": str(h.extra_bytes)})
         if self.metadata is not None:
             plane = self.metadata.metadata
             reply.is_leader, reply.term, reply.commit_index = plane.is_leader(), plane.term(), plane.commit_index()
@@ -242,11 +254,13 @@ def start_server(
     fetch_blob: BlobFetcher | None = None,
     version_check: VersionCheck | None = None,
     member_probe: MemberProbe | None = None,
+    hot: HotChunks | None = None,
 ) -> RunningServer:
     """Build, bind and start the gRPC server described by ``config`` (port 0 picks a free port).
 
     ``member_probe``: AddMember's check that a new member answers and runs this cluster
-    (paramserver.server.cluster.MemberCheck); None adds members unchecked. The write-stream
+    (paramserver.server.cluster.MemberCheck); None adds members unchecked. ``hot``: the hot-chunk
+    state (paramserver.server.hot_chunks; None: hot chunks off). The write-stream
     limits and GetChunks' per-call byte limit come from the config file's extra keys
     ``max_write_streams``, ``write_stream_idle_s`` and ``get_call_bytes``."""
     config.validate()
@@ -257,7 +271,7 @@ def start_server(
     chunks = ChunkService(
         store, config.server_id, repair_queue=queue, get_message_bytes=config.get_message_bytes,
         max_message_bytes=config.max_message_bytes, auth=auth, workers=config.workers,
-        write_limits=WriteLimits.from_extra(config.extra), max_call_bytes=get_call_bytes(config.extra),
+        write_limits=WriteLimits.from_extra(config.extra), max_call_bytes=get_call_bytes(config.extra), hot=hot,
     )  # fmt: skip
     meta = None
     if metadata is not None:

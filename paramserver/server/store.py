@@ -611,6 +611,11 @@ class ChunkStore:
             seg = self._segs[e.seg]
             return ChunkLocation(chunk_id, Path(seg.path), e.off, e.off + HEADER_SIZE, e.size)
 
+    def stored_size(self, chunk_id: str) -> int | None:
+        """The stored (encoded) size of a chunk from the index, no disk read; None when absent."""
+        e = self._index.get(chunk_id)
+        return None if e is None else e.size
+
     def stored_headers(self, ids: Iterable[str], present: Iterable[bool] | None = None) -> list[tuple[int, str] | None]:
         """(CRC32C, codec) the stored copy of each chunk declares (from the index, no disk read); None
         when absent (or not ``present``)."""

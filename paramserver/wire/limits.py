@@ -19,3 +19,8 @@ __all__ = ["DEFAULT_GET_MESSAGE_BYTES", "DEFAULT_MAX_MESSAGE_BYTES", "MAX_CODEC_
 MAX_HEAT_ENTRIES_PER_CALL = 1 << 20
 MAX_HEAT_REQUEST_BYTES = 24 << 20
 HEAT_ENTRIES_PER_CALL = 1 << 18
+
+# GetHotChunks: the most hot chunks one server advertises (each entry ~80-120 bytes), and the
+# most a client keeps from all servers together.
+MAX_HOT_CHUNKS_ADVERTISED = 4096
+MAX_HOT_CHUNKS_KEPT = 16384

@@ -101,10 +101,12 @@ class ChunkAck(_message.Message):
     def __init__(self, id: _Optional[str] = ..., status: _Optional[_Union[ChunkStatus, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
 class PutChunksRequest(_message.Message):
-    __slots__ = ("chunks",)
+    __slots__ = ("chunks", "hot_copy")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    HOT_COPY_FIELD_NUMBER: _ClassVar[int]
     chunks: _containers.RepeatedCompositeFieldContainer[Chunk]
-    def __init__(self, chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ...) -> None: ...
+    hot_copy: bool
+    def __init__(self, chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., hot_copy: _Optional[bool] = ...) -> None: ...
 
 class PutChunksReply(_message.Message):
     __slots__ = ("server_id", "acks", "chunks_stored", "bytes_stored", "chunks_present")
@@ -139,14 +141,16 @@ class GetChunksReply(_message.Message):
     def __init__(self, chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[ChunkAck, _Mapping]]] = ...) -> None: ...
 
 class HasChunksRequest(_message.Message):
-    __slots__ = ("ids", "claim", "with_crc")
+    __slots__ = ("ids", "claim", "with_crc", "renew_hot")
     IDS_FIELD_NUMBER: _ClassVar[int]
     CLAIM_FIELD_NUMBER: _ClassVar[int]
     WITH_CRC_FIELD_NUMBER: _ClassVar[int]
+    RENEW_HOT_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[str]
     claim: bool
     with_crc: bool
-    def __init__(self, ids: _Optional[_Iterable[str]] = ..., claim: _Optional[bool] = ..., with_crc: _Optional[bool] = ...) -> None: ...
+    renew_hot: bool
+    def __init__(self, ids: _Optional[_Iterable[str]] = ..., claim: _Optional[bool] = ..., with_crc: _Optional[bool] = ..., renew_hot: _Optional[bool] = ...) -> None: ...
 
 class HasChunksReply(_message.Message):
     __slots__ = ("present", "present_count", "crc32c", "codec")
@@ -159,6 +163,26 @@ class HasChunksReply(_message.Message):
     crc32c: _containers.RepeatedScalarFieldContainer[int]
     codec: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, present: _Optional[_Iterable[bool]] = ..., present_count: _Optional[int] = ..., crc32c: _Optional[_Iterable[int]] = ..., codec: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class HotChunk(_message.Message):
+    __slots__ = ("id", "holders")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    holders: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[str] = ..., holders: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetHotChunksRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetHotChunksReply(_message.Message):
+    __slots__ = ("server_id", "chunks")
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    chunks: _containers.RepeatedCompositeFieldContainer[HotChunk]
+    def __init__(self, server_id: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[HotChunk, _Mapping]]] = ...) -> None: ...
 
 class ReadInfo(_message.Message):
     __slots__ = ("commit_index", "server_id", "linearizable")

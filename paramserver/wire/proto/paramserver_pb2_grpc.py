@@ -54,6 +54,11 @@ class ParamServerStub:
                 request_serializer=paramserver__pb2.HasChunksRequest.SerializeToString,
                 response_deserializer=paramserver__pb2.HasChunksReply.FromString,
                 _registered_method=True)
+        self.GetHotChunks = channel.unary_unary(
+                '/pdparams.v1.ParamServer/GetHotChunks',
+                request_serializer=paramserver__pb2.GetHotChunksRequest.SerializeToString,
+                response_deserializer=paramserver__pb2.GetHotChunksReply.FromString,
+                _registered_method=True)
         self.CommitVersion = channel.unary_unary(
                 '/pdparams.v1.ParamServer/CommitVersion',
                 request_serializer=paramserver__pb2.CommitVersionRequest.SerializeToString,
@@ -161,6 +166,13 @@ class ParamServerServicer:
 
     def HasChunks(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetHotChunks(self, request, context):
+        """Hot chunks: the extra copies this server placed (soft state, never in Raft; see HotChunk).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -285,6 +297,11 @@ def add_ParamServerServicer_to_server(servicer, server):
                     servicer.HasChunks,
                     request_deserializer=paramserver__pb2.HasChunksRequest.FromString,
                     response_serializer=paramserver__pb2.HasChunksReply.SerializeToString,
+            ),
+            'GetHotChunks': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetHotChunks,
+                    request_deserializer=paramserver__pb2.GetHotChunksRequest.FromString,
+                    response_serializer=paramserver__pb2.GetHotChunksReply.SerializeToString,
             ),
             'CommitVersion': grpc.unary_unary_rpc_method_handler(
                     servicer.CommitVersion,
@@ -475,6 +492,33 @@ class ParamServer:
             '/pdparams.v1.ParamServer/HasChunks',
             paramserver__pb2.HasChunksRequest.SerializeToString,
             paramserver__pb2.HasChunksReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetHotChunks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdparams.v1.ParamServer/GetHotChunks',
+            paramserver__pb2.GetHotChunksRequest.SerializeToString,
+            paramserver__pb2.GetHotChunksReply.FromString,
             options,
             channel_credentials,
             insecure,
