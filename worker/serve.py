@@ -251,8 +251,11 @@ class ModelServer:
         cold = start_cold(sw.client, str(sw.ref), self.factory, sw.device, sw.cache, config=sw.config)
         h = cold.handle
         loading = LoadedModel(h.tensors, h.manifest, h.info, make_report(h.info, h.manifest, sw.device, LoadCounters(), 0.0), h)
+        # Forward passes while loading count as heat too (the swap after the load reports them).
+        heat = ForwardHeat(cold.module, h.manifest, version=h.info.number, sink=sw.client, report_every_s=self.heat_report_s)
         with self._lock:
             self._module, self._loaded, self._cold = cold.module, loading, cold
+            self._heat = heat
         threading.Thread(target=self._finish_cold, args=(cold,), name="paramworker-cold-start", daemon=True).start()
 
     def _finish_cold(self, cold: ColdStart) -> None:
