@@ -2,8 +2,9 @@
 
 - ``deploy/k8s/``: every manifest against the pinned Kubernetes API schemas (kubernetes-validate,
   strict: an unknown field fails), and against the code: the servers' TOMLs load as ``ServerConfig``,
-  the containers' args parse with the real ``paramserver`` / ``paramworker`` parsers, probes, ports,
-  annotations, DNS names, secret mounts and the PodDisruptionBudget agree with each other;
+  the containers' args parse with the real ``paramserver`` / ``paramworker`` / ``paramrouter`` parsers,
+  the router's probe paths answer on a real router, probes, ports, annotations, DNS names, secret
+  mounts, the PodDisruptionBudgets and the NetworkPolicies (who reaches whom) agree with each other;
 - ``Dockerfile`` / ``.dockerignore``: multi-stage, non-root, torch pinned as in pyproject, no secrets;
 - ``deploy/systemd/``: the hardening keys, the secrets as credentials, ``systemd-analyze verify`` and
   ``systemd-analyze security --offline`` where systemd-analyze exists;
@@ -24,11 +25,13 @@ from typing import Any
 import pytest
 import yaml
 
-from paramserver.client.config import FILE_KEYS, read_config_file
+from paramserver.client.config import FILE_KEYS, read_config_file, settings_from_args
 from paramserver.server.cli import _parser as paramserver_parser
 from paramserver.server.config import SECRET_KEYS, ServerConfig
 from paramserver.server.store import StoreConfig
 from worker.cli import build_parser as paramworker_parser
+from worker.router import Router, RouterOptions
+from worker.router import build_parser as paramrouter_parser
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
@@ -238,7 +241,7 @@ def _pod_specs(k8s: dict[tuple[str, str], dict[str, Any]]) -> Iterator[tuple[str
 def test_pods_run_restricted_and_get_secrets_only_as_files(k8s: dict[tuple[str, str], dict[str, Any]]) -> None:
     secret_words = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|KEY", re.IGNORECASE)
     workloads = dict(_pod_specs(k8s))
-    assert len(workloads) == 2
+    assert set(workloads) == {"StatefulSet/paramserver", "Deployment/paramworker", "StatefulSet/paramrouter"}
     for where, spec in workloads.items():
         assert spec["automountServiceAccountToken"] is False, where
         pod_ctx = spec["securityContext"]
@@ -316,7 +319,7 @@ def test_worker_deployment_matches_the_worker_cli(k8s: dict[tuple[str, str], dic
 
 
 def test_metrics_ports_are_annotated_for_prometheus(k8s: dict[tuple[str, str], dict[str, Any]]) -> None:
-    expected = {"paramserver": "metrics", "paramworker": "http"}
+    expected = {"paramserver": "metrics", "paramworker": "http", "paramrouter": "http"}
     for (kind, name), doc in k8s.items():
         if kind not in ("StatefulSet", "Deployment"):
             continue
@@ -333,6 +336,158 @@ def test_network_policy_keeps_raft_to_the_servers(k8s: dict[tuple[str, str], dic
         ports = {p["port"] for p in rule["ports"]}
         if "raft" in ports:
             assert rule["from"] == [{"podSelector": {"matchLabels": server_labels}}]
+
+
+# ---------------------------------------------------------------- the routers
+
+
+def _router_dns(k8s: dict[tuple[str, str], dict[str, Any]]) -> list[str]:
+    """http://POD.SERVICE.NAMESPACE.svc.DOMAIN:PORT of every router pod (the StatefulSet's stable names)."""
+    sts = k8s[("StatefulSet", "paramrouter")]
+    port = _ports(_container(sts))["http"]
+    return [f"http://{sts['metadata']['name']}-{i}.{sts['spec']['serviceName']}.{NAMESPACE}.svc.{CLUSTER_DOMAIN}:{port}"
+            for i in range(sts["spec"]["replicas"])]
+
+
+def test_router_statefulset_matches_the_router_cli(k8s: dict[tuple[str, str], dict[str, Any]], tmp_path: Path) -> None:
+    sts = k8s[("StatefulSet", "paramrouter")]
+    spec = sts["spec"]
+    pod = spec["template"]
+    pod_labels = pod["metadata"]["labels"]
+    assert spec["replicas"] == 2 and spec["podManagementPolicy"] == "Parallel"
+    assert "volumeClaimTemplates" not in spec, "the routers' state is soft: nothing to keep"
+    assert spec["selector"]["matchLabels"].items() <= pod_labels.items()
+    container = _container(sts)
+    assert container["command"] == ["paramrouter"]
+    args = paramrouter_parser().parse_args(container["args"])
+    ports = _ports(container)
+    assert args.listen == f"0.0.0.0:{ports['http']}"
+    assert args.token is None and args.token_file is not None, "the read token as a file, never in args"
+    # the read token only, from the servers' Secret, at the path --token-file names
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    token = volumes["token"]["secret"]
+    assert token["secretName"] == "paramserver-secrets" and token["items"] == [{"key": "read.token", "path": "read.token"}]
+    assert Path(args.token_file) == Path(mounts["token"]) / "read.token"
+    # --cluster: the servers' stable gRPC addresses; the token file is read as the router reads it
+    secrets = _write_secrets(tmp_path / "secrets")
+    args.token_file = str(secrets["read.token"])
+    settings = settings_from_args(args, {}, write=False)
+    servers = [_server_toml(k8s, f"paramserver-{i}") for i in range(k8s[("StatefulSet", "paramserver")]["spec"]["replicas"])]
+    assert list(settings.cluster) == [s["advertise"] for s in servers]
+    assert settings.token_for(write=False) == "read-token-123"
+    # the headless Service gives the stable names (published before Ready: beats fill the table first) ...
+    headless = k8s[("Service", spec["serviceName"])]
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    # ... and the clients' Service balances over the Ready routers
+    client_svc = k8s[("Service", "paramrouter")]
+    assert client_svc["spec"].get("clusterIP") != "None"
+    for svc in (headless, client_svc):
+        assert svc["spec"]["selector"].items() <= pod_labels.items()
+        assert [(p["port"], p["targetPort"]) for p in svc["spec"]["ports"]] == [(ports["http"], "http")]
+    # a router is Ready only after one lease of beats; in-flight requests may finish after SIGTERM
+    assert container["readinessProbe"]["initialDelaySeconds"] >= args.lease_s
+    assert pod["spec"]["terminationGracePeriodSeconds"] > args.request_timeout_s
+    # allowed to the servers' gRPC port (tag resolution) like the workers
+    assert pod_labels["pdparams.io/client"] == "true"
+    pdb = k8s[("PodDisruptionBudget", "paramrouter")]
+    assert pdb["spec"]["selector"]["matchLabels"] == spec["selector"]["matchLabels"]
+    assert 1 <= pdb["spec"]["minAvailable"] < spec["replicas"]
+
+
+def test_router_probes_and_metrics_path_answer_on_a_real_router(k8s: dict[tuple[str, str], dict[str, Any]]) -> None:
+    """The probes' and the prometheus.io/path annotation's paths, asked of worker.router's own app."""
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    sts = k8s[("StatefulSet", "paramrouter")]
+    container = _container(sts)
+    paths = set()
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        if probe in container:
+            assert container[probe]["httpGet"]["port"] == "http", probe
+            paths.add(container[probe]["httpGet"]["path"])
+    assert paths == {"/healthz"}
+    metrics_path = sts["spec"]["template"]["metadata"]["annotations"]["prometheus.io/path"]
+
+    async def ask() -> dict[str, tuple[int, str]]:
+        async with TestClient(TestServer(Router(RouterOptions()).app())) as client:
+            out = {}
+            for path in (*paths, metrics_path, "/workers", "/no-such-endpoint"):
+                r = await client.get(path)
+                out[path] = (r.status, await r.text())
+            return out
+
+    answers = asyncio.run(ask())
+    assert answers["/no-such-endpoint"][0] == 404, "the router answers 404 for what it does not serve"
+    for path in (*paths, metrics_path, "/workers"):
+        assert answers[path][0] == 200, f"GET {path}: {answers[path]}"
+    assert "pdparams_router_workers" in answers[metrics_path][1]
+
+
+def test_workers_register_with_every_router_pod_at_their_own_ip(k8s: dict[tuple[str, str], dict[str, Any]]) -> None:
+    container = _container(k8s[("Deployment", "paramworker")])
+    args = paramworker_parser().parse_args(container["args"])
+    # one --router per router pod, by its stable name: every router sees every worker
+    assert args.router == _router_dns(k8s)
+    assert all(url.startswith("http://") for url in args.router)  # what ParamWorker.register accepts
+    # --advertise the pod's own IP (downward API) and the port it listens on; the routers name it by its pod
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert args.advertise == f"$(POD_IP):{_ports(container)['http']}"
+    assert args.worker_id == "$(POD_NAME)"
+    expanded = paramworker_parser().parse_args([a.replace("$(POD_IP)", "10.1.2.3").replace("$(POD_NAME)", "paramworker-x")
+                                                for a in container["args"]])
+    assert expanded.advertise == "10.1.2.3:8080" and not expanded.advertise.startswith("0.0.0.0:")
+
+
+def _peer_allows(peer: dict[str, Any], policy_ns: str, pod_labels: dict[str, str], ns_labels: dict[str, str]) -> bool:
+    """Whether one NetworkPolicy ``from`` peer admits a pod (matchLabels only, as these manifests use)."""
+    assert set(peer) <= {"podSelector", "namespaceSelector"}, peer
+    for selector in (peer.get("podSelector"), peer.get("namespaceSelector")):
+        assert selector is None or set(selector) <= {"matchLabels"}, peer
+    if "namespaceSelector" in peer:
+        if not peer["namespaceSelector"].get("matchLabels", {}).items() <= ns_labels.items():
+            return False
+    elif ns_labels.get("kubernetes.io/metadata.name") != policy_ns:
+        return False  # a podSelector alone selects pods of the policy's own namespace
+    return "podSelector" not in peer or peer["podSelector"].get("matchLabels", {}).items() <= pod_labels.items()
+
+
+def _allowed(k8s: dict[tuple[str, str], dict[str, Any]], target: str, port: str, pod_labels: dict[str, str],
+             namespace: str = NAMESPACE, ns_labels: dict[str, str] | None = None) -> bool:
+    """Whether the NetworkPolicy named ``target`` lets a pod with ``pod_labels`` in ``namespace`` reach ``port``."""
+    policy = k8s[("NetworkPolicy", target)]
+    ns = {"kubernetes.io/metadata.name": namespace, **(ns_labels or {})}
+    return any(port in {p["port"] for p in rule["ports"]}
+               and any(_peer_allows(peer, policy["metadata"]["namespace"], pod_labels, ns) for peer in rule["from"])
+               for rule in policy["spec"]["ingress"])
+
+
+def test_network_policies_let_workers_routers_and_clients_reach_each_other(k8s: dict[tuple[str, str], dict[str, Any]]) -> None:
+    labels = {name: k8s[(kind, name)]["spec"]["template"]["metadata"]["labels"]
+              for kind, name in (("StatefulSet", "paramserver"), ("Deployment", "paramworker"), ("StatefulSet", "paramrouter"))}
+    for name in ("paramworker", "paramrouter"):
+        policy = k8s[("NetworkPolicy", name)]["spec"]
+        assert policy["podSelector"]["matchLabels"].items() <= labels[name].items()
+        assert policy["policyTypes"] == ["Ingress"]
+        # every port a rule names is one of the pods' ports
+        container_ports = set(_ports(_container(k8s[("StatefulSet" if name == "paramrouter" else "Deployment", name)])))
+        assert {p["port"] for rule in policy["ingress"] for p in rule["ports"]} <= container_ports
+    client = {"pdparams.io/router-client": "true"}
+    assert _allowed(k8s, "paramworker", "http", labels["paramrouter"]), "routers forward to the workers"
+    assert _allowed(k8s, "paramrouter", "http", labels["paramworker"]), "workers beat to the routers"
+    assert _allowed(k8s, "paramrouter", "http", client), "labelled clients reach the routers"
+    assert _allowed(k8s, "paramrouter", "http", {}, "apps", client), "pods of a labelled namespace reach the routers"
+    assert _allowed(k8s, "paramworker", "http", client), "labelled clients may call the workers directly"
+    assert _allowed(k8s, "paramserver", "grpc", labels["paramrouter"]), "routers resolve tags over the servers' gRPC"
+    assert not _allowed(k8s, "paramserver", "raft", labels["paramrouter"])
+    for name in ("paramworker", "paramrouter"):
+        assert _allowed(k8s, name, "http", {}, "monitoring"), f"Prometheus scrapes {name}"
+        assert not _allowed(k8s, name, "http", {}), f"an unlabelled pod does not reach {name}"
+        assert not _allowed(k8s, name, "http", client, "apps"), f"a labelled pod of an unlabelled namespace does not reach {name}"
 
 
 # ---------------------------------------------------------------- Dockerfile
@@ -602,10 +757,14 @@ def test_promtool_checks_the_scrape_configs(tmp_path: Path) -> None:
 def test_scrape_jobs_match_the_alerts_and_the_manifests(k8s: dict[tuple[str, str], dict[str, Any]]) -> None:
     rules = (MONITORING / "alerts.yml").read_text()
     jobs_in_rules = set(re.findall(r'job="(\w+)"', rules))
-    for name in ("prometheus-static.yml", "prometheus-kubernetes.yml"):
+    # the hosts run by systemd (deploy/systemd) have servers and workers; Kubernetes has the routers too
+    expected = {"prometheus-static.yml": {"paramserver", "paramworker"},
+                "prometheus-kubernetes.yml": {"paramserver", "paramworker", "paramrouter"}}
+    for name, jobs in expected.items():
         config = yaml.safe_load((MONITORING / name).read_text())
-        assert {j["job_name"] for j in config["scrape_configs"]} == jobs_in_rules == {"paramserver", "paramworker"}
+        assert {j["job_name"] for j in config["scrape_configs"]} == jobs, name
         assert config["rule_files"] == ["alerts.yml"]
+    assert {"paramserver", "paramworker"} <= jobs_in_rules <= expected["prometheus-kubernetes.yml"]
     config = yaml.safe_load((MONITORING / "prometheus-kubernetes.yml").read_text())
     for job in config["scrape_configs"]:
         keep = next(r for r in job["relabel_configs"]
