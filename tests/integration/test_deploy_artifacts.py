@@ -734,7 +734,8 @@ def test_promtool_unit_tests_of_the_alerts_pass() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     tested = set(re.findall(r"alertname:\s*(\w+)", (MONITORING / "alerts.test.yml").read_text()))
     assert {"PdparamsNoLeader", "PdparamsQuorumLost", "PdparamsServerDown", "PdparamsRepairQueueGrowing", "PdparamsDiskAlmostFull",
-            "PdparamsWorkerLocalHitRatioLow", "PdparamsRequestsShed", "PdparamsChunksQuarantined"} <= tested
+            "PdparamsWorkerLocalHitRatioLow", "PdparamsRequestsShed", "PdparamsChunksQuarantined", "PdparamsRouterDown",
+            "PdparamsRouterNoWorkers"} <= tested
 
 
 @needs_promtool

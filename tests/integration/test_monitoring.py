@@ -1,7 +1,8 @@
 """The alert rules and the Grafana dashboard name only what the code exports.
 
 A real one-server cluster (``deploy.local``, ``paramserver serve --metrics-port``) and a real
-``paramworker serve`` are started, the live ``/metrics`` of both are scraped, and every metric name
+``paramworker serve`` are started, the live ``/metrics`` of both (and of a router's exporter,
+``worker.router.RouterMetrics``, in-process) are scraped, and every metric name
 (and every label value a selector matches on) in every expression of ``deploy/monitoring/alerts.yml``
 and ``deploy/monitoring/grafana/pdparams.json`` must be among the scraped samples. Names are compared
 as Prometheus stores them: a counter's ``_total``, a histogram's ``_bucket`` / ``_sum`` / ``_count``.
@@ -181,9 +182,13 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Scrape, Scr
 @pytest.mark.integration
 @pytest.mark.timeout(120)
 def test_every_alert_and_dashboard_expression_names_only_exported_metrics(live: tuple[Scrape, Scrape, str]) -> None:
+    from worker.router import Router, RouterOptions
+
     server, worker, _ = live
-    exported = {**server.samples, **worker.samples}
+    router = Scrape.of(Router(RouterOptions()).metrics.render().decode())  # what paramrouter's GET /metrics serves
+    exported = {**server.samples, **worker.samples, **router.samples}
     assert "paramserver_is_leader" in server.samples and "pdparams_infer_requests_total" in worker.samples
+    assert "pdparams_router_workers" in router.samples
     problems = []
     for where, expr in alert_expressions() + dashboard_expressions():
         for sel in selectors(expr):
