@@ -174,6 +174,19 @@ class Router:
 
     # ------------------------------------------------------------ resolution
 
+    async def _resolved(self, text: str, shed: bool = False) -> tuple[VersionKey, bool] | web.Response:
+        """``resolve``, with its failures as the one-line JSON answer (400, 404, or 503 + Retry-After)."""
+        try:
+            return await self.resolve(text)
+        except BadModelRef as exc:
+            return error(400, str(exc))
+        except NotFound as exc:
+            return error(404, str(exc))
+        except LookupError as exc:
+            if shed:
+                self.metrics.shed.inc()
+            return error(503, str(exc), {"Retry-After": "1"})
+
     async def resolve(self, text: str) -> tuple[VersionKey, bool]:
         """``(model@N, exact)`` for a reference; raises BadModelRef, NotFound or LookupError (unresolvable)."""
         ref = ModelRef.parse(text)
@@ -222,15 +235,10 @@ class Router:
     async def _infer(self, request: web.Request, started: float) -> web.Response:
         deadline = started + self._deadline_s(request)
         body = await request.read()
-        try:
-            key, exact = await self.resolve(request.match_info["ref"])
-        except BadModelRef as exc:
-            return error(400, str(exc))
-        except NotFound as exc:
-            return error(404, str(exc))
-        except LookupError as exc:
-            self.metrics.shed.inc()
-            return error(503, str(exc), {"Retry-After": "1"})
+        resolved = await self._resolved(request.match_info["ref"], shed=True)
+        if isinstance(resolved, web.Response):
+            return resolved
+        key, exact = resolved
         tried: list[str] = []
         last = f"no live worker can answer {key}"
         for attempt in range(2):
@@ -290,14 +298,10 @@ class Router:
             return error(400, 'send {"ref": "MODEL:TAG", "workers": N or null}')
         if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
             return error(400, f"workers must be a number >= 1 or null (all), got {count!r}")
-        try:
-            key, _exact = await self.resolve(str(ref_text))
-        except BadModelRef as exc:
-            return error(400, str(exc))
-        except NotFound as exc:
-            return error(404, str(exc))
-        except LookupError as exc:
-            return error(503, str(exc), {"Retry-After": "1"})
+        resolved = await self._resolved(str(ref_text))
+        if isinstance(resolved, web.Response):
+            return resolved
+        key, _exact = resolved
         targets = self.state.prewarm_targets(key, count)
         if not targets:
             return error(503, "no worker is registered with this router", {"Retry-After": "1"})
@@ -321,14 +325,10 @@ class Router:
         return web.json_response({"model": key.model, "version": key.version, "workers": answers})
 
     async def warm(self, request: web.Request) -> web.Response:
-        try:
-            key, _exact = await self.resolve(request.match_info["ref"])
-        except BadModelRef as exc:
-            return error(400, str(exc))
-        except NotFound as exc:
-            return error(404, str(exc))
-        except LookupError as exc:
-            return error(503, str(exc), {"Retry-After": "1"})
+        resolved = await self._resolved(request.match_info["ref"])
+        if isinstance(resolved, web.Response):
+            return resolved
+        key, _exact = resolved
         rows = []
         for wid, cached, loaded in self.state.warm(key):
             rows.append({"worker_id": wid, "loaded": loaded, "complete": bool(cached is not None and cached.complete),
