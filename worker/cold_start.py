@@ -67,9 +67,9 @@ def attach_waits(module: torch.nn.Module, handle: LoadHandle, wait_s: float) -> 
 
 def start_cold(client: ClusterClient, ref: str, factory: Callable[[], torch.nn.Module], device: torch.device,
                cache: TieredCache | None = None, *, config: PrefetchConfig = PrefetchConfig(), strict: bool = True,
-               wait_s: float = 600.0) -> ColdStart:
+               wait_s: float = 600.0, report_heat: bool = True) -> ColdStart:
     """Start loading ``ref`` and return a module built by ``factory`` that can run right away."""
-    handle = start_load(client, ref, device, cache, config=config)
+    handle = start_load(client, ref, device, cache, config=config, report_heat=report_heat)
     try:
         with empty_weights():
             module = factory()

@@ -321,3 +321,17 @@ def test_load_pretrained_reads_config_through_folder_read_file(monkeypatch: pyte
     manifest.files = ()
     with pytest.raises(NotFound, match="folder"):
         hf.load_pretrained(client, "bert:prod")
+
+
+def test_empty_weights_skips_initialising_meta_parameters_only() -> None:
+    import torch.nn.init as init
+
+    before = init.normal_
+    real = torch.zeros(3)
+    with empty_weights():
+        assert init.normal_ is not before  # patched while active
+        emb = torch.nn.Embedding(8, 4)  # its reset_parameters calls init.normal_ on a meta weight: a no-op
+        assert emb.weight.is_meta
+        init.normal_(real)  # a real tensor is still initialised
+    assert init.normal_ is before  # restored
+    assert not torch.equal(real, torch.zeros(3))
