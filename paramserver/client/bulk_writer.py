@@ -25,7 +25,6 @@ from paramserver.client.bulk_transport import split_address
 from paramserver.wire.bulk_frames import (
     A_ACKS,
     ACK_HEAD,
-    ACK_ITEM,
     ACK_NAMES,
     CORRUPT_IN_TRANSIT,
     DEFAULT_WRITE_WINDOW,
@@ -33,7 +32,6 @@ from paramserver.wire.bulk_frames import (
     FAILED,
     FULL,
     INVALID,
-    MAX_MESSAGE_BYTES,
     MAX_PUT_ITEMS,
     PUT_HEAD,
     SOCKET_BUFFER_BYTES,
@@ -46,8 +44,8 @@ from paramserver.wire.bulk_frames import (
     encode_put,
     encode_route,
     encode_write_hello,
+    recv_ack_frame,
     recv_exact,
-    recv_exact_by,
     send_all,
 )
 
@@ -307,21 +305,7 @@ class BulkWriter:
                         continue
                     if n == 0:
                         raise EOFError("closed by the server")
-                    deadline = time.monotonic() + self.io_timeout_s  # the rest of the frame
-                    if n < ACK_HEAD.size:
-                        recv_exact_by(sock, hv[n:], deadline)
-                    kind, replicas, seq, count, msg_bytes = ACK_HEAD.unpack(head)
-                    if kind == A_ACKS:
-                        if not 0 < count <= MAX_PUT_ITEMS or not 0 < replicas <= 64:
-                            raise ProtocolError(f"ACKS of {count} chunks x {replicas} replicas")
-                        if msg_bytes > MAX_MESSAGE_BYTES * count * replicas:
-                            raise ProtocolError(f"ACKS declares {msg_bytes} message bytes")
-                    elif msg_bytes > MAX_MESSAGE_BYTES or count:
-                        raise ProtocolError(f"ERROR frame declares {count} items and {msg_bytes} message bytes")
-                    items = bytearray(count * replicas * ACK_ITEM.size if kind == A_ACKS else 0)
-                    recv_exact_by(sock, memoryview(items), deadline)
-                    messages = bytearray(msg_bytes)
-                    recv_exact_by(sock, memoryview(messages), deadline)
+                    frame = recv_ack_frame(sock, head, n, time.monotonic() + self.io_timeout_s)  # the rest of the frame
                 except (OSError, EOFError) as exc:
                     with self._cond:
                         closed, pending = self._closed, len(self._inflight)
@@ -329,12 +313,13 @@ class BulkWriter:
                         why = f"connection lost with {pending} PUTs unacknowledged ({exc})" if pending else f"connection lost ({exc})"
                         self._fail(BulkWriteError(self.address, why, grpc.StatusCode.UNAVAILABLE))
                     return
-                if kind != A_ACKS:
-                    text = messages.decode("utf-8", "replace")
+                seq, count, replicas = frame.seq, frame.count, frame.replicas
+                if frame.kind != A_ACKS:
+                    text = frame.messages.decode("utf-8", "replace")
                     code = grpc.StatusCode.UNAVAILABLE if replicas == E_BUSY else grpc.StatusCode.INVALID_ARGUMENT
                     self._fail(BulkWriteError(self.address, f"the server ended the session: {text}", code))
                     return
-                acks = decode_acks(items, messages)
+                acks = decode_acks(frame.items, frame.messages)
                 with self._cond:
                     if not self._inflight or self._inflight[0].seq != seq:
                         want = self._inflight[0].seq if self._inflight else None

@@ -47,12 +47,12 @@ from paramserver.server.repair import RepairQueue
 from paramserver.server.store import ChunkStore
 from paramserver.wire.auth import ADMIN_TOKEN_ENV, READ_TOKEN_ENV
 from paramserver.wire.bulk_frames import (
-    A_ACKS, ACK_HEAD, ACK_ITEM, ALREADY_PRESENT, CORRUPT, CORRUPT_IN_TRANSIT, ERROR, FAILED, FULL, HELLO, ID_BYTES, INVALID,
-    E_BUSY, E_MALFORMED, MAGIC, MAX_BATCH_ITEMS, MAX_IDS, MAX_MESSAGE_BYTES, MAX_PUT_BYTES, MAX_PUT_ITEMS, MAX_ROUTE_BYTES,
+    A_ACKS, ACK_HEAD, ALREADY_PRESENT, CORRUPT, CORRUPT_IN_TRANSIT, ERROR, FAILED, FULL, HELLO, ID_BYTES, INVALID,
+    E_BUSY, E_MALFORMED, MAGIC, MAX_BATCH_ITEMS, MAX_IDS, MAX_PUT_BYTES, MAX_PUT_ITEMS, MAX_ROUTE_BYTES,
     MAX_TOKEN_BYTES, MISSING, OK, PUT_HEAD, PUT_ITEM, REQUEST, SEND_BATCH_BYTES, SOCKET_BUFFER_BYTES, STORED, VERSION, W_BAD_HELLO, W_OK,
     W_UNAUTHENTICATED, WELCOME, WRITE_MAGIC, WRITE_VERSION, ProtocolError, PutBatch, decode_acks, decode_route, encode_ack_error,
     encode_acks, encode_batch, encode_header, encode_message, encode_put, encode_route, encode_welcome, encode_write_hello,
-    encode_write_welcome, recv_exact, recv_exact_by, send_all,
+    encode_write_welcome, recv_ack_frame, recv_exact, recv_exact_by, send_all,
 )
 
 log = logging.getLogger(__name__)
@@ -543,21 +543,12 @@ class _Forwarder:
                     continue
                 if n == 0:
                     raise EOFError("closed")
-                deadline = time.monotonic() + self.ack_timeout_s
-                if n < ACK_HEAD.size:
-                    recv_exact_by(sock, hv[n:], deadline)
-                kind, replicas, seq, count, msg_bytes = ACK_HEAD.unpack(head)
-                if msg_bytes > MAX_MESSAGE_BYTES * max(1, count * max(1, replicas)) or count > MAX_PUT_ITEMS or replicas > 64:
-                    raise ProtocolError(f"ACKS too large ({count} items, {msg_bytes} message bytes)")
-                items = bytearray(count * max(1, replicas) * ACK_ITEM.size if kind == A_ACKS else 0)
-                recv_exact_by(sock, memoryview(items), deadline)
-                messages = bytearray(msg_bytes)
-                recv_exact_by(sock, memoryview(messages), deadline)
-                if kind != A_ACKS:
-                    raise ProtocolError(f"{self.address} ended the forwarded session: {messages.decode('utf-8', 'replace')}")
-                acks = decode_acks(items, messages)
+                frame = recv_ack_frame(sock, head, n, time.monotonic() + self.ack_timeout_s)
+                if frame.kind != A_ACKS:
+                    raise ProtocolError(f"{self.address} ended the forwarded session: {frame.messages.decode('utf-8', 'replace')}")
+                acks = decode_acks(frame.items, frame.messages)
                 with self._cond:
-                    self._results[seq] = acks
+                    self._results[frame.seq] = acks
                     self._cond.notify_all()
         except (OSError, EOFError, ProtocolError) as exc:
             self._fail(f"forwarding to {self.address} failed: {exc}")

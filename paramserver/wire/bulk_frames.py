@@ -387,7 +387,40 @@ def recv_exact_by(sock: socket.socket, view: memoryview, deadline: float) -> Non
         got += k
 
 
+class AckFrame:
+    """An ACKS or ERROR frame as read off a write connection (``recv_ack_frame``)."""
+
+    __slots__ = ("kind", "replicas", "seq", "count", "items", "messages")
+
+    def __init__(self, kind: int, replicas: int, seq: int, count: int, items: bytearray, messages: bytearray) -> None:
+        self.kind, self.replicas, self.seq, self.count = kind, replicas, seq, count
+        self.items, self.messages = items, messages
+
+
+def recv_ack_frame(sock: socket.socket, head: bytearray, got: int, deadline: float) -> AckFrame:
+    """The rest of the frame whose first ``got`` head bytes are in ``head`` (the caller waited for
+    them), by ``deadline``; its declared sizes are checked before anything is allocated.
+
+    Raises ProtocolError for sizes out of bounds, TimeoutError / EOFError / OSError as recv_exact_by."""
+    if got < ACK_HEAD.size:
+        recv_exact_by(sock, memoryview(head)[got:], deadline)
+    kind, replicas, seq, count, msg_bytes = ACK_HEAD.unpack(head)
+    if kind == A_ACKS:
+        if not 0 < count <= MAX_PUT_ITEMS or not 0 < replicas <= 64:
+            raise ProtocolError(f"ACKS of {count} chunks x {replicas} replicas")
+        if msg_bytes > MAX_MESSAGE_BYTES * count * replicas:
+            raise ProtocolError(f"ACKS declares {msg_bytes} message bytes")
+    elif msg_bytes > MAX_MESSAGE_BYTES or count:
+        raise ProtocolError(f"ERROR frame declares {count} items and {msg_bytes} message bytes")
+    items = bytearray(count * replicas * ACK_ITEM.size if kind == A_ACKS else 0)
+    recv_exact_by(sock, memoryview(items), deadline)
+    messages = bytearray(msg_bytes)
+    recv_exact_by(sock, memoryview(messages), deadline)
+    return AckFrame(kind, replicas, seq, count, items, messages)
+
+
 __all__ = [
+    "AckFrame", "recv_ack_frame",
     "BATCH", "CORRUPT", "ERROR", "HEADER", "HELLO", "MAGIC", "MAX_BATCH_BYTES", "MAX_BATCH_ITEMS", "MAX_CHUNK_BYTES", "MAX_IDS",
     "MAX_MESSAGE_BYTES", "MISSING", "OK", "REQUEST", "STATUS_NAMES", "VERSION", "WELCOME", "W_BAD_HELLO", "W_OK",
     "W_UNAUTHENTICATED", "ProtocolError", "decode_header", "encode_batch", "encode_header", "encode_hello", "encode_message",
