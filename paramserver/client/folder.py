@@ -30,7 +30,7 @@ import torch
 from chunking.errors import ChunkingError
 from chunking.hashing import Buffer, bytes_like
 from chunking.manifest import ChunkRef, FileEntry, Manifest, TensorEntry
-from paramserver.client.cluster_view import ClusterOptions, parse_seeds
+from paramserver.client.cluster_view import ClusterOptions
 from paramserver.client.errors import NotFound, PullError, TransferError
 from paramserver.client.hostmem import Targets
 from paramserver.client.progress import ProgressFn, no_progress
@@ -131,10 +131,8 @@ def pull_folder(
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
     shards: list[SafetensorsOut] = []
-    seen: dict[str, Manifest] = {}
 
     def in_shards(manifest: Manifest, version: VersionInfo) -> Targets:
-        seen["m"] = manifest
         meta = {"format": "pt", "model": manifest.model, "version": str(version.number), "manifest_id": version.manifest_id}
         tensors: dict[str, torch.Tensor] = {}
         fresh: list[torch.Tensor] = []
@@ -148,12 +146,15 @@ def pull_folder(
             raise TransferError(f"cannot write {final}: {exc}", grpc.StatusCode.UNKNOWN) from None
         return Targets(tensors, fresh)
 
+    files_bytes = [0]
+
+    def files(client: ClusterClient, manifest: Manifest) -> None:
+        files_bytes[0] = _pull_files(client, manifest, staging)
+
     try:
         tensors, report = _pull(seeds, ref, token=token, progress=progress, options=options, cluster=cluster,
-                                allocate=in_shards)
+                                allocate=in_shards, then=files)
         del tensors  # views of the shards' mappings: released before they are closed
-        manifest = seen["m"]
-        files_bytes = _pull_files(seeds, manifest, staging, token=token, options=options, cluster=cluster)
         t_save = time.perf_counter()
         for out in shards:
             out.commit()
@@ -167,14 +168,13 @@ def pull_folder(
         raise
     now = time.perf_counter()
     return dataclasses.replace(report, seconds=now - t0, save_seconds=now - t_save, path=str(final),
-                               bytes_total=report.bytes_total + files_bytes)
+                               bytes_total=report.bytes_total + files_bytes[0])
 
 
-def _pull_files(seeds: str | Sequence[str], manifest: Manifest, staging: Path, *, token: str | None,
-                options: PullOptions, cluster: ClusterOptions | None) -> int:
+def _pull_files(client: ClusterClient, manifest: Manifest, staging: Path) -> int:
+    """The version's non-tensor files into ``staging``, fsynced and checked against their BLAKE3."""
     if not manifest.files:
         return 0
-    cluster = cluster or ClusterOptions(parse_seeds(seeds), token=token)
     with contextlib.ExitStack() as stack:
         handles = {}
         for f in manifest.files:
@@ -183,14 +183,11 @@ def _pull_files(seeds: str | Sequence[str], manifest: Manifest, staging: Path, *
             handle = stack.enter_context(open(target, "wb"))
             handles[f.path] = handle
             os.ftruncate(handle.fileno(), f.size)
-        refs = manifest.file_chunks()
-        with ClusterClient(cluster=cluster, token=token, config=options.session(), bulk=options.bulk,
-                           verify=options.verify) as client:
-            try:
-                client.fetch(list(refs), FileSink(manifest.files, manifest.chunk_size, handles),
-                             algorithm=manifest.hash_algorithm)
-            except ChunkingError as exc:
-                raise PullError(f"{manifest.model} v{manifest.version}: {exc}", grpc.StatusCode.DATA_LOSS) from None
+        try:
+            client.fetch(list(manifest.file_chunks()), FileSink(manifest.files, manifest.chunk_size, handles),
+                         algorithm=manifest.hash_algorithm)
+        except ChunkingError as exc:
+            raise PullError(f"{manifest.model} v{manifest.version}: {exc}", grpc.StatusCode.DATA_LOSS) from None
         for handle in handles.values():
             handle.flush()
             os.fsync(handle.fileno())

@@ -124,8 +124,10 @@ def _pull(
     options: PullOptions,
     cluster: ClusterOptions | None,
     allocate: Allocate | None = None,
+    then: Callable[[ClusterClient, Manifest], None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], PullReport]:
-    """pull_tensors, with the destination chosen by ``allocate(manifest, version)``."""
+    """pull_tensors, with the destination chosen by ``allocate(manifest, version)``; ``then(client,
+    manifest)`` runs after the tensors landed, on the same client (a folder's other files)."""
     t0 = time.perf_counter()
     options.validate()
     progress = progress or no_progress
@@ -155,6 +157,8 @@ def _pull(
         finally:
             prefault.stop()
         progress("fetch", total, total)
+        if then is not None:
+            then(client, manifest)
         fetch_s = time.perf_counter() - t_fetch
         out = {t.name: tensors[t.name] for t in manifest.tensors}
         transport = client.transport.stats
