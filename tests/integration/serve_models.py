@@ -24,3 +24,9 @@ class SlowNet(torch.nn.Module):
 
 def slow_net() -> torch.nn.Module:
     return SlowNet()
+
+
+def slow_net_weights(seed: int) -> dict[str, torch.Tensor]:
+    """A seeded state dict for ``slow_net`` (what the serving tests push)."""
+    torch.manual_seed(seed)
+    return slow_net().state_dict()

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.integration.test_worker_harness import Cluster, make_cluster
+from tests.integration.test_worker_harness import Cluster, running_cluster
 from paramserver.client.session import ClusterClient
 from paramserver.client.errors import ConfigError as WorkerError
 from worker.loader import load
@@ -18,12 +18,8 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = make_cluster(tmp_path_factory.mktemp("bulkworker"))
-    try:
-        c.up()
+    with running_cluster(tmp_path_factory.mktemp("bulkworker")) as c:
         yield c
-    finally:
-        c.down()
 
 
 def layers(n: int, seed: int) -> dict[str, torch.Tensor]:

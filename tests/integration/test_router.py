@@ -20,11 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from tests.conftest import stop_process
-from tests.integration.serve_models import slow_net
-from tests.integration.test_worker_harness import REPO, Cluster, make_cluster
+from tests.integration.serve_models import slow_net_weights
+from tests.integration.test_worker_harness import REPO, Cluster, running_cluster
 
 pytestmark = pytest.mark.integration
 FACTORY = "tests.integration.serve_models:slow_net"
@@ -32,12 +31,8 @@ FACTORY = "tests.integration.serve_models:slow_net"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = make_cluster(tmp_path_factory.mktemp("router"))
-    c.up()
-    try:
+    with running_cluster(tmp_path_factory.mktemp("router")) as c:
         yield c
-    finally:
-        c.down()
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -134,18 +129,13 @@ def registered(router: Proc, n: int) -> bool:
     return len([w for w in table["workers"] if w["loaded"] and not w.get("failed")]) >= n
 
 
-def weights(seed: int) -> dict[str, torch.Tensor]:
-    torch.manual_seed(seed)
-    return slow_net().state_dict()
-
-
 # ------------------------------------------------------------------ worker killed mid-request
 
 
 @pytest.mark.timeout(90)
 def test_worker_killed_with_requests_in_flight_every_request_succeeds_elsewhere_or_fails_with_a_clear_503(
         cluster: Cluster, tmp_path: Path, procs: list[Proc]) -> None:
-    cluster.push(weights(1), "kill", tag="prod")
+    cluster.push(slow_net_weights(1), "kill", tag="prod")
     router = start_router(cluster, tmp_path, procs)
     w1 = start_worker(cluster, tmp_path, procs, "kill:prod", router, "w1", 0.4, "--max-concurrency", "8")
     start_worker(cluster, tmp_path, procs, "kill:prod", router, "w2", 0.4, "--max-concurrency", "8")
@@ -223,8 +213,8 @@ def paramctl(cluster: Cluster, router: Proc, *args: str, timeout: float = 60.0) 
 @pytest.mark.timeout(90)
 def test_prewarm_then_tag_when_warm_swaps_both_serving_workers_with_zero_network_bytes(
         cluster: Cluster, tmp_path: Path, procs: list[Proc]) -> None:
-    v1 = cluster.push(weights(2), "dep", tag="prod").version.number
-    v2 = cluster.push(weights(3), "dep", parent=v1).version.number
+    v1 = cluster.push(slow_net_weights(2), "dep", tag="prod").version.number
+    v2 = cluster.push(slow_net_weights(3), "dep", parent=v1).version.number
     router = start_router(cluster, tmp_path, procs)
     workers = [start_worker(cluster, tmp_path, procs, "dep:prod", router, f"d{i}") for i in (1, 2)]
     wait_for(lambda: registered(router, 2), 20, "two workers registered")

@@ -25,8 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.redis_baseline import RedisServer
 from tests.conftest import stop_process
-from tests.integration.serve_models import slow_net
-from tests.integration.test_worker_harness import REPO, Cluster, make_cluster
+from tests.integration.serve_models import slow_net, slow_net_weights
+from tests.integration.test_worker_harness import REPO, Cluster, running_cluster
 
 pytestmark = pytest.mark.integration
 
@@ -36,12 +36,8 @@ needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None,
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = make_cluster(tmp_path_factory.mktemp("serve-cache"))
-    c.up()
-    try:
+    with running_cluster(tmp_path_factory.mktemp("serve-cache")) as c:
         yield c
-    finally:
-        c.down()
 
 
 @pytest.fixture
@@ -52,11 +48,6 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
-
-
-def weights(seed: int) -> dict[str, torch.Tensor]:
-    torch.manual_seed(seed)
-    return slow_net().state_dict()
 
 
 def expected(state: dict[str, torch.Tensor], x: Sequence[Sequence[float]]) -> list[list[float]]:
@@ -146,7 +137,7 @@ def workers() -> Iterator[list[Worker]]:
 @pytest.mark.timeout(180)
 def test_stampede_of_200_identical_requests_runs_one_forward_pass_across_two_workers(
         cluster: Cluster, redis_server: RedisServer, workers: list[Worker]) -> None:
-    state = weights(1)
+    state = slow_net_weights(1)
     cluster.push(state, "stamp", tag="prod")
     url = f"redis://127.0.0.1:{redis_server.port}/0"
     for _ in range(2):
@@ -193,7 +184,7 @@ def test_stampede_of_200_identical_requests_runs_one_forward_pass_across_two_wor
 
 @pytest.mark.timeout(180)
 def test_after_a_tag_move_no_response_carries_the_old_versions_result(cluster: Cluster, workers: list[Worker]) -> None:
-    old, new = weights(2), weights(3)
+    old, new = slow_net_weights(2), slow_net_weights(3)
     v1 = cluster.push(old, "ver", tag="prod").version.number
     v2 = cluster.push(new, "ver", parent=v1).version.number
     worker = Worker(cluster, "ver:prod", forward_s=0.0)
@@ -237,7 +228,7 @@ def test_after_a_tag_move_no_response_carries_the_old_versions_result(cluster: C
 @pytest.mark.timeout(180)
 def test_redis_killed_under_load_fails_no_request_and_the_breaker_opens_and_closes(
         cluster: Cluster, tmp_path: Path, workers: list[Worker]) -> None:
-    state = weights(4)
+    state = slow_net_weights(4)
     cluster.push(state, "flaky", tag="prod")
     redis_server = RedisServer(tmp_path)
     redis_server.client()
@@ -305,7 +296,7 @@ def test_redis_killed_under_load_fails_no_request_and_the_breaker_opens_and_clos
 
 @pytest.mark.timeout(180)
 def test_overload_sheds_quickly_keeps_memory_bounded_and_recovers_at_once(cluster: Cluster, workers: list[Worker]) -> None:
-    state = weights(5)
+    state = slow_net_weights(5)
     cluster.push(state, "busy", tag="prod")
     # One forward pass at a time, 50 ms each: 20 requests/s is what this worker sustains.
     worker = Worker(cluster, "busy:prod", "--max-queue", "8", "--queue-timeout-s", "2", "--result-cache-mb", "0",

@@ -22,7 +22,7 @@ from paramserver.client.rpc import ParamServerClient
 from paramserver.wire.proto import pb, pb_grpc
 from paramserver.server.segments import ChunkLocation, corrupt_stored
 from tests.conftest import stop_process
-from tests.integration.test_worker_harness import REPO, Cluster, make_cluster
+from tests.integration.test_worker_harness import REPO, Cluster, running_cluster
 from paramserver.client.session import ClusterClient
 from paramserver.client.fetch_plan import FetchPlanner, Read, Want
 from paramserver.client.session import SessionConfig
@@ -40,12 +40,8 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = make_cluster(tmp_path_factory.mktemp("workercluster"))
-    try:
-        c.up()
+    with running_cluster(tmp_path_factory.mktemp("workercluster")) as c:
         yield c
-    finally:
-        c.down()
 
 
 @pytest.fixture()

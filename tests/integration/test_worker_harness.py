@@ -15,6 +15,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -278,6 +280,17 @@ def make_cluster(root: Path, servers: int = 3) -> Cluster:
     if backend != "harness":
         raise ValueError(f"PARAMWORKER_TEST_CLUSTER must be 'harness' or 'local', got {backend!r}")
     return Cluster(root, servers)
+
+
+@contextmanager
+def running_cluster(root: Path, servers: int = 3) -> Iterator[Cluster]:
+    """``make_cluster`` up for the block (the worker tests' module fixtures), down after it."""
+    c = make_cluster(root, servers)
+    try:
+        c.up()
+        yield c
+    finally:
+        c.down()
 
 
 # ---------------------------------------------------------------- self-test
