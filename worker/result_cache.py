@@ -5,11 +5,10 @@
   SHA-256 of the canonical JSON of the request (every field but ``cache``), and the runtime
   parameters that change the output (dtype, device type, the module factory) as canonical JSON.
 - **Entry** (:class:`CachedResult`): status, the result's JSON bytes, how long computing it took
-  (XFetch's delta) and when it expires (wall clock, so workers sharing Redis agree). The same
-  bytes are stored in L1 and in Redis.
+  (XFetch's delta) and when it expires (wall clock, so workers sharing Redis agree).
 - **L1** (:class:`ResultL1`): in-process, bounded in bytes, LRU-2 admission (``worker.lru_k``):
   a key seen once is evicted before any key seen twice, so a scan of one-off requests cannot
-  flush the hot set.
+  flush the hot set. L1 holds the entries themselves; only L2 holds their encoded bytes.
 - **Single-flight** (:class:`SingleFlight`): identical concurrent requests in one worker share
   one computation.
 - **XFetch** (:func:`xfetch_due`, Vattani, Chierichetti and Lowenstein, VLDB 2015): a hit
@@ -144,17 +143,17 @@ class ResultL1:
         self._clock = clock
 
     def get(self, key: str) -> CachedResult | None:
-        data = self._cache.get(key)
-        if data is None:
+        entry: CachedResult | None = self._cache.get(key)
+        if entry is None:
             return None
-        entry = CachedResult.decode(data)
-        if entry is None or entry.expires_at <= self._clock():
+        if entry.expires_at <= self._clock():
             self._cache.pop(key)
             return None
         return entry
 
     def put(self, key: str, entry: CachedResult) -> bool:
-        return self._cache.put(key, entry.encode())
+        # The entry itself (no encoding: a hit is not decoded again), charged at its stored size.
+        return self._cache.put(key, entry, size=entry.nbytes)
 
     @property
     def bytes(self) -> int:
