@@ -11,6 +11,8 @@ load is complete, :meth:`ColdStart.finish` removes the hooks and hands over the 
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 import torch
@@ -18,7 +20,7 @@ from torch.utils.hooks import RemovableHandle
 
 from paramserver.client.session import ClusterClient
 from worker.config import PrefetchConfig
-from worker.loader import LoadedModel, LoadHandle, empty_weights, fill_module, start_load
+from worker.loader import LoadedModel, LoadHandle, aside, empty_weights, fill_module, start_load
 from worker.tiered_cache import TieredCache
 
 
@@ -65,14 +67,30 @@ def attach_waits(module: torch.nn.Module, handle: LoadHandle, wait_s: float) -> 
     return hooks
 
 
+def _abandon(starting: Future[LoadHandle]) -> None:
+    """The module could not be built: let a load that started end (its client is the caller's)."""
+    try:
+        starting.result().result()
+    except BaseException:  # noqa: BLE001 - the factory's error is the one to report
+        pass
+
+
 def start_cold(client: ClusterClient, ref: str, factory: Callable[[], torch.nn.Module], device: torch.device,
                cache: TieredCache | None = None, *, config: PrefetchConfig = PrefetchConfig(), strict: bool = True,
                wait_s: float = 600.0, report_heat: bool = True) -> ColdStart:
-    """Start loading ``ref`` and return a module built by ``factory`` that can run right away."""
-    handle = start_load(client, ref, device, cache, config=config, report_heat=report_heat)
+    """Start loading ``ref`` and return a module built by ``factory`` that can run right away.
+
+    The module is built (on this thread: a factory may rely on thread-local torch state) while
+    the load resolves ``ref``, reads the manifest and allocates; neither needs the other."""
+    starting = aside(partial(start_load, client, ref, device, cache, config=config, report_heat=report_heat))
     try:
         with empty_weights():
             module = factory()
+    except BaseException:
+        _abandon(starting)
+        raise
+    handle = starting.result()
+    try:
         fill_module(module, handle.tensors, device, strict, values_ready=False)
         module.eval()
     except BaseException:

@@ -13,9 +13,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any, cast
+from functools import partial
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -32,6 +34,7 @@ from worker.prefetch import LoadCounters, LocalSource, Prefetcher
 from worker.tiered_cache import TieredCache
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,28 @@ def empty_targets(manifest: Manifest, device: torch.device) -> dict[str, torch.T
 
 def resolve_ref(client: ClusterClient, ref: ModelRef) -> VersionInfo:
     return client.resolve_ref(ref)
+
+
+def aside(fn: Callable[[], T]) -> Future[T]:
+    """Run ``fn`` on a thread of its own, now; the future holds what it returned or raised."""
+    done: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            done.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+            done.set_exception(exc)
+
+    threading.Thread(target=run, name="paramworker-aside", daemon=True).start()
+    return done
+
+
+def _heat_of(client: ClusterClient, info: VersionInfo) -> HeatReport | None:
+    try:
+        entries = client.get_heat(info.model, info.number)
+    except Exception:  # noqa: BLE001 - no heatmap: manifest order
+        return None
+    return HeatReport.from_entries(info.model, info.number, entries) if entries else None
 
 
 class LoadHandle:
@@ -197,6 +222,11 @@ def start_load(
         mref = ModelRef.parse(ref) if isinstance(ref, str) else ref
         dev = resolve_device(device)
         info = info or resolve_ref(client, mref)
+        # What the fetch needs besides the manifest is asked for while the manifest arrives and the
+        # targets are allocated: the heatmap, and the servers' hot chunks (which also connects to
+        # every member), so the first read does not wait on either.
+        client.prepare_fetch()
+        asked = aside(partial(_heat_of, client, info)) if config.use_heatmap else None
         manifest = manifest or client.manifest(info.manifest_id)
         # Fresh CPU targets come from recycled host arenas (no page zeroing), and only this load
         # writes them until it is done: chunks may be received straight into them.
@@ -205,13 +235,7 @@ def start_load(
             tensors = dict(host.tensors)
         else:
             tensors = dict(targets) if targets is not None else empty_targets(manifest, dev)
-        heat = None
-        if config.use_heatmap:
-            try:
-                entries = client.get_heat(info.model, info.number)
-                heat = HeatReport.from_entries(info.model, info.number, entries) if entries else None
-            except Exception:  # noqa: BLE001 - no heatmap: manifest order
-                heat = None
+        heat = asked.result() if asked is not None else None
         prefetcher = Prefetcher(
             manifest, tensors, client=client, cache=make_cache(cache), config=config, version=info.number, heat=heat,
             local=local, recorder=HeatmapRecorder(info.model, info.number), on_progress=on_progress,

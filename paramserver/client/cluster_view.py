@@ -271,6 +271,10 @@ class ClusterView:
     def replicas(self, chunk_id: str) -> list[str]:
         return self.ring.replicas(chunk_id, self.replication)
 
+    def replicas_many(self, chunk_ids: Sequence[str]) -> dict[str, tuple[str, ...]]:
+        """Chunk id -> its replicas (primary first), for many ids at once."""
+        return dict(zip(chunk_ids, self.ring.replicas_many(chunk_ids, self.replication)))
+
     def hot_chunks(self, timeout_s: float = 0.5) -> dict[str, tuple[str, ...]]:
         """Hot chunk id -> the members holding an extra copy, merged from every up member's GetHotChunks.
 

@@ -160,6 +160,7 @@ class ClusterClient:
         self._hot: dict[str, tuple[str, ...]] = {}
         self._hot_at = -1.0  # never asked
         self._hot_busy = False
+        self._hot_first = threading.Event()  # set once the first answer (or its failure) is in
         self.transport = ClusterTransport(
             self._members, token=cluster.token, tls=cluster.tls, tls_ca=cluster.tls_ca,
             tls_cert=getattr(cluster, "tls_cert", None), tls_key=getattr(cluster, "tls_key", None), bulk=bulk,
@@ -487,7 +488,8 @@ class ClusterClient:
         others = sorted(sid for sid in view.members if sid not in members)
         verifier = Verifier(self.verify, algorithm)
         hot = self.hot_chunks(view) if self.config.hot_chunks else {}
-        stats = self.engine.fetch(refs, view.replicas, members + others, sink, verifier=verifier, tensors_of=tensors_of,
+        placed = view.replicas_many([r.id for r in refs])
+        stats = self.engine.fetch(refs, placed.__getitem__, members + others, sink, verifier=verifier, tensors_of=tensors_of,
                                   extras=(lambda cid: hot.get(cid, ())) if hot else None, salt=random.getrandbits(32))
         with self._lock:
             s = self.stats
@@ -503,35 +505,40 @@ class ClusterClient:
         return stats
 
 
-    def hot_chunks(self, view: ClusterView | None = None) -> dict[str, tuple[str, ...]]:
+    def hot_chunks(self, view: ClusterView | None = None, *, wait: bool = True) -> dict[str, tuple[str, ...]]:
         """The hot chunks the servers advertise (id -> members with an extra copy).
 
-        The first call asks every member (waiting at most ``hot_timeout_s``); later ones return the
-        last answer at once and, when it is older than ``hot_refresh_s``, ask again on a background
-        thread, so a load never waits on a member that is down or cut off."""
+        Asked of every member on a background thread whenever the last answer is older than
+        ``hot_refresh_s``; a call returns the last answer at once, except that until the first
+        answer is in it waits for it up to ``hot_timeout_s`` (``wait=False``: never), so a load
+        never waits on a member that is down or cut off."""
         with self._lock:
             first = self._hot_at < 0
             stale = first or time.monotonic() - self._hot_at >= self.config.hot_refresh_s
-            if not stale or self._hot_busy:
-                return self._hot
-            self._hot_busy = True
-            current = self._hot
-        if first:
-            return self._refresh_hot(view)
-        threading.Thread(target=self._refresh_hot, args=(view,), name="hot-chunks-refresh", daemon=True).start()
-        return current
+            if stale and not self._hot_busy and not self._closed:
+                self._hot_busy = True
+                threading.Thread(target=self._refresh_hot, args=(view,), name="hot-chunks-refresh", daemon=True).start()
+        if first and wait:
+            self._hot_first.wait(2 * self.config.hot_timeout_s)
+        with self._lock:
+            return self._hot
 
-    def _refresh_hot(self, view: ClusterView | None) -> dict[str, tuple[str, ...]]:
+    def prepare_fetch(self) -> None:
+        """Ask for hot chunks now, in the background, so the fetch that follows finds the answer
+        (and the connections to every member that asking opened) ready instead of waiting."""
+        if self.config.hot_chunks:
+            self.hot_chunks(wait=False)
+
+    def _refresh_hot(self, view: ClusterView | None) -> None:
+        found: dict[str, tuple[str, ...]] = {}
         try:
             found = (view or self.view()).hot_chunks(self.config.hot_timeout_s)
-        except ClientError:
-            found = {}
+        except Exception:  # noqa: BLE001 - advisory (a closed client, a member gone): no hot copies
+            pass
         finally:
             with self._lock:
-                self._hot_busy = False
-        with self._lock:
-            self._hot, self._hot_at = found, time.monotonic()
-            return found
+                self._hot, self._hot_at, self._hot_busy = found, time.monotonic(), False
+            self._hot_first.set()
 
 
 def client_for(cluster: ClusterClient | ClientSettings | str | Sequence[str], token: str | None = None) -> tuple[ClusterClient, bool]:

@@ -158,7 +158,7 @@ class QuorumVersionCheck:
         ids = list(expected)
         ring = self.peers.ring()
         r = min(self.peers.replication_factor, len(ring))
-        placement = {cid: ring.replicas(cid, r) for cid in ids}
+        placement = ring.placement(ids, r)
         by_server: dict[str, list[str]] = {}
         for cid, servers in placement.items():
             for server in servers:

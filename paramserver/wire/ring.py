@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import blake3
+import numpy as np
 
 DEFAULT_VNODES = 128
 
@@ -61,6 +62,7 @@ class Ring:
                 points.append((_point(f"{server}#{i}".encode()), server))
         points.sort()  # ties (astronomically rare) broken by server id: still deterministic
         self._points = [p for p, _ in points]
+        self._points_u64 = np.array(self._points, dtype=np.uint64)
         self._owners = [s for _, s in points]
         self._zone_count = len({z for z in self.zones.values()})
         # (vnode index, r) -> replicas: a pull places thousands of chunks on a few hundred vnodes.
@@ -120,7 +122,31 @@ class Ring:
                     return
 
     def placement(self, chunk_ids: Iterable[str], r: int) -> dict[str, list[str]]:
-        return {cid: self.replicas(cid, r) for cid in chunk_ids}
+        ids = list(chunk_ids)
+        return {cid: list(placed) for cid, placed in zip(ids, self.replicas_many(ids, r))}
+
+    def replicas_many(self, chunk_ids: Sequence[str], r: int) -> list[tuple[str, ...]]:
+        """``replicas(id, r)`` of every id, as tuples, in one pass: the ring positions of content ids
+        are decoded and searched as one array, so placing a whole manifest costs little per chunk."""
+        if not self.zones:
+            raise ValueError("the ring has no servers; add members before placing chunks")
+        if not chunk_ids:
+            return []
+        r = max(1, min(r, len(self.zones)))
+        try:
+            keys = np.frombuffer(bytes.fromhex("".join(cid[:16] for cid in chunk_ids)), dtype=">u8")
+            if len(keys) != len(chunk_ids):
+                raise ValueError("an id shorter than 16 hex digits")
+        except ValueError:  # not all content ids: one at a time, as replicas() does
+            keys = np.array([key_point(cid) for cid in chunk_ids], dtype=np.uint64)
+        starts = np.searchsorted(self._points_u64, keys.astype(np.uint64), side="right") % len(self._points)
+        placed: dict[int, tuple[str, ...]] = {}
+        for start in np.unique(starts).tolist():
+            found = self._placed.get((start, r))
+            if found is None:
+                found = self._placed[(start, r)] = tuple(self._place(start, r))
+            placed[start] = found
+        return [placed[s] for s in starts.tolist()]
 
 
 def replication_and_quorum(replication_factor: int, write_quorum: int | None, cluster_size: int) -> tuple[int, int]:

@@ -80,3 +80,15 @@ def test_zone_aware_spreads_across_zones(keys: list[str]) -> None:
         assert len(set(reps)) == 3 and {"za", "zb"} <= {zones.get(s, "zb") for s in reps}
     plain = Ring(zones, RingConfig(zone_aware=False))
     assert any(len({zones[s] for s in plain.replicas(k, 3)}) < 3 for k in keys[:2000])
+
+
+@pytest.mark.parametrize("zones", [{"a": "", "b": "", "c": ""}, {"a": "z1", "b": "z1", "c": "z2", "d": "z3"}])
+def test_replicas_many_is_replicas_of_each(keys: list[str], zones: dict[str, str]) -> None:
+    ring = Ring(zones)
+    # content ids, and ids that are not hex (placed by hashing them, one at a time)
+    mixed = [*keys, "short", "not-hex-but-long-enough-to-slice", "x" * 16, "AB" * 20]
+    for ids in (keys, mixed):
+        for r in (1, 2, 3, 5):
+            assert [list(p) for p in ring.replicas_many(ids, r)] == [ring.replicas(i, r) for i in ids]
+    assert ring.replicas_many([], 3) == []
+    assert ring.placement(keys[:5], 2) == {k: ring.replicas(k, 2) for k in keys[:5]}
