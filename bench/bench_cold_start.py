@@ -16,6 +16,7 @@ medians. Target (issue #14): first answer <= 0.7x of load-then-forward; identica
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -131,6 +132,8 @@ def main() -> int:
             same = same and torch.equal(want, got)
     finally:
         cluster.down()
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
     mf, mc = statistics.median(full), statistics.median(cold)
     ratio = mc / mf
     print(f"bench_cold_start: {args.layers} layers x {args.layer_mib} MiB on a local 3-server cluster, "

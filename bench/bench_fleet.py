@@ -30,6 +30,7 @@ import http.client
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -277,6 +278,10 @@ def main() -> int:
         for p_ in procs:
             p_.stop()
         cluster.down()
+        if failures:
+            print(f"working folder kept for the logs: {root}", file=sys.stderr)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
 
     summary: dict[str, Any] = {}
     for mode in MODES:

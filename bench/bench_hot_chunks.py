@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import threading
@@ -176,7 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     state = synthetic_state_dict(total_bytes=int(args.mib * MiB), dtype=torch.bfloat16, seed=3)
     print(f"{args.servers} servers, R={args.replication}, model {args.mib:g} MiB, {args.waves} waves of {args.loads} "
           f"concurrent cold loads, {args.pace:g} s apart; hot settings {HOT_SETTINGS}")
-    results = [run_mode(mode, args, root, state) for mode in ("off", "on")]
+    try:
+        results = [run_mode(mode, args, root, state) for mode in ("off", "on")]
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
     for r in results:
         per = "  ".join(f"{s} {r['by_server'].get(s, 0) / MiB:6.2f}" for s in r["servers"])
         after = r["skew_after_first_wave"]
