@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Worker load vs pull vs Redis vs memcpy, side by side, with peak RSS (issue #10).
 
-    .venv/bin/python bench/bench_load.py [--mib 512] [--rounds 3] [--dir DIR] [--json FILE] [--server-arg=--cache-mb=1024 ...]
+    .venv/bin/python bench/bench_load.py [--mib 512] [--rounds 4] [--dir DIR] [--json FILE] [--server-arg=--cache-mb=1024 ...]
 
 One run: starts a local 3-server cluster (deploy.local with its defaults: R=3, W=2 and the
 servers' own defaults for cache, fsync and scrub), pushes a synthetic bf16 model of --mib MiB
@@ -22,8 +22,11 @@ redis-server (no persistence), then measures, each in a fresh child process of t
      fresh from torch.empty (first touch, the kernel's page faults included), is shown for
      information.
 
-Rounds run every method once, in an order rotated by one each round; figures are medians over
-rounds. Peak RSS: each child reads VmRSS after its imports and cluster connection (the
+Rounds run every method once, in orders from a balanced (Williams) design: over every 4 rounds
+each method runs in each position and right after each other method once (a plain rotation puts
+the worker right after memcpy in every round, so what one child leaves behind, memory for the
+kernel to reclaim or servers still busy, always lands on the same next one); figures are medians
+over rounds. Peak RSS: each child reads VmRSS after its imports and cluster connection (the
 baseline), resets the kernel's high-water mark (/proc/self/clear_refs), runs the timed load and
 reads VmHWM; the figure is (VmHWM - baseline) / model bytes, the worst over the rounds. Every
 method's result is compared byte for byte with the source once (round 1, not timed, after the
@@ -53,14 +56,14 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.measure import ceil3, floor3, hwm_bytes, reset_hwm, rss_bytes  # noqa: E402 - after the path
+from bench.measure import balanced_orders, ceil3, floor3, hwm_bytes, reset_hwm, rss_bytes  # noqa: E402 - after the path
 
 MiB = 1 << 20
 MODEL, TAG = "bench", "prod"
 REF = f"{MODEL}:{TAG}"
 CHILD_TIMEOUT_S = 240.0  # one child (worker: cold + memory tier) on a 512 MiB model takes seconds
 
-# Methods in rotation order; the worker child measures both worker rows.
+# The methods; the worker child measures both worker rows.
 KINDS = ("worker", "pull", "redis", "memcpy")
 ROWS = {
     "worker_cold": "worker cold load (fresh client + cache, default mem tier)",
@@ -313,7 +316,7 @@ def run_child(kind: str, spec_path: Path, out_dir: Path, tag: str, check: bool) 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mib", type=int, default=512, help="model size in MiB, bf16 (default 512)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds; every method once per round, rotating order (default 3)")
+    p.add_argument("--rounds", type=int, default=4, help="rounds; every method once per round, balanced order (default 4: one full design)")
     p.add_argument("--dir", type=Path, default=None, help="parent folder for the run's working folder (default: the system temp dir)")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write every measurement to FILE as JSON")
     p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
@@ -410,9 +413,7 @@ def main() -> int:
         measurements: dict[str, list[dict[str, Any]]] = {row: [] for row in ROWS}
         errors: list[dict[str, Any]] = []
         exact: dict[str, str] = {}
-        for round_no in range(args.rounds):
-            shift = round_no % len(KINDS)
-            order = KINDS[shift:] + KINDS[:shift]
+        for round_no, order in enumerate(balanced_orders(KINDS, args.rounds)):
             for kind in order:
                 check = not any(measurements[row] for row in ROWS_OF_KIND[kind])  # once per method: its first good run
                 result = run_child(kind, spec_path, out_dir, f"r{round_no + 1}", check)
@@ -461,7 +462,7 @@ def main() -> int:
     cores = os.cpu_count() or 1
     print()
     print(f"bench_load: {model_bytes / MiB:.0f} MiB bf16 model, {chunk_size // 1024} KiB chunks, 3 servers R={pushed.replication} "
-          f"W={pushed.write_quorum}, {args.rounds} rounds (rotating order), {cores} cores, torch {torch.__version__}, "
+          f"W={pushed.write_quorum}, {args.rounds} rounds (balanced order), {cores} cores, torch {torch.__version__}, "
           f"Python {platform.python_version()}")
     w = max(len(v) for v in ROWS.values())
     head = f"{'method':{w}s}  {'s per round':>20s}  {'median s':>8s}  {'GB/s':>6s}  {'peak RSS above base (worst)':>27s}  bit-exact"

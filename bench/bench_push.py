@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Push vs pipelined Redis SET vs safetensors save + fsync, with server CPU and peak client RSS (issue #12).
 
-    .venv/bin/python bench/bench_push.py [--mib 512] [--big-mib 2048] [--rounds 3] [--dir DIR] [--json FILE]
+    .venv/bin/python bench/bench_push.py [--mib 512] [--big-mib 2048] [--rounds 4] [--dir DIR] [--json FILE]
                                          [--server-arg=--cache-mb=1024 ...]
 
 One run. The parent writes a synthetic bf16 model of --mib MiB (chunking.synthetic, seed 0) to a
@@ -19,7 +19,8 @@ raw source file, then measures, each in a fresh child process of this script, ev
      chunk lies inside one tensor) - the strict baseline;
   4. safetensors: ``safetensors.torch.save_file(state, path)`` + fsync of the file, on local disk.
 
-Rounds run the four in an order rotated by one each round; figures are medians over rounds and
+Rounds run the four in orders from a balanced (Williams) design (over every 4 rounds each runs in
+each position and right after each other one once: bench.measure.balanced_orders); figures are medians over rounds and
 throughput is model bytes / seconds. Then, once (not rotated), a push of a --big-mib MiB model
 (seed 1) into a fresh default cluster, for its peak client RSS (0 skips it).
 
@@ -83,7 +84,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.measure import ceil3, floor3, hwm_bytes, proc_status_kib, reset_hwm, rss_bytes  # noqa: E402 - after the path
+from bench.measure import balanced_orders, ceil3, floor3, hwm_bytes, proc_status_kib, reset_hwm, rss_bytes  # noqa: E402 - after the path
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -500,7 +501,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--mib", type=int, default=512, help="model size in MiB, bf16, for the rotated rows (default 512)")
     p.add_argument("--big-mib", type=int, default=2048, help="size of the once-only push for peak client RSS (default 2048; 0 skips it)")
-    p.add_argument("--rounds", type=int, default=3, help="rounds; every rotated method once per round, rotating order (default 3)")
+    p.add_argument("--rounds", type=int, default=4, help="rounds; every rotated method once per round, balanced order (default 4)")
     p.add_argument("--dir", type=Path, default=None, help="parent folder for the run's working folder (default: the system temp dir)")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write every measurement to FILE as JSON")
     p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
@@ -559,9 +560,8 @@ def run(args: argparse.Namespace) -> int:
         model_bytes = source["model_bytes"]
         print(f"working folder {root}; every push into a fresh 3-server cluster"
               f"{' (server args: ' + ' '.join(args.server_arg) + ')' if args.server_arg else ' (server defaults)'}", flush=True)
-        for round_no in range(args.rounds):
-            shift = round_no % len(KINDS)
-            for row in KINDS[shift:] + KINDS[:shift]:
+        for round_no, order in enumerate(balanced_orders(KINDS, args.rounds)):
+            for row in order:
                 label = f"round {round_no + 1}"
                 record(row, label, bench.measure(row, f"r{round_no + 1}", source, args.mib), model_bytes)
         (root / "source.bin").unlink()
@@ -603,7 +603,7 @@ def run(args: argparse.Namespace) -> int:
     cores = os.cpu_count() or 1
     print()
     print(f"bench_push: {model_bytes / MiB:.0f} MiB bf16 model, 256 KiB chunks, fresh 3-server cluster per push (R=3, W=2), "
-          f"{args.rounds} rounds (rotating order){f', then {big_bytes / MiB:.0f} MiB once' if big_bytes else ''}; {cores} cores, "
+          f"{args.rounds} rounds (balanced order){f', then {big_bytes / MiB:.0f} MiB once' if big_bytes else ''}; {cores} cores, "
           f"load {load0[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end; torch {torch.__version__}, Python {platform.python_version()}")
     w = max(len(v) for v in labels.values())
     head = (f"{'method':{w}s}  {'s per round':>23s}  {'median s':>8s}  {'GB/s':>6s}  {'srv ns/B':>8s}  {'cli ns/B':>8s}  "

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def proc_status_kib(field: str) -> int:
@@ -40,3 +44,27 @@ def ceil3(x: float) -> str:
 
 
 __all__ = ["ceil3", "floor3", "hwm_bytes", "proc_status_kib", "reset_hwm", "rss_bytes"]
+
+
+def balanced_orders(kinds: Sequence[T], rounds: int) -> list[list[T]]:
+    """One order of ``kinds`` per round, from a Williams design: over every ``len(kinds)`` rounds
+    (``2 * len(kinds)`` when odd) each method runs in every position and right after every other
+    method equally often. A plain rotation keeps each method's predecessor the same in every round,
+    so whatever one leaves behind (memory for the kernel to reclaim, servers still busy) always
+    falls on the same next one and biases that row."""
+    n = len(kinds)
+    if n == 0:
+        return [[] for _ in range(rounds)]
+    first: list[int] = []
+    lo, hi = 0, n - 1
+    for i in range(n):
+        if i % 2 == 0:
+            first.append(lo)
+            lo += 1
+        else:
+            first.append(hi)
+            hi -= 1
+    square = [[(x + r) % n for x in first] for r in range(n)]
+    if n % 2:
+        square += [row[::-1] for row in square]
+    return [[kinds[i] for i in square[r % len(square)]] for r in range(rounds)]
