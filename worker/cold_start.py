@@ -20,7 +20,7 @@ from torch.utils.hooks import RemovableHandle
 
 from paramserver.client.session import ClusterClient
 from worker.config import PrefetchConfig
-from worker.loader import LoadedModel, LoadHandle, aside, empty_weights, fill_module, start_load
+from worker.loader import LoadedModel, LoadHandle, aside, empty_weights, fill_module, resolve_device, start_load
 from worker.tiered_cache import TieredCache
 
 
@@ -82,6 +82,7 @@ def start_cold(client: ClusterClient, ref: str, factory: Callable[[], torch.nn.M
 
     The module is built (on this thread: a factory may rely on thread-local torch state) while
     the load resolves ``ref``, reads the manifest and allocates; neither needs the other."""
+    device = resolve_device(device)  # here: a bare "cuda" means this thread's current device
     starting = aside(partial(start_load, client, ref, device, cache, config=config, report_heat=report_heat))
     try:
         with empty_weights():

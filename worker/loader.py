@@ -90,12 +90,15 @@ def make_report(info: VersionInfo, manifest: Manifest, device: torch.device, c: 
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """``auto``/None picks cuda:0 when CUDA is present, else cpu."""
+    """``auto``/None picks cuda:0 when CUDA is present, else cpu. A bare ``cuda`` gets the calling
+    thread's current device as its index: the load's own threads would otherwise use device 0."""
     if device is None or device == "auto":
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {device} asked for but CUDA is not available here; use --device cpu")
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
     return dev
 
 
