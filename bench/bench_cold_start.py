@@ -109,8 +109,8 @@ def main() -> int:
     build = partial(factory, args.layers, rows)
     root = args.dir or Path(tempfile.mkdtemp(prefix="bench-cold-"))
     cluster = LocalCluster(LocalClusterConfig(root=root / "cluster", servers=3))
-    cluster.up()
     try:
+        cluster.up()
         torch.manual_seed(0)
         push(cluster.seed, build().state_dict(), model="bench-cold", tag="prod")
         x = torch.randn(4, WIDTH)

@@ -43,7 +43,7 @@ def ceil3(x: float) -> str:
     return f"{math.ceil(x * 1000) / 1000:.3f}"
 
 
-__all__ = ["ceil3", "floor3", "hwm_bytes", "proc_status_kib", "reset_hwm", "rss_bytes"]
+__all__ = ["balanced_orders", "ceil3", "floor3", "hwm_bytes", "proc_status_kib", "reset_hwm", "rss_bytes"]
 
 
 def balanced_orders(kinds: Sequence[T], rounds: int) -> list[list[T]]:

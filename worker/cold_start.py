@@ -90,7 +90,12 @@ def start_cold(client: ClusterClient, ref: str, factory: Callable[[], torch.nn.M
     except BaseException:
         _abandon(starting)
         raise
-    handle = starting.result()
+    try:
+        handle = starting.result()
+    except BaseException:
+        if not starting.done():  # interrupted while waiting: the load still runs on the caller's client
+            _abandon(starting)
+        raise
     try:
         fill_module(module, handle.tensors, device, strict, values_ready=False)
         module.eval()

@@ -97,7 +97,8 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {device} asked for but CUDA is not available here; use --device cpu")
-    if dev.type == "cuda" and dev.index is None:
+    index: int | None = dev.index  # None for a bare "cuda" (torch's stubs say int)
+    if dev.type == "cuda" and index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return dev
 

@@ -509,15 +509,23 @@ class ClusterClient:
         """The hot chunks the servers advertise (id -> members with an extra copy).
 
         Asked of every member on a background thread whenever the last answer is older than
-        ``hot_refresh_s``; a call returns the last answer at once, except that until the first
-        answer is in it waits for it up to ``hot_timeout_s`` (``wait=False``: never), so a load
-        never waits on a member that is down or cut off."""
+        ``hot_refresh_s``; a call returns the last answer at once, except that the first ask of
+        this client is waited for, up to twice ``hot_timeout_s`` (``wait=False``: never), so a
+        load never waits long on a member that is down or cut off."""
         with self._lock:
+            if self._closed:
+                return self._hot
             first = self._hot_at < 0
-            stale = first or time.monotonic() - self._hot_at >= self.config.hot_refresh_s
-            if stale and not self._hot_busy and not self._closed:
-                self._hot_busy = True
+            started = False
+            if (first or time.monotonic() - self._hot_at >= self.config.hot_refresh_s) and not self._hot_busy:
+                self._hot_busy = started = True
+        if started:
+            try:
                 threading.Thread(target=self._refresh_hot, args=(view,), name="hot-chunks-refresh", daemon=True).start()
+            except BaseException:
+                with self._lock:
+                    self._hot_busy = False
+                raise
         if first and wait:
             self._hot_first.wait(2 * self.config.hot_timeout_s)
         with self._lock:

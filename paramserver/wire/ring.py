@@ -128,25 +128,26 @@ class Ring:
     def replicas_many(self, chunk_ids: Sequence[str], r: int) -> list[tuple[str, ...]]:
         """``replicas(id, r)`` of every id, as tuples, in one pass: the ring positions of content ids
         are decoded and searched as one array, so placing a whole manifest costs little per chunk."""
-        if not self.zones:
-            raise ValueError("the ring has no servers; add members before placing chunks")
         if not chunk_ids:
             return []
+        if not self.zones:
+            raise ValueError("the ring has no servers; add members before placing chunks")
         r = max(1, min(r, len(self.zones)))
+        n = len(self._points)
         try:
             keys = np.frombuffer(bytes.fromhex("".join(cid[:16] for cid in chunk_ids)), dtype=">u8")
             if len(keys) != len(chunk_ids):
                 raise ValueError("an id shorter than 16 hex digits")
-        except ValueError:  # not all content ids: one at a time, as replicas() does
-            keys = np.array([key_point(cid) for cid in chunk_ids], dtype=np.uint64)
-        starts = np.searchsorted(self._points_u64, keys.astype(np.uint64), side="right") % len(self._points)
+            starts: list[int] = (np.searchsorted(self._points_u64, keys.astype(np.uint64), side="right") % n).tolist()
+        except ValueError:  # not all content ids: one at a time, exactly as replicas() does
+            starts = [bisect.bisect_right(self._points, key_point(cid)) % n for cid in chunk_ids]
         placed: dict[int, tuple[str, ...]] = {}
-        for start in np.unique(starts).tolist():
+        for start in set(starts):
             found = self._placed.get((start, r))
             if found is None:
                 found = self._placed[(start, r)] = tuple(self._place(start, r))
             placed[start] = found
-        return [placed[s] for s in starts.tolist()]
+        return [placed[s] for s in starts]
 
 
 def replication_and_quorum(replication_factor: int, write_quorum: int | None, cluster_size: int) -> tuple[int, int]:

@@ -86,7 +86,7 @@ def test_zone_aware_spreads_across_zones(keys: list[str]) -> None:
 def test_replicas_many_is_replicas_of_each(keys: list[str], zones: dict[str, str]) -> None:
     ring = Ring(zones)
     # content ids, and ids that are not hex (placed by hashing them, one at a time)
-    mixed = [*keys, "short", "not-hex-but-long-enough-to-slice", "x" * 16, "AB" * 20]
+    mixed = [*keys, "short", "not-hex-but-long-enough-to-slice", "x" * 16, "AB" * 20, "-" + "1" * 15, " " + "a" * 15]
     for ids in (keys, mixed):
         for r in (1, 2, 3, 5):
             assert [list(p) for p in ring.replicas_many(ids, r)] == [ring.replicas(i, r) for i in ids]
