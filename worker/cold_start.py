@@ -18,9 +18,10 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from paramserver.client.cluster_view import in_thread
 from paramserver.client.session import ClusterClient
 from worker.config import PrefetchConfig
-from worker.loader import LoadedModel, LoadHandle, aside, empty_weights, fill_module, resolve_device, start_load
+from worker.loader import LoadedModel, LoadHandle, empty_weights, fill_module, resolve_device, start_load
 from worker.tiered_cache import TieredCache
 
 
@@ -68,7 +69,7 @@ def attach_waits(module: torch.nn.Module, handle: LoadHandle, wait_s: float) -> 
 
 
 def _abandon(starting: Future[LoadHandle]) -> None:
-    """The module could not be built: let a load that started end (its client is the caller's)."""
+    """The module could not be built or filled: let a load that started end (its client is the caller's)."""
     try:
         starting.result().result()
     except BaseException:  # noqa: BLE001 - the factory's error is the one to report
@@ -83,7 +84,8 @@ def start_cold(client: ClusterClient, ref: str, factory: Callable[[], torch.nn.M
     The module is built (on this thread: a factory may rely on thread-local torch state) while
     the load resolves ``ref``, reads the manifest and allocates; neither needs the other."""
     device = resolve_device(device)  # here: a bare "cuda" means this thread's current device
-    starting = aside(partial(start_load, client, ref, device, cache, config=config, report_heat=report_heat))
+    starting = in_thread(partial(start_load, client, ref, device, cache, config=config, report_heat=report_heat),
+                         "paramworker-cold-start-load")
     try:
         with empty_weights():
             module = factory()
@@ -100,10 +102,7 @@ def start_cold(client: ClusterClient, ref: str, factory: Callable[[], torch.nn.M
         fill_module(module, handle.tensors, device, strict, values_ready=False)
         module.eval()
     except BaseException:
-        try:
-            handle.result()  # let the load end (its client is the caller's) before the error goes up
-        except BaseException:  # noqa: BLE001 - the module's error is the one to report
-            pass
+        _abandon(starting)
         raise
     return ColdStart(handle, module, wait_s)
 

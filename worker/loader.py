@@ -13,16 +13,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import Any, TypeVar, cast
+from typing import Any, cast
 
 import torch
 
 from chunking.dtypes import torch_dtype
 from chunking.manifest import Manifest
+from paramserver.client.cluster_view import in_thread
 from paramserver.client.errors import ConfigError
 from paramserver.client.hostmem import Targets, allocate_targets
 from paramserver.client.refs import ModelRef
@@ -34,7 +34,6 @@ from worker.prefetch import LoadCounters, LocalSource, Prefetcher
 from worker.tiered_cache import TieredCache
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -115,20 +114,6 @@ def empty_targets(manifest: Manifest, device: torch.device) -> dict[str, torch.T
 
 def resolve_ref(client: ClusterClient, ref: ModelRef) -> VersionInfo:
     return client.resolve_ref(ref)
-
-
-def aside(fn: Callable[[], T]) -> Future[T]:
-    """Run ``fn`` on a thread of its own, now; the future holds what it returned or raised."""
-    done: Future[T] = Future()
-
-    def run() -> None:
-        try:
-            done.set_result(fn())
-        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
-            done.set_exception(exc)
-
-    threading.Thread(target=run, name="paramworker-aside", daemon=True).start()
-    return done
 
 
 def _heat_of(client: ClusterClient, info: VersionInfo) -> HeatReport | None:
@@ -230,7 +215,7 @@ def start_load(
         # targets are allocated: the heatmap, and the servers' hot chunks (which also connects to
         # every member), so the first read does not wait on either.
         client.prepare_fetch()
-        asked = aside(partial(_heat_of, client, info)) if config.use_heatmap else None
+        asked = in_thread(partial(_heat_of, client, info), "paramworker-heat-ask") if config.use_heatmap else None
         manifest = manifest or client.manifest(info.manifest_id)
         # Fresh CPU targets come from recycled host arenas (no page zeroing), and only this load
         # writes them until it is done: chunks may be received straight into them.

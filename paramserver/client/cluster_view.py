@@ -14,6 +14,7 @@ from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import closing
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeAlias, TypeVar
 
@@ -167,7 +168,8 @@ class ClusterView:
                     if found is not None:
                         return found
                 unsure = False
-                current = _in_thread(fn, self.client(plan.call))
+                leader = self.client(plan.call)
+                current = in_thread(partial(fn, leader), f"leader-call-{leader.address}")
                 current.add_done_callback(_put_on(events, "call", plan.call))
             try:
                 kind, address, f = events.get(timeout=max(0.0, min(plan.wake_at, end) - time.monotonic()))
@@ -348,19 +350,19 @@ class ClusterView:
         self.close()
 
 
-def _in_thread(fn: Callable[[ParamServerClient], T], client: ParamServerClient) -> Future[T]:
-    """Run ``fn(client)`` on a daemon thread; its outcome lands in the returned future."""
+def in_thread(fn: Callable[[], T], name: str) -> Future[T]:
+    """Run ``fn()`` on a daemon thread of its own, now; its outcome lands in the returned future."""
     f: Future[T] = Future()
 
     def run() -> None:
         if not f.set_running_or_notify_cancel():
             return
         try:
-            f.set_result(fn(client))
-        except BaseException as exc:  # noqa: BLE001 - the watching thread re-raises it
+            f.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - whoever waits on the future re-raises it
             f.set_exception(exc)
 
-    threading.Thread(target=run, name=f"leader-call-{client.address}", daemon=True).start()
+    threading.Thread(target=run, name=name, daemon=True).start()
     return f
 
 
@@ -403,4 +405,4 @@ def _ask_cluster_info(
             f.cancel()
 
 
-__all__ = ["ClusterOptions", "ClusterView", "parse_seeds", "RETRYABLE"]
+__all__ = ["ClusterOptions", "ClusterView", "in_thread", "parse_seeds", "RETRYABLE"]

@@ -388,17 +388,14 @@ class ChunkService:
             # A chunk reported present to a push will not be sent again: it must not be
             # collected as an orphan before that push commits (see paramserver.server.gc).
             present = self.store.claim(request.ids)
-        elif request.renew_hot:
-            if not has_admin_token(context.invocation_metadata(), self.auth):
+        else:
+            if request.renew_hot and not has_admin_token(context.invocation_metadata(), self.auth):
                 context.abort(grpc.StatusCode.UNAUTHENTICATED,
                               "HasChunks with renew_hot keeps hot copies alive, a write: it needs the admin token")
             has = self.store.has
             present = [has(chunk_id) for chunk_id in request.ids]
-            if self.hot is not None:
+            if request.renew_hot and self.hot is not None:
                 self.hot.renew(cid for cid, ok in zip(request.ids, present) if ok)
-        else:
-            has = self.store.has
-            present = [has(chunk_id) for chunk_id in request.ids]
         headers: list[tuple[int, str] | None] = []
         if request.with_crc:  # a copy whose header cannot be read is not one this server can serve
             headers = self.store.stored_headers(request.ids, present)

@@ -84,10 +84,14 @@ class Ring:
             raise ValueError("the ring has no servers; add members before placing chunks")
         r = max(1, min(r, len(self.zones)))
         start = bisect.bisect_right(self._points, key_point(chunk_id)) % len(self._points)
+        return list(self._placed_from(start, r))
+
+    def _placed_from(self, start: int, r: int) -> tuple[str, ...]:
+        """The R replicas of a key whose ring walk starts at vnode ``start``, computed once per (start, r)."""
         placed = self._placed.get((start, r))
         if placed is None:
             placed = self._placed[(start, r)] = tuple(self._place(start, r))
-        return list(placed)
+        return placed
 
     def _place(self, start: int, r: int) -> list[str]:
         walk = self._distinct_from(start)
@@ -141,12 +145,7 @@ class Ring:
             starts: list[int] = (np.searchsorted(self._points_u64, keys.astype(np.uint64), side="right") % n).tolist()
         except ValueError:  # not all content ids: one at a time, exactly as replicas() does
             starts = [bisect.bisect_right(self._points, key_point(cid)) % n for cid in chunk_ids]
-        placed: dict[int, tuple[str, ...]] = {}
-        for start in set(starts):
-            found = self._placed.get((start, r))
-            if found is None:
-                found = self._placed[(start, r)] = tuple(self._place(start, r))
-            placed[start] = found
+        placed = {start: self._placed_from(start, r) for start in set(starts)}
         return [placed[s] for s in starts]
 
 
