@@ -384,7 +384,7 @@ def main() -> int:
         if man.total_bytes != model_bytes or len(man.unique_chunks()) != pushed.chunks_unique or man.raw_bytes != pushed.bytes_total:
             raise SystemExit(f"packed model ({len(man.unique_chunks())} chunks, {man.raw_bytes} B) differs from the push "
                              f"({pushed.chunks_unique} chunks, {pushed.bytes_total} B)")
-        (root / "manifest.json").write_bytes(man.to_bytes())
+        (root / "manifest.bin").write_bytes(man.to_bytes())
         redis_server = RedisServer(root)
         rc = redis_server.client()
         t0 = time.perf_counter()
@@ -403,7 +403,7 @@ def main() -> int:
         gc.collect()
 
         spec = {"seed": cluster.seed, "cluster_root": str(cluster.root), "source_file": str(root / "source.bin"),
-                "manifest_file": str(root / "manifest.json"), "tensors": index, "redis_port": redis_server.port,
+                "manifest_file": str(root / "manifest.bin"), "tensors": index, "redis_port": redis_server.port,
                 "pipeline": args.pipeline}
         spec_path = root / "spec.json"
         spec_path.write_text(json.dumps(spec))

@@ -13,8 +13,12 @@ Rules (they are part of the manifest format, version 1):
 """
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import overload
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -47,12 +51,86 @@ def place_tensors(sizes: Sequence[tuple[int, int]], chunk_size: int) -> list[int
     return offsets
 
 
+def chunk_raw_sizes(ranges: Sequence[tuple[int, int]], chunk_size: int) -> np.ndarray:
+    """Raw size of every chunk (``ChunkPlan.raw_sizes``) as an array.
+
+    One pass over tensors, not chunks: checking a half-million-chunk manifest costs what its
+    few thousand tensors cost. Raises ValueError when ranges overlap or leave a chunk without
+    data, which only a malformed manifest can produce.
+    """
+    end = _span(ranges)
+    count = _round_up(end, chunk_size) // chunk_size
+    raw_ends = np.zeros(count, np.int64)
+    for offset, nbytes in ranges:
+        if nbytes == 0:
+            continue
+        first, last = offset // chunk_size, (offset + nbytes - 1) // chunk_size
+        raw_ends[first:last] = chunk_size
+        tail = offset + nbytes - last * chunk_size
+        if raw_ends[last] < tail:
+            raw_ends[last] = tail
+    if count and int(raw_ends.min()) == 0:
+        raise ValueError("a chunk holds no tensor bytes; the tensor offsets leave a gap of a whole chunk")
+    return raw_ends
+
+
+def _span(ranges: Sequence[tuple[int, int]]) -> int:
+    end = 0
+    for offset, nbytes in ranges:
+        if nbytes > 0:
+            if offset < end:
+                raise ValueError(f"tensor byte range at offset {offset} overlaps the previous tensor")
+            end = offset + nbytes
+    return end
+
+
+class ChunkSegments(Sequence[tuple[Segment, ...]]):
+    """``segments[i]``: the tensor segments of chunk ``i``, worked out when asked for.
+
+    Building them all up front cost seconds and hundreds of MB for a half-million-chunk
+    checkpoint; one chunk's are a binary search over the tensors away.
+    """
+
+    def __init__(self, ranges: Sequence[tuple[int, int]], chunk_size: int, count: int) -> None:
+        held = [(offset, offset + nbytes, t) for t, (offset, nbytes) in enumerate(ranges) if nbytes > 0]
+        self._starts = [a for a, _, _ in held]
+        self._ends = [b for _, b, _ in held]
+        self._tensors = [t for _, _, t in held]
+        self._chunk_size = chunk_size
+        self._count = count
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> tuple[Segment, ...]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[tuple[Segment, ...], ...]: ...
+
+    def __getitem__(self, index: int | slice) -> tuple[Segment, ...] | tuple[tuple[Segment, ...], ...]:
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(*index.indices(self._count)))
+        if not -self._count <= index < self._count:
+            raise IndexError(f"chunk index {index} is out of range for {self._count} chunks")
+        base = (index % self._count) * self._chunk_size
+        top = base + self._chunk_size
+        out = []
+        k = bisect_right(self._ends, base)  # the first tensor ending after this chunk's start
+        while k < len(self._starts) and self._starts[k] < top:
+            start, end = self._starts[k], self._ends[k]
+            lo, hi = max(start, base), min(end, top)
+            out.append(Segment(self._tensors[k], lo - base, lo - start, hi - lo))
+            k += 1
+        return tuple(out)
+
+
 @dataclass(frozen=True)
 class ChunkPlan:
-    """Chunk raw sizes and the tensor segments of every chunk."""
+    """Chunk raw sizes, the tensor segments of every chunk, and the chunks of every tensor."""
 
     raw_sizes: tuple[int, ...]
-    segments: tuple[tuple[Segment, ...], ...]
+    segments: Sequence[tuple[Segment, ...]]
     tensor_chunks: tuple[tuple[int, ...], ...]
 
     @property
@@ -66,28 +144,9 @@ def plan_chunks(ranges: Sequence[tuple[int, int]], chunk_size: int) -> ChunkPlan
     Raises ValueError when ranges overlap or leave a chunk without data, which
     only a malformed manifest can produce.
     """
-    end = 0
-    for offset, nbytes in ranges:
-        if nbytes > 0:
-            if offset < end:
-                raise ValueError(f"tensor byte range at offset {offset} overlaps the previous tensor")
-            end = offset + nbytes
-    count = _round_up(end, chunk_size) // chunk_size
-    raw_ends = [0] * count
-    segments: list[list[Segment]] = [[] for _ in range(count)]
-    tensor_chunks: list[tuple[int, ...]] = []
-    for t, (offset, nbytes) in enumerate(ranges):
-        if nbytes == 0:
-            tensor_chunks.append(())
-            continue
-        first, last = offset // chunk_size, (offset + nbytes - 1) // chunk_size
-        for c in range(first, last + 1):
-            base = c * chunk_size
-            lo = max(offset, base)
-            hi = min(offset + nbytes, base + chunk_size)
-            segments[c].append(Segment(t, lo - base, lo - offset, hi - lo))
-            raw_ends[c] = max(raw_ends[c], hi - base)
-        tensor_chunks.append(tuple(range(first, last + 1)))
-    if any(size == 0 for size in raw_ends):
-        raise ValueError("a chunk holds no tensor bytes; the tensor offsets leave a gap of a whole chunk")
-    return ChunkPlan(tuple(raw_ends), tuple(tuple(s) for s in segments), tuple(tensor_chunks))
+    raw_sizes = chunk_raw_sizes(ranges, chunk_size)
+    tensor_chunks = tuple(
+        tuple(range(offset // chunk_size, (offset + nbytes - 1) // chunk_size + 1)) if nbytes else ()
+        for offset, nbytes in ranges
+    )
+    return ChunkPlan(tuple(raw_sizes.tolist()), ChunkSegments(ranges, chunk_size, len(raw_sizes)), tensor_chunks)

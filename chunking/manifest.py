@@ -1,9 +1,16 @@
 """The manifest: what a model version is made of, serialised canonically.
 
-The byte form is compact JSON with sorted keys and UTF-8 text; the same
-manifest gives the same bytes in any process, so its content id names it.
-Tensors and chunks are stored as arrays (fields in ``TENSOR_FIELDS`` and
-``CHUNK_FIELDS`` order) to keep a 1 GiB model's manifest small.
+Two byte forms, both canonical (the same manifest gives the same bytes in any process, so its
+content id names it):
+
+- format 2, written by this library: a small JSON header (tensors, files, names) followed by
+  the chunk fields as binary columns (``chunking.manifest_binary``). A 140 GB checkpoint's
+  half-million chunks decode as numpy views, not as objects;
+- format 1, still read (and re-written byte for byte, so its id holds): compact JSON with
+  sorted keys, tensors and chunks as arrays in ``TENSOR_FIELDS`` / ``CHUNK_FIELDS`` order.
+
+Either way ``Manifest.chunks`` is a ``ChunkTable``: columns, with a ``ChunkRef`` made only for
+the rows a caller reads.
 
 A model folder (``chunking.folder``) adds two optional parts, written only when present so a
 plain weights file's manifest keeps its bytes and id: ``files``, the non-tensor files (config,
@@ -18,22 +25,33 @@ import json
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, cast
 
+import numpy as np
+
+from chunking import manifest_binary
+from chunking.chunk_table import ChunkRef as ChunkRef  # re-exported: a manifest's rows
+from chunking.chunk_table import ChunkTable
 from chunking.config import HASH_ALGORITHMS, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from chunking.dtypes import DTYPES, element_size
 from chunking.errors import ManifestError
 from chunking.hashing import content_id, is_content_id
-from chunking.layout import ChunkPlan, plan_chunks
+from chunking.layout import ChunkPlan, chunk_raw_sizes, plan_chunks
 
-FORMAT_VERSION = 1
+JSON_FORMAT = 1
+BINARY_FORMAT = 2
+FORMAT_VERSION = BINARY_FORMAT  # what pack writes
+READABLE_FORMATS = (JSON_FORMAT, BINARY_FORMAT)
 TENSOR_FIELDS = ("name", "dtype", "shape", "offset", "nbytes")
 CHUNK_FIELDS = ("id", "raw_size", "stored_size", "codec", "crc32c", "introduced_in", "created_at")
 FILE_FIELDS = ("path", "size", "blake3", "chunks")
 FILE_CHUNK_FIELDS = ("id", "raw_size", "stored_size", "codec", "crc32c")
 MAX_PATH_BYTES = 1024
-BASE_KEYS = frozenset({"format_version", "model", "version", "chunk_size", "hash_algorithm", "fingerprint",
-                       "tensor_fields", "tensors", "chunk_fields", "chunks"})
+HEADER_KEYS = frozenset({"format_version", "model", "version", "chunk_size", "hash_algorithm", "fingerprint",
+                         "tensor_fields", "tensors"})
+BASE_KEYS = HEADER_KEYS | {"chunk_fields", "chunks"}  # format 1
+BINARY_KEYS = HEADER_KEYS | {"chunk_count", "runs", "codecs"}  # format 2
 FILE_KEYS = frozenset({"file_fields", "file_chunk_fields", "files"})
 SHARD_KEYS = frozenset({"weight_files", "tensor_file"})
 
@@ -56,22 +74,6 @@ class TensorEntry:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
-
-
-@dataclass(frozen=True)
-class ChunkRef:
-    index: int
-    id: str
-    raw_size: int
-    stored_size: int
-    codec: str
-    crc32c: int
-    introduced_in: int
-    created_at: float
-
-    def __post_init__(self) -> None:
-        # JSON writes 0 and 0.0 differently; always a float keeps the bytes canonical.
-        object.__setattr__(self, "created_at", float(self.created_at))
 
 
 @dataclass(frozen=True)
@@ -120,16 +122,36 @@ class Manifest:
     chunk_size: int
     format_version: int
     tensors: tuple[TensorEntry, ...]
-    chunks: tuple[ChunkRef, ...]
+    chunks: ChunkTable  # a sequence of ChunkRef given here becomes a ChunkTable
     fingerprint: str
     hash_algorithm: str = "blake3"
     files: tuple[FileEntry, ...] = ()
     weight_files: tuple[str, ...] = ()  # safetensors shards of a model folder, in order
     tensor_file: tuple[int, ...] = ()  # per tensor: its index in weight_files
 
+    def __post_init__(self) -> None:
+        given: object = self.chunks
+        if not isinstance(given, ChunkTable):  # refs, e.g. from dataclasses.replace(m, chunks=(...))
+            refs: tuple[ChunkRef, ...] = tuple(cast("Iterable[ChunkRef]", given))
+            for i, ref in enumerate(refs):
+                if ref.index != i:
+                    raise _fail(f"chunk at position {i} says index {ref.index}")
+            try:
+                table = ChunkTable.from_refs(refs)
+            except ValueError as exc:
+                raise _fail(str(exc)) from None
+            object.__setattr__(self, "chunks", table)
+        if self.format_version not in READABLE_FORMATS:
+            raise _unsupported(self.format_version)
+
     # -- serialisation ---------------------------------------------------
     def to_bytes(self) -> bytes:
-        doc: dict[str, Any] = {
+        """The canonical bytes, in this manifest's ``format_version``."""
+        return self._encoded
+
+    @cached_property
+    def _encoded(self) -> bytes:
+        header: dict[str, Any] = {
             "format_version": self.format_version,
             "model": self.model,
             "version": self.version,
@@ -138,40 +160,53 @@ class Manifest:
             "fingerprint": self.fingerprint,
             "tensor_fields": list(TENSOR_FIELDS),
             "tensors": [[t.name, t.dtype, list(t.shape), t.offset, t.nbytes] for t in self.tensors],
-            "chunk_fields": list(CHUNK_FIELDS),
-            "chunks": [
-                [c.id, c.raw_size, c.stored_size, c.codec, c.crc32c, c.introduced_in, c.created_at]
-                for c in self.chunks
-            ],
         }
         if self.files:
-            doc["file_fields"] = list(FILE_FIELDS)
-            doc["file_chunk_fields"] = list(FILE_CHUNK_FIELDS)
-            doc["files"] = [
+            header["file_fields"] = list(FILE_FIELDS)
+            header["file_chunk_fields"] = list(FILE_CHUNK_FIELDS)
+            header["files"] = [
                 [f.path, f.size, f.blake3, [[c.id, c.raw_size, c.stored_size, c.codec, c.crc32c] for c in f.chunks]]
                 for f in self.files
             ]
         if self.weight_files:
-            doc["weight_files"] = list(self.weight_files)
-            doc["tensor_file"] = list(self.tensor_file)
-        return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+            header["weight_files"] = list(self.weight_files)
+            header["tensor_file"] = list(self.tensor_file)
+        t = self.chunks
+        if self.format_version == BINARY_FORMAT:
+            header["codecs"] = list(t.codecs)
+            return manifest_binary.encode(header, manifest_binary.Columns(
+                t.digests, t.crc32c, t.stored_size, t.codec_index, t.introduced_in, t.created_at))
+        header["chunk_fields"] = list(CHUNK_FIELDS)
+        header["chunks"] = [list(row) for row in zip(t.ids, t.raw_size.tolist(), t.stored_size.tolist(), t.codec_names(),
+                                                     t.crc32c.tolist(), t.introduced_in.tolist(), t.created_at.tolist())]
+        return json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+    def in_format(self, format_version: int) -> Manifest:
+        """This manifest in another byte form (another id: the id names the bytes)."""
+        if format_version not in READABLE_FORMATS:
+            raise _unsupported(format_version)
+        return dataclasses.replace(self, format_version=format_version)
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview, expected_id: str | None = None) -> Manifest:
-        """Parse and validate manifest bytes; refuse unknown format versions and id mismatches."""
+        """Parse and validate manifest bytes (either format); refuse unknown format versions and id mismatches."""
         raw = bytes(data)
-        try:
-            doc = json.loads(raw.decode("utf-8"))
-        except (ValueError, RecursionError) as exc:
-            raise _fail(f"not UTF-8 JSON ({exc}); the bytes may be truncated") from None
-        if not isinstance(doc, dict):
-            raise _fail("top level is not an object")
+        binary = manifest_binary.is_binary(raw)
+        if binary:
+            try:
+                doc, columns = manifest_binary.decode(raw)
+            except ValueError as exc:
+                raise _fail(f"format-2 bytes are damaged: {exc}") from None
+        else:
+            try:
+                doc = json.loads(raw.decode("utf-8"))
+            except (ValueError, RecursionError) as exc:
+                raise _fail(f"not UTF-8 JSON nor the binary format ({exc}); the bytes may be truncated") from None
+            if not isinstance(doc, dict):
+                raise _fail("top level is not an object")
         fmt = doc.get("format_version")
-        if fmt != FORMAT_VERSION:
-            raise ManifestError(
-                f"manifest format version {fmt!r} is not supported: this chunking library reads version "
-                f"{FORMAT_VERSION}. Upgrade the worker/server software to read it, or re-push the model with this version."
-            )
+        if fmt != (BINARY_FORMAT if binary else JSON_FORMAT):
+            raise _unsupported(fmt)
         algorithm = doc.get("hash_algorithm")
         if algorithm not in HASH_ALGORITHMS:
             raise _fail(f"hash_algorithm {algorithm!r} is unknown")
@@ -180,31 +215,58 @@ class Manifest:
                 f"manifest bytes do not match the id {expected_id}: they were corrupted or belong to another "
                 "version. Fetch the manifest again from another server."
             )
-        manifest = cls._from_doc(doc)
+        manifest = cls._from_binary(doc, columns) if binary else cls._from_doc(doc)
         if manifest.to_bytes() != raw:
             raise _fail("bytes are not in canonical form (re-serialised bytes differ), so its id would not be stable")
+        if expected_id is not None:
+            manifest.__dict__["id"] = expected_id
         return manifest
 
     @classmethod
+    def _from_binary(cls, doc: dict[str, Any], columns: manifest_binary.Columns) -> Manifest:
+        _check_keys(set(doc), BINARY_KEYS)
+        codecs = doc["codecs"]
+        if not all(is_codec_name(c) for c in codecs) or len(set(codecs)) != len(codecs):
+            raise _fail(f"codec table {codecs!r} has an unknown or repeated codec")
+        tensors, chunk_size = cls._header_tensors(doc)
+        n = len(columns.digests)
+        if not _spans(tensors, chunk_size, n):
+            raise _fail(f"{n} chunks listed but the tensors span {_chunk_span(tensors, chunk_size)}")
+        try:
+            raw_size = chunk_raw_sizes([(t.offset, t.nbytes) for t in tensors], chunk_size)
+        except ValueError as exc:
+            raise _fail(str(exc)) from None
+        table = ChunkTable(columns.digests, raw_size, columns.stored_size, columns.crc32c, columns.codec_index,
+                           tuple(codecs), columns.introduced_in, columns.created_at)
+        return cls._build(doc, tensors, table, BINARY_FORMAT)
+
+    @classmethod
+    def _header_tensors(cls, doc: dict[str, Any]) -> tuple[tuple[TensorEntry, ...], int]:
+        if doc["tensor_fields"] != list(TENSOR_FIELDS):
+            raise _fail("tensor field list differs from this format version")
+        if not isinstance(doc["tensors"], list):
+            raise _fail("tensors must be a list")
+        tensors = tuple(_tensor_from(item, i) for i, item in enumerate(doc["tensors"]))
+        return tensors, _int(doc["chunk_size"], "chunk_size", MIN_CHUNK_SIZE, MAX_CHUNK_SIZE)
+
+    @classmethod
     def _from_doc(cls, doc: dict[str, Any]) -> Manifest:
-        keys = set(doc)
-        expected_keys = set(BASE_KEYS)
-        if keys & FILE_KEYS:
-            expected_keys |= FILE_KEYS
-        if keys & SHARD_KEYS:
-            expected_keys |= SHARD_KEYS
-        if keys != expected_keys:
-            raise _fail(f"keys {sorted(keys ^ expected_keys)} are missing or unexpected")
+        _check_keys(set(doc), BASE_KEYS)
+        if doc["chunk_fields"] != list(CHUNK_FIELDS):
+            raise _fail("field lists differ from this format version")
+        if not isinstance(doc["chunks"], list):
+            raise _fail("tensors and chunks must be lists")
+        tensors, _ = cls._header_tensors(doc)
+        chunks = tuple(_chunk_from(item, i) for i, item in enumerate(doc["chunks"]))
+        return cls._build(doc, tensors, chunks, JSON_FORMAT)
+
+    @classmethod
+    def _build(cls, doc: dict[str, Any], tensors: tuple[TensorEntry, ...], chunks: ChunkTable | tuple[ChunkRef, ...],
+               fmt: int) -> Manifest:
         if "files" in doc and (doc["file_fields"] != list(FILE_FIELDS) or doc["file_chunk_fields"] != list(FILE_CHUNK_FIELDS)):
             raise _fail("file field lists differ from this format version")
-        if doc["tensor_fields"] != list(TENSOR_FIELDS) or doc["chunk_fields"] != list(CHUNK_FIELDS):
-            raise _fail("field lists differ from this format version")
         if not isinstance(doc["model"], str) or not isinstance(doc["fingerprint"], str):
             raise _fail("model and fingerprint must be strings")
-        if not isinstance(doc["tensors"], list) or not isinstance(doc["chunks"], list):
-            raise _fail("tensors and chunks must be lists")
-        tensors = tuple(_tensor_from(item, i) for i, item in enumerate(doc["tensors"]))
-        chunks = tuple(_chunk_from(item, i) for i, item in enumerate(doc["chunks"]))
         files: tuple[FileEntry, ...] = ()
         if "files" in doc:
             if not isinstance(doc["files"], list) or not doc["files"]:
@@ -222,9 +284,9 @@ class Manifest:
             model=doc["model"],
             version=_int(doc["version"], "version"),
             chunk_size=_int(doc["chunk_size"], "chunk_size", MIN_CHUNK_SIZE, MAX_CHUNK_SIZE),
-            format_version=FORMAT_VERSION,
+            format_version=fmt,
             tensors=tensors,
-            chunks=chunks,
+            chunks=chunks,  # type: ignore[arg-type]  # __post_init__ makes a ChunkTable of refs
             fingerprint=doc["fingerprint"],
             hash_algorithm=doc["hash_algorithm"],
             files=files,
@@ -247,25 +309,31 @@ class Manifest:
                 raise _fail(f"tensor {t.name!r} has unknown dtype {t.dtype!r}")
             if t.nbytes != t.numel * element_size(t.dtype):
                 raise _fail(f"tensor {t.name!r}: nbytes {t.nbytes} does not match shape {t.shape} x {t.dtype}")
-        end = max((t.offset + t.nbytes for t in self.tensors if t.nbytes), default=0)
-        if -(-end // cs) != len(self.chunks):
-            # Checked before planning so a forged huge offset cannot make us allocate a huge plan.
-            raise _fail(f"{len(self.chunks)} chunks listed but the tensors span {-(-end // cs)}")
+        table = self.chunks
+        if not _spans(self.tensors, cs, len(table)):
+            # Checked before the layout so a forged huge offset cannot make us allocate a huge array.
+            raise _fail(f"{len(table)} chunks listed but the tensors span {_chunk_span(self.tensors, cs)}")
         try:
-            plan = self.plan
+            sizes = chunk_raw_sizes([(t.offset, t.nbytes) for t in self.tensors], cs)
         except ValueError as exc:
             raise _fail(str(exc)) from None
-        if len(self.chunks) != plan.count:
-            raise _fail(f"{len(self.chunks)} chunks listed but the tensors span {plan.count}")
-        for i, (ref, size) in enumerate(zip(self.chunks, plan.raw_sizes)):
-            if ref.index != i:
-                raise _fail(f"chunk at position {i} says index {ref.index}")
-            if ref.raw_size != size:
-                raise _fail(f"chunk #{ref.index} raw_size {ref.raw_size} differs from the layout's {size}")
-            if ref.codec.startswith("zstd+shuffle") and ref.raw_size % int(ref.codec[len("zstd+shuffle"):]):
-                raise _fail(f"chunk #{ref.index} shuffle width does not divide its raw size")
-            if ref.codec == "raw" and ref.stored_size != ref.raw_size:
-                raise _fail(f"raw chunk #{ref.index} has stored_size {ref.stored_size} != raw_size {ref.raw_size}")
+        bad = np.flatnonzero(table.raw_size != sizes)
+        if len(bad):
+            i = int(bad[0])
+            raise _fail(f"chunk #{i} raw_size {int(table.raw_size[i])} differs from the layout's {int(sizes[i])}")
+        for k, codec in enumerate(table.codecs):
+            rows = np.flatnonzero(table.codec_index == k)
+            if codec.startswith("zstd+shuffle"):
+                bad = rows[table.raw_size[rows] % int(codec[len("zstd+shuffle"):]) != 0]
+                if len(bad):
+                    raise _fail(f"chunk #{int(bad[0])} shuffle width does not divide its raw size")
+            if codec == "raw":
+                bad = rows[table.stored_size[rows] != table.raw_size[rows]]
+                if len(bad):
+                    i = int(bad[0])
+                    raise _fail(f"raw chunk #{i} has stored_size {int(table.stored_size[i])} != raw_size {int(table.raw_size[i])}")
+        if len(table) and (int(table.stored_size.min()) < 1 or int(table.introduced_in.min()) < 0):
+            raise _fail("a chunk has stored_size 0 or a negative introduced_in")
         if not is_content_id(self.fingerprint):
             raise _fail("fingerprint is not 64 hex digits")
         self._check_folder()
@@ -296,7 +364,7 @@ class Manifest:
                     raise _fail(f"file {f.path!r} raw chunk #{k} has stored_size {c.stored_size} != raw_size {c.raw_size}")
 
     # -- derived views ---------------------------------------------------
-    @property
+    @cached_property
     def id(self) -> str:
         return content_id(self.to_bytes(), self.hash_algorithm)
 
@@ -307,15 +375,15 @@ class Manifest:
 
     @property
     def raw_bytes(self) -> int:
-        return sum(c.raw_size for c in self.chunks)
+        return int(self.chunks.raw_size.sum())
 
     @property
     def stored_bytes(self) -> int:
-        return sum(c.stored_size for c in self.chunks)
+        return int(self.chunks.stored_size.sum())
 
     def chunk_ids(self) -> tuple[str, ...]:
         """Chunk ids in index order (an id repeats when two chunks hold equal bytes)."""
-        return tuple(c.id for c in self.chunks)
+        return self.chunks.ids
 
     def file_chunks(self) -> tuple[ChunkRef, ...]:
         """One ref per distinct chunk id of the non-tensor files, first occurrence first."""
@@ -327,17 +395,14 @@ class Manifest:
 
     def all_chunk_ids(self) -> frozenset[str]:
         """Every chunk id the version needs: its tensors' and its files' (what GC must keep)."""
-        return frozenset(c.id for c in self.chunks) | frozenset(c.id for f in self.files for c in f.chunks)
+        return frozenset(self.chunks.ids) | frozenset(c.id for f in self.files for c in f.chunks)
 
     def file(self, path: str) -> FileEntry | None:
         return next((f for f in self.files if f.path == path), None)
 
     def unique_chunks(self) -> tuple[ChunkRef, ...]:
         """One ref per distinct chunk id, first occurrence first."""
-        seen: dict[str, ChunkRef] = {}
-        for c in self.chunks:
-            seen.setdefault(c.id, c)
-        return tuple(seen.values())
+        return tuple(self.chunks.rows(self.chunks.first_rows))
 
     @cached_property
     def plan(self) -> ChunkPlan:
@@ -355,11 +420,34 @@ class Manifest:
 
     def with_version(self, version: int) -> Manifest:
         """A copy for version slot ``version``; chunks this version introduced are re-stamped."""
-        chunks = tuple(
-            dataclasses.replace(c, introduced_in=version) if c.introduced_in == self.version else c
-            for c in self.chunks
-        )
-        return dataclasses.replace(self, version=version, chunks=chunks)
+        return dataclasses.replace(self, version=version, chunks=self.chunks.restamped(self.version, version))
+
+
+def _unsupported(fmt: Any) -> ManifestError:
+    return ManifestError(
+        f"manifest format version {fmt!r} is not supported: this chunking library reads versions "
+        f"{' and '.join(map(str, READABLE_FORMATS))}. Upgrade the worker/server software to read it, or re-push the "
+        "model with this version."
+    )
+
+
+def _check_keys(keys: set[str], base: frozenset[str]) -> None:
+    expected = set(base)
+    if keys & FILE_KEYS:
+        expected |= FILE_KEYS
+    if keys & SHARD_KEYS:
+        expected |= SHARD_KEYS
+    if keys != expected:
+        raise _fail(f"keys {sorted(keys ^ expected)} are missing or unexpected")
+
+
+def _chunk_span(tensors: tuple[TensorEntry, ...], chunk_size: int) -> int:
+    end = max((t.offset + t.nbytes for t in tensors if t.nbytes), default=0)
+    return -(-end // chunk_size)
+
+
+def _spans(tensors: tuple[TensorEntry, ...], chunk_size: int, count: int) -> bool:
+    return _chunk_span(tensors, chunk_size) == count
 
 
 def _tensor_from(item: Any, i: int) -> TensorEntry:

@@ -23,6 +23,7 @@ from chunking.dtypes import dtype_name, element_size
 from chunking.errors import ChunkingError, InvalidInput
 from chunking.hashing import Buffer, bytes_like, content_id, crc32c
 from chunking.layout import ChunkPlan, place_tensors, plan_chunks
+from chunking.chunk_table import ChunkTable
 from chunking.manifest import FORMAT_VERSION, ChunkRef, Manifest, TensorEntry
 from chunking.parallel import chunks_per_block, default_threads, map_blocks
 from chunking.sources import Source, load_source
@@ -164,7 +165,8 @@ class PackStream:
         self._elem_sizes = [element_size(t.dtype) for t in self.tensors]
         self.model, self.version, self.config, self.stamp = model, version, config, stamp
         self.threads = threads if threads is not None else (default_threads() if self.plan.count > 16 else 1)
-        self._known = {c.id: c.introduced_in for c in previous.chunks} if previous is not None else {}
+        self._known = (dict(zip(previous.chunks.ids, previous.chunks.introduced_in.tolist()))
+                       if previous is not None else {})
         self._keep_budget = keep_stored_bytes
         self._refs: list[ChunkRef] = []
         self._kept: dict[int, bytes] = {}
@@ -226,7 +228,7 @@ class PackStream:
             chunk_size=self.config.chunk_size,
             format_version=FORMAT_VERSION,
             tensors=self.tensors,
-            chunks=tuple(refs),
+            chunks=ChunkTable.from_refs(refs),
             fingerprint=fingerprint(self.tensors, [r.id for r in refs], self.config.chunk_size, self.config.hash_algorithm),
             hash_algorithm=self.config.hash_algorithm,
         )

@@ -101,6 +101,8 @@ class ChunkWriter:
                 cuda = True
                 self._cpu.append(None)
                 self._dev.append(u8)
+        self.whole = self._whole_chunks()
+        self._whole: list[int] = self.whole.tolist()  # region() reads one entry per chunk: a list is faster
         self.pool = pool
         self.copier: Copier | None = None
         if cuda:
@@ -141,14 +143,39 @@ class ChunkWriter:
 
     def region(self, index: int) -> memoryview | None:
         """The CPU tensor bytes chunk ``index`` fills when they are one whole region, else None."""
-        segs = self._plan.segments[index]
-        if len(segs) != 1:
+        t = self._whole[index]
+        if t < 0:
             return None
-        s = segs[0]
-        cpu = self._cpu[s.tensor]
-        if cpu is None or s.chunk_offset != 0 or s.length != self._plan.raw_sizes[index]:
-            return None
-        return cpu[s.tensor_offset : s.tensor_offset + s.length].data
+        cpu = self._cpu[t]
+        assert cpu is not None
+        start = index * self.manifest.chunk_size - self.manifest.tensors[t].offset
+        return cpu[start : start + self._plan.raw_sizes[index]].data
+
+    def _whole_chunks(self) -> np.ndarray:
+        """Per chunk: the CPU tensor whose bytes it is exactly (its one segment, from the chunk's
+        start to its end), or -1. Worked out per tensor, not per chunk."""
+        manifest, cs = self.manifest, self.manifest.chunk_size
+        count = len(manifest.chunks)
+        owners = np.zeros(count, np.int32)  # tensors with bytes in each chunk
+        whole = np.full(count, -1, np.int32)
+        for t, entry in enumerate(manifest.tensors):
+            if entry.nbytes == 0:
+                continue
+            first, last = entry.offset // cs, (entry.offset + entry.nbytes - 1) // cs
+            owners[first : last + 1] += 1
+            if self._cpu[t] is None:
+                continue
+            # Chunks that start inside the tensor (a tensor starting mid-chunk shares its first
+            # chunk) and end inside it (the chunk's raw size trims the trailing gap).
+            lo = first if entry.offset == first * cs else first + 1
+            whole[lo : last + 1] = t
+        end = np.arange(count, dtype=np.int64) * cs + np.asarray(self._plan.raw_sizes, dtype=np.int64)
+        stops = np.array([e.offset + e.nbytes for e in manifest.tensors] or [0], dtype=np.int64)
+        inside = np.ones(count, dtype=bool)
+        held = whole >= 0
+        inside[held] = end[held] <= stops[whole[held]]
+        whole[(owners != 1) | ~inside] = -1
+        return whole
 
     def synchronize(self) -> None:
         if self.copier is not None:
@@ -157,14 +184,18 @@ class ChunkWriter:
 
 def unique_order(manifest: Manifest, heat: HeatReport | None) -> list[ChunkRef]:
     """Distinct chunks in fetch order: the heatmap's first, then manifest order."""
+    table = manifest.chunks
+    if heat is None:
+        return list(table.rows(table.first_rows))  # manifest order, each id once: no per-chunk loop
+    ids = table.ids
     seen: set[str] = set()
-    out: list[ChunkRef] = []
-    for index in prefetch_order(heat, range(len(manifest.chunks))):
-        ref = manifest.chunks[index]
-        if ref.id not in seen:
-            seen.add(ref.id)
-            out.append(ref)
-    return out
+    rows: list[int] = []
+    for index in prefetch_order(heat, range(len(table))):
+        cid = ids[index]
+        if cid not in seen:
+            seen.add(cid)
+            rows.append(index)
+    return list(table.rows(rows))
 
 
 class Prefetcher:
@@ -200,8 +231,8 @@ class Prefetcher:
         self.writer = ChunkWriter(manifest, targets, self.readiness, self.config, pool)
         self.counters = LoadCounters()
         self._indices: dict[str, list[int]] = {}
-        for ref in manifest.chunks:
-            self._indices.setdefault(ref.id, []).append(ref.index)
+        for index, cid in enumerate(manifest.chunks.ids):
+            self._indices.setdefault(cid, []).append(index)
         self._lock = threading.Lock()
         self._done: set[str] = set()
         self._disk_queue: queue.Queue[tuple[str, bytes] | None] | None = None
@@ -211,8 +242,9 @@ class Prefetcher:
         # keeps the whole load's memory alive); the first view is charged the bytes that no
         # view covers (small tensors packed together, padding), so the charge is what is held.
         self._group = HeldGroup()
-        self._slack = max(0, manifest.raw_bytes - sum(r.raw_size for r in manifest.unique_chunks()
-                                                      if self.writer.region(self._indices[r.id][0]) is not None))
+        first = manifest.chunks.first_rows
+        in_place = first[self.writer.whole[first] >= 0]
+        self._slack = max(0, manifest.raw_bytes - int(manifest.chunks.raw_size[in_place].sum()))
         self._views = cache is not None and cache.memory.capacity_bytes >= manifest.raw_bytes + self._slack
         for i, t in enumerate(manifest.tensors):
             if manifest.plan.tensor_chunks[i]:
@@ -247,12 +279,9 @@ class Prefetcher:
             return None
         return self.writer.region(self._indices[ref.id][0])
 
-    def landed_in_place(self, ref: ChunkRef) -> None:
-        index = self._indices[ref.id][0]
-        view = self.writer.region(index)
-        assert view is not None
-        self._land(ref, view, "network", written=index)
-        self._keep(ref, view, in_tensor=True)
+    def landed_in_place(self, ref: ChunkRef, region: memoryview) -> None:
+        self._land(ref, region, "network", written=self._indices[ref.id][0])
+        self._keep(ref, region, in_tensor=True)
         with self._lock:
             self.counters.network_stored_bytes += ref.stored_size
 

@@ -46,8 +46,8 @@ class ChunkSink(Protocol):
     def region(self, ref: ChunkRef) -> memoryview | None:
         """Where a raw chunk's bytes may be received directly (its whole destination), or None."""
 
-    def landed_in_place(self, ref: ChunkRef) -> None:
-        """The bytes received into ``region(ref)`` verified: the chunk counts from now on."""
+    def landed_in_place(self, ref: ChunkRef, region: memoryview) -> None:
+        """The bytes received into ``region`` (what ``region(ref)`` gave) verified: the chunk counts from now on."""
 
     def write(self, ref: ChunkRef, raw: Buffer) -> None:
         """Verified raw bytes of ``ref``; a view of a buffer reused after the call: copy what must stay."""
@@ -191,11 +191,12 @@ class _Fetch:
         with self.lock:
             self.stats.reads += 1
         items = self.engine.transport.read(read.server, read.ids, self._into, timeout)
+        asked = frozenset(read.ids)  # a read names up to max_read_bytes of chunks: thousands of small ones
         try:
             for arrival in items:
                 if self.error is not None:
                     return
-                self._arrive(read, arrival)
+                self._arrive(read, asked, arrival)
         except ReadBroken as exc:
             self._step(ReadFailed(read.read, f"{exc.reason}", exc.replica_down))
             return
@@ -205,9 +206,9 @@ class _Fetch:
                 close()
         self._step(ReadEnded(read.read))
 
-    def _arrive(self, read: Read, arrival: Arrival) -> None:
+    def _arrive(self, read: Read, asked: frozenset[str], arrival: Arrival) -> None:
         ref = self.refs.get(arrival.id)
-        if ref is None or arrival.id not in read.ids:
+        if ref is None or arrival.id not in asked:
             return  # not asked for: never trusted
         if not arrival.ok:
             self._step(Refused(read.read, arrival.id, arrival.message[:300], corrupt=arrival.corrupt))
@@ -217,7 +218,7 @@ class _Fetch:
             region = self.direct.pop(arrival.id, None)
             if region is not None and arrival.data is region:
                 verifier.check_in_place(ref, arrival, region)
-                self.sink.landed_in_place(ref)
+                self.sink.landed_in_place(ref, region)
                 in_place = 1
             else:
                 self.sink.write(ref, verifier.raw(ref, arrival))

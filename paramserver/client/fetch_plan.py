@@ -261,7 +261,26 @@ class FetchPlanner:
         load: dict[str, int] = {}
         by_server: dict[str, list[str]] = {}
         out: list[Decision] = []
+        fresh: dict[tuple[str, ...], list[str]] = {}  # replicas -> the ones not down, for chunks never tried
+        tried, down = self._attempts, self._down
         for cid in todo:
+            want = self._want[cid]
+            if not want.extras and cid not in tried:
+                # The common case (a first plan of half a million chunks): the replicas in ring
+                # order, least loaded first; worked out once per replica set.
+                ring = fresh.get(want.replicas)
+                if ring is None:
+                    ring = fresh[want.replicas] = [s for s in want.replicas if s not in down]
+                if ring:
+                    best = ring[0]
+                    best_load = load.get(best, 0)
+                    for s in ring[1:]:
+                        s_load = load.get(s, 0)
+                        if s_load < best_load:
+                            best, best_load = s, s_load
+                    load[best] = best_load + want.size
+                    by_server.setdefault(best, []).append(cid)
+                    continue
             candidates = self._candidates(cid)
             if not candidates:
                 attempts = self._attempts.get(cid, {})

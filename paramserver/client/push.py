@@ -120,6 +120,7 @@ class PushReport:
     refused: Mapping[str, str] = field(default_factory=dict)  # server -> why its chunks failed (a full disk, a crash)
     forced: bool = False
     servers: tuple[str, ...] = field(default=())
+    commit_seconds: float = 0.0  # CommitVersion: the leader's quorum check of every chunk, then Raft
 
     @property
     def gbps(self) -> float:
@@ -518,12 +519,14 @@ def push(
         dedup, wire = job.dedup, job.wire
         pack_s = job.pack_seconds
         progress("commit", 0, 1)
+        t_commit = time.perf_counter()
         version = commit(
             view, model=model, manifest_id=job.manifest_id, parent=base, publisher=publisher, tag=tag,
             nbytes=manifest.raw_bytes, chunk_count=len(manifest.chunks), force=options.force, deadline_s=options.commit_deadline_s,
             suspects=job.unreachable | set(job.failed),
         )  # fmt: skip
         progress("commit", 1, 1)
+        commit_s = time.perf_counter() - t_commit
         return PushReport(
             model=model,
             version=version.number,
@@ -548,6 +551,7 @@ def push(
             refused={server: message for server, (_code, message) in sorted(job.failed.items())},
             forced=version.forced,
             servers=tuple(sorted(view.members)),
+            commit_seconds=commit_s,
         )
 
 

@@ -30,7 +30,7 @@ class TensorSink:
     def region(self, ref: ChunkRef) -> memoryview | None:
         return self.assembler.direct_view(self.indices[ref.id][0])
 
-    def landed_in_place(self, ref: ChunkRef) -> None:
+    def landed_in_place(self, ref: ChunkRef, region: memoryview) -> None:
         self.assembler.commit_direct(self.indices[ref.id][0])
         self._count(ref.raw_size)
 

@@ -13,10 +13,12 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import replace
+from itertools import chain
 from pathlib import Path
 from typing import Callable, Sequence
 
 import grpc
+import numpy as np
 
 from chunking.errors import ManifestError
 from chunking.manifest import Manifest
@@ -34,8 +36,9 @@ from paramserver.server.store import ChunkStore, StoredChunk
 
 
 MembersFn = Callable[[], Sequence[MemberRecord]]
-# What one replica holds of the ids asked: id -> (CRC32C, codec) its copy declares (None: not said).
-Holdings = dict[str, tuple[int, str] | None]
+# What one replica holds of the ids asked, row for row: present; the CRC32C its copy declares and
+# whether that copy is raw (both None when the replica did not say).
+Held = tuple[np.ndarray, np.ndarray | None, np.ndarray | None]
 
 
 class PeerSet:
@@ -149,43 +152,60 @@ class QuorumVersionCheck:
             parsed = Manifest.from_bytes(manifest, expected_id=manifest_id)
         except ManifestError as exc:
             raise InvalidChunkError(manifest_id, f"manifest {manifest_id} cannot be committed: {exc}") from None
-        expected: dict[str, tuple[int, str] | None] = {manifest_id: None}  # the manifest's own CRC is not in it
-        for ref in (*parsed.chunks, *parsed.file_chunks()):  # a model folder's files are chunks too
-            first = expected.setdefault(ref.id, (ref.crc32c, ref.codec))
-            if first is not None and first[1] == ref.codec == "raw" and first[0] != ref.crc32c:
-                raise InvalidChunkError(ref.id, f"manifest {manifest_id} gives chunk {ref.id} two CRC32Cs "
-                                                f"({first[0]:08x} and {ref.crc32c:08x}); pack the model again")
-        ids = list(expected)
+        # Each distinct id once, with the CRC32C a raw copy must have. Columns, not a ChunkRef per
+        # chunk, and arrays below: a big checkpoint has half a million chunks.
+        first: dict[str, int] = {manifest_id: 0}  # id -> its row in ids
+        ids = [manifest_id]
+        want_crc = [0]
+        raw = [False]  # the manifest's own CRC is not in it
+        table = parsed.chunks
+        rows = chain(zip(table.ids, table.crc32c.tolist(), table.codec_names()),
+                     ((r.id, r.crc32c, r.codec) for r in parsed.file_chunks()))  # a model folder's files are chunks too
+        for cid, crc, codec in rows:
+            at = first.setdefault(cid, len(ids))
+            if at == len(ids):
+                ids.append(cid)
+                want_crc.append(crc)
+                raw.append(codec == "raw")
+            elif raw[at] and codec == "raw" and want_crc[at] != crc:
+                raise InvalidChunkError(cid, f"manifest {manifest_id} gives chunk {cid} two CRC32Cs "
+                                             f"({want_crc[at]:08x} and {crc:08x}); pack the model again")
+        crcs = np.asarray(want_crc, dtype=np.uint32)
+        is_raw = np.asarray(raw, dtype=bool)
         ring = self.peers.ring()
         r = min(self.peers.replication_factor, len(ring))
-        placement = ring.placement(ids, r)
-        by_server: dict[str, list[str]] = {}
-        for cid, servers in placement.items():
-            for server in servers:
-                by_server.setdefault(server, []).append(cid)
+        by_placement: dict[tuple[str, ...], list[int]] = {}
+        for row, placed in enumerate(ring.replicas_many(ids, r)):
+            by_placement.setdefault(placed, []).append(row)
+        rows_of: dict[str, list[int]] = {}
+        for placed, group in by_placement.items():
+            for server in placed:
+                rows_of.setdefault(server, []).extend(group)
+        positions = {server: np.sort(np.asarray(group, dtype=np.int64)) for server, group in rows_of.items()}
         members = self.peers.members()
         w = self.peers.quorum(r)
-        present: dict[str, set[str]] = {server: set() for server in by_server}
+        copies = np.zeros(len(ids), dtype=np.int32)
         wrong: list[tuple[str, str, int]] = []  # (chunk, server, the CRC it holds)
 
-        def short_of_quorum() -> list[tuple[str, int]]:
-            counts = ((cid, sum(cid in present[s] for s in servers)) for cid, servers in placement.items())
-            return [(cid, n) for cid, n in counts if n < w]
-
-        def record(server: str, held: Holdings) -> None:
-            for cid, stored in held.items():
-                want = expected[cid]
-                if stored is not None and want is not None and stored[1] == want[1] == "raw" and stored[0] != want[0]:
-                    wrong.append((cid, server, stored[0]))
-                else:
-                    present[server].add(cid)
+        def record(server: str, held: Held) -> None:
+            here = positions[server]
+            present, crc, raw_copy = held
+            if crc is not None and raw_copy is not None:
+                # A raw copy with another CRC than a raw manifest entry: the manifest describes bytes no server holds.
+                bad = present & raw_copy & is_raw[here] & (crc != crcs[here])
+                if bad.any():
+                    k = int(np.argmax(bad))
+                    wrong.append((ids[int(here[k])], server, int(crc[k])))
+                    present = present & ~bad
+            copies[here[present]] += 1
 
         # Answers are awaited only until every chunk has W copies: a replica that is down or cut
         # off must not hold a commit for its full deadline when the others already prove the quorum.
         pool = ThreadPoolExecutor(max_workers=self.max_parallel)
         try:
-            pending = {pool.submit(self._present_on, members.get(server), server, wanted): server for server, wanted in by_server.items()}
-            while pending and short_of_quorum() and not wrong:
+            pending = {pool.submit(self._present_on, members.get(server), server, [ids[i] for i in here.tolist()]): server
+                       for server, here in positions.items()}
+            while pending and (copies < w).any() and not wrong:
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for future in done:
                     record(pending.pop(future), future.result())
@@ -193,27 +213,29 @@ class QuorumVersionCheck:
             pool.shutdown(wait=False, cancel_futures=True)
         if wrong:
             cid, server, crc = wrong[0]
-            want = expected[cid]
-            assert want is not None
+            want = int(crcs[first[cid]])
             raise InvalidChunkError(
-                cid, f"chunk {cid} of manifest {manifest_id}: the manifest says CRC32C {want[0]:08x} but server {server} "
+                cid, f"chunk {cid} of manifest {manifest_id}: the manifest says CRC32C {want:08x} but server {server} "
                      f"stores it with CRC32C {crc:08x}; the manifest does not describe the stored chunk, pack and push again",
             )
-        short = short_of_quorum()
-        if short:
-            cid, n = short[0]
+        short = np.flatnonzero(copies < w)
+        if len(short):
+            k = int(short[0])
             raise PreconditionFailed(
                 f"{len(short)} of {len(ids)} chunks of manifest {manifest_id} have not reached their write quorum "
-                f"(W={w} of R={r}); e.g. chunk {cid} is on {n}. Push the missing chunks again, then commit"
+                f"(W={w} of R={r}); e.g. chunk {ids[k]} is on {int(copies[k])}. Push the missing chunks again, then commit"
             )
         return VersionFacts(nbytes=parsed.raw_bytes, chunk_count=len(parsed.chunks), model=parsed.model)
 
-    def _present_on(self, member: MemberRecord | None, server: str, ids: list[str]) -> Holdings:
+    def _present_on(self, member: MemberRecord | None, server: str, ids: list[str]) -> Held:
+        absent = np.zeros(len(ids), dtype=bool)
         if server == self.peers.self_id:
-            flags = self.local.claim(ids)
-            return {cid: h for cid, h in zip(ids, self.local.stored_headers(ids, flags)) if h is not None}
+            headers = self.local.stored_headers(ids, self.local.claim(ids))
+            return (np.fromiter((h is not None for h in headers), bool, len(ids)),
+                    np.fromiter((0 if h is None else h[0] for h in headers), np.uint32, len(ids)),
+                    np.fromiter((h is not None and h[1] == "raw" for h in headers), bool, len(ids)))
         if member is None:
-            return {}
+            return absent, None, None
         request = pb.HasChunksRequest(ids=ids, claim=True, with_crc=True)
         deadline = time.monotonic() + self.peer_timeout_s
         client = self.peers.client(member)
@@ -222,19 +244,21 @@ class QuorumVersionCheck:
         except grpc.RpcError as exc:
             left = deadline - time.monotonic()
             if (exc.code() if hasattr(exc, "code") else None) != grpc.StatusCode.UNAVAILABLE or left <= 0:
-                return {}  # an unreachable replica holds nothing we can count on
+                return absent, None, None  # an unreachable replica holds nothing we can count on
             # Maybe only our channel's reconnect back-off from while that peer was down (a peer just
             # restarted would otherwise fail every commit check until the back-off ends): once more,
             # on a fresh channel.
             try:
                 reply = self.peers.reconnect(member, client).stub.HasChunks(request, timeout=left)
             except grpc.RpcError:
-                return {}
+                return absent, None, None
+        if len(reply.present) != len(ids):
+            return absent, None, None  # not an answer to what was asked
+        present = np.fromiter(reply.present, bool, len(ids))
         if len(reply.crc32c) == len(reply.codec) == len(ids):
-            headers: Sequence[tuple[int, str] | None] = list(zip(reply.crc32c, reply.codec))
-        else:
-            headers = [None] * len(ids)  # a server from before with_crc: presence only
-        return {cid: h for cid, ok, h in zip(ids, reply.present, headers) if ok}
+            return (present, np.fromiter(reply.crc32c, np.uint32, len(ids)),
+                    np.fromiter((c == "raw" for c in reply.codec), bool, len(ids)))
+        return present, None, None  # a server from before with_crc: presence only
 
 
 class MemberCheck:

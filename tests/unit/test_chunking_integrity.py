@@ -113,13 +113,16 @@ def test_auto_keeps_raw_when_zstd_saves_little() -> None:
 
 # -- manifests ---------------------------------------------------------------
 
-def _manifest_bytes() -> tuple[Manifest, bytes]:
+def _manifest_bytes(format_version: int = 1) -> tuple[Manifest, bytes]:
+    """A manifest in ``format_version`` (1, JSON, by default: the tests below edit its document)."""
     _, result = _model("auto")
-    return result.manifest, result.manifest.to_bytes()
+    manifest = result.manifest.in_format(format_version)
+    return manifest, manifest.to_bytes()
 
 
-def test_manifest_round_trips_and_checks_its_id() -> None:
-    m, b = _manifest_bytes()
+@pytest.mark.parametrize("format_version", [1, 2])
+def test_manifest_round_trips_and_checks_its_id(format_version: int) -> None:
+    m, b = _manifest_bytes(format_version)
     assert Manifest.from_bytes(b, expected_id=m.id) == m
     assert m.id != m.with_version(7).id
     with pytest.raises(ManifestError, match="do not match the id"):
@@ -134,8 +137,9 @@ def test_unknown_format_version_is_refused_clearly() -> None:
         Manifest.from_bytes(json.dumps(doc).encode())
 
 
-def test_every_truncation_is_refused() -> None:
-    _, b = _manifest_bytes()
+@pytest.mark.parametrize("format_version", [1, 2])
+def test_every_truncation_is_refused(format_version: int) -> None:
+    _, b = _manifest_bytes(format_version)
     for cut in list(range(0, len(b), max(1, len(b) // 300))) + [len(b) - 1]:
         with pytest.raises(ManifestError):
             Manifest.from_bytes(b[:cut])

@@ -1,0 +1,180 @@
+"""A manifest's chunks as columns: numpy arrays with one row per chunk, not one object per chunk.
+
+A 140 GB checkpoint has half a million chunks; as Python objects they cost about a gigabyte
+and seconds to build on every pull, load and commit check. The table keeps ids as a
+``(n, 32)`` byte array and every other field as a fixed-width array, and hands out a
+``ChunkRef`` only for the rows a caller asks for. Code that only needs ids, sizes or CRCs
+reads the columns (or ``ids``, the hex strings, made once on first use).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import overload
+
+import numpy as np
+
+DIGEST_BYTES = 32
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    index: int
+    id: str
+    raw_size: int
+    stored_size: int
+    codec: str
+    crc32c: int
+    introduced_in: int
+    created_at: float
+
+    def __post_init__(self) -> None:
+        # JSON writes 0 and 0.0 differently; always a float keeps the bytes canonical.
+        object.__setattr__(self, "created_at", float(self.created_at))
+
+
+
+class ChunkTable(Sequence[ChunkRef]):
+    """Rows ``0..n-1`` of a manifest's chunks; ``table[i]`` is the ``ChunkRef`` with ``index == i``."""
+
+    def __init__(self, digests: np.ndarray, raw_size: np.ndarray, stored_size: np.ndarray, crc32c: np.ndarray,
+                 codec_index: np.ndarray, codecs: tuple[str, ...], introduced_in: np.ndarray, created_at: np.ndarray) -> None:
+        n = len(digests)
+        if digests.shape != (n, DIGEST_BYTES) or digests.dtype != np.uint8:
+            raise ValueError(f"chunk digests must be an (n, {DIGEST_BYTES}) uint8 array, got {digests.shape} {digests.dtype}")
+        for name, column in (("raw_size", raw_size), ("stored_size", stored_size), ("crc32c", crc32c),
+                             ("codec_index", codec_index), ("introduced_in", introduced_in), ("created_at", created_at)):
+            if column.shape != (n,):
+                raise ValueError(f"chunk column {name} has shape {column.shape}, expected ({n},)")
+        self.digests = digests
+        self.raw_size = raw_size.astype(np.int64, copy=False)
+        self.stored_size = stored_size.astype(np.int64, copy=False)
+        self.crc32c = crc32c.astype(np.uint32, copy=False)
+        self.codec_index = codec_index.astype(np.uint8, copy=False)
+        self.codecs = codecs
+        self.introduced_in = introduced_in.astype(np.int64, copy=False)
+        self.created_at = created_at.astype(np.float64, copy=False)
+
+    @classmethod
+    def from_refs(cls, refs: Sequence[ChunkRef]) -> ChunkTable:
+        """The table of ``refs`` (row ``i`` must be the ref with ``index == i``; ``Manifest.check`` says so)."""
+        codecs: dict[str, int] = {}
+        codec_index = np.fromiter((codecs.setdefault(r.codec, len(codecs)) for r in refs), np.uint8, len(refs))
+        try:
+            digests = np.frombuffer(bytes.fromhex("".join(r.id for r in refs)), np.uint8).reshape(-1, DIGEST_BYTES)
+        except ValueError:
+            raise ValueError("a chunk id is not 64 hex digits") from None
+        if len(digests) != len(refs):
+            raise ValueError("a chunk id is not 64 hex digits")
+        table = cls(
+            digests,
+            np.fromiter((r.raw_size for r in refs), np.int64, len(refs)),
+            np.fromiter((r.stored_size for r in refs), np.int64, len(refs)),
+            np.fromiter((r.crc32c for r in refs), np.uint32, len(refs)),
+            codec_index,
+            tuple(codecs),
+            np.fromiter((r.introduced_in for r in refs), np.int64, len(refs)),
+            np.fromiter((r.created_at for r in refs), np.float64, len(refs)),
+        )
+        table.__dict__["ids"] = tuple(r.id for r in refs)  # already at hand: no hex round trip
+        return table
+
+    # -- columns as Python values -----------------------------------------
+    @cached_property
+    def ids(self) -> tuple[str, ...]:
+        """Hex content ids in row order (an id repeats when two chunks hold equal bytes)."""
+        text = self.digests.tobytes().hex()
+        step = 2 * DIGEST_BYTES
+        return tuple(text[i : i + step] for i in range(0, len(text), step))
+
+    def codec_names(self) -> list[str]:
+        return [self.codecs[i] for i in self.codec_index.tolist()]
+
+    @cached_property
+    def first_rows(self) -> np.ndarray:
+        """Row of each distinct id's first occurrence, in row order."""
+        n = len(self)
+        if n < 2:
+            return np.arange(n, dtype=np.int64)
+        # Sort by the ids' first 8 bytes (a sort of 32-byte keys is ~40x slower); only rows whose
+        # first 8 bytes collide, in practice true repeats, are compared in full.
+        head = np.ascontiguousarray(self.digests).view("<u8")[:, 0]
+        order = np.argsort(head, kind="stable")
+        sorted_head = head[order]
+        repeated = sorted_head[1:] == sorted_head[:-1]
+        if not repeated.any():
+            return np.arange(n, dtype=np.int64)
+        colliding = np.unique(sorted_head[1:][repeated])
+        seen: set[bytes] = set()
+        drop = []
+        for row in np.flatnonzero(np.isin(head, colliding)).tolist():
+            key = self.digests[row].tobytes()
+            if key in seen:
+                drop.append(row)
+            else:
+                seen.add(key)
+        keep = np.ones(n, dtype=bool)
+        keep[drop] = False
+        return np.flatnonzero(keep).astype(np.int64)
+
+    def restamped(self, old: int, new: int) -> ChunkTable:
+        """A copy in which rows introduced in version ``old`` say ``new``."""
+        introduced = np.where(self.introduced_in == old, new, self.introduced_in)
+        table = ChunkTable(self.digests, self.raw_size, self.stored_size, self.crc32c, self.codec_index, self.codecs,
+                           introduced, self.created_at)
+        if "ids" in self.__dict__:
+            table.__dict__["ids"] = self.__dict__["ids"]
+        return table
+
+    # -- Sequence[ChunkRef] -----------------------------------------------
+    def __len__(self) -> int:
+        return len(self.digests)
+
+    @overload
+    def __getitem__(self, index: int) -> ChunkRef: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[ChunkRef, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> ChunkRef | tuple[ChunkRef, ...]:
+        if isinstance(index, slice):
+            return tuple(self.rows(range(*index.indices(len(self)))))
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"chunk index {index} is out of range for {n} chunks")
+        i = index % n
+        return ChunkRef(i, self.ids[i], int(self.raw_size[i]), int(self.stored_size[i]), self.codecs[self.codec_index[i]],
+                        int(self.crc32c[i]), int(self.introduced_in[i]), float(self.created_at[i]))
+
+    def rows(self, indices: Sequence[int] | range | np.ndarray) -> Iterator[ChunkRef]:
+        """``ChunkRef`` of the given rows, made from the columns in bulk."""
+        picked = np.asarray(indices, dtype=np.int64)
+        ids = self.ids
+        codecs = self.codecs
+        for i, raw, stored, codec, crc, intro, created in zip(
+            picked.tolist(), self.raw_size[picked].tolist(), self.stored_size[picked].tolist(),
+            self.codec_index[picked].tolist(), self.crc32c[picked].tolist(), self.introduced_in[picked].tolist(),
+            self.created_at[picked].tolist(),
+        ):
+            yield ChunkRef(i, ids[i], raw, stored, codecs[codec], crc, intro, created)
+
+    def __iter__(self) -> Iterator[ChunkRef]:
+        return self.rows(range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ChunkTable):
+            return (len(self) == len(other) and self.codec_names() == other.codec_names()
+                    and all(np.array_equal(a, b) for a, b in zip(self._columns(), other._columns())))
+        if isinstance(other, tuple):
+            return tuple(self) == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash((len(self), self.digests.tobytes()))
+
+    def _columns(self) -> tuple[np.ndarray, ...]:
+        return (self.digests, self.raw_size, self.stored_size, self.crc32c, self.introduced_in, self.created_at)
+
+    def __repr__(self) -> str:
+        return f"ChunkTable({len(self)} chunks, codecs={list(self.codecs)})"
