@@ -176,6 +176,16 @@ def e2e_child(step: str, spec: dict[str, Any]) -> dict[str, Any]:
             out["peak_rss"] = hwm_bytes() - base
             out["chunks"] = len(manifest.chunks)
             out["manifest_bytes"] = len(manifest.to_bytes())
+            # Where the time goes, asked again: the tag, the GetManifest RPC, the decode (with its plan).
+            t0 = time.perf_counter()
+            info = client.resolve_ref(ref, linearizable=True)
+            t1 = time.perf_counter()
+            reply = client.server(info.server).get_manifest(manifest_id=info.manifest_id)
+            t2 = time.perf_counter()
+            again = Manifest.from_bytes(reply.data, expected_id=info.manifest_id)
+            again.plan  # noqa: B018 - what ClusterClient.manifest does too
+            t3 = time.perf_counter()
+            out["parts"] = {"resolve": t1 - t0, "rpc": t2 - t1, "decode": t3 - t2}
             return out
         from worker.config import CacheConfig
         from worker.loader import load
@@ -252,7 +262,8 @@ def print_e2e(rows: list[dict[str, Any]]) -> None:
         if "bit_exact" in r:
             notes.append("bit-exact" if r["bit_exact"] else "NOT BIT-EXACT")
         if r["step"] == "manifest":
-            notes.append(f"{r['manifest_bytes'] / 1e6:.1f} MB manifest")
+            notes.append(f"{r['manifest_bytes'] / 1e6:.1f} MB manifest; asked again: "
+                         + ", ".join(f"{k} {v:.2f} s" for k, v in r["parts"].items()))
         print(f"{r['mib']:>6} MiB@{r['chunk_kib']:>3}K {r.get('chunks', ''):>8} {r['step']:>9} {r['seconds']:8.2f} "
               f"{'' if gbps is None else f'{gbps:6.3f}':>6} {r['peak_rss'] / mb:9.2f}x {r['server_peak_rss'] / mb:9.2f}x  "
               + "; ".join(notes))

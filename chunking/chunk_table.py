@@ -8,6 +8,7 @@ reads the columns (or ``ids``, the hex strings, made once on first use).
 """
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -16,6 +17,7 @@ from typing import overload
 import numpy as np
 
 DIGEST_BYTES = 32
+_BLOCK = 1 << 16  # refs made per pause of the garbage collector
 
 
 @dataclass(frozen=True)
@@ -94,9 +96,15 @@ class ChunkTable(Sequence[ChunkRef]):
     @cached_property
     def first_rows(self) -> np.ndarray:
         """Row of each distinct id's first occurrence, in row order."""
+        return np.flatnonzero(self.first_of == np.arange(len(self), dtype=np.int64))
+
+    @cached_property
+    def first_of(self) -> np.ndarray:
+        """Per row: the row where its id first occurs (itself for an id's first row)."""
         n = len(self)
+        first = np.arange(n, dtype=np.int64)
         if n < 2:
-            return np.arange(n, dtype=np.int64)
+            return first
         # Sort by the ids' first 8 bytes (a sort of 32-byte keys is ~40x slower); only rows whose
         # first 8 bytes collide, in practice true repeats, are compared in full.
         head = np.ascontiguousarray(self.digests).view("<u8")[:, 0]
@@ -104,19 +112,11 @@ class ChunkTable(Sequence[ChunkRef]):
         sorted_head = head[order]
         repeated = sorted_head[1:] == sorted_head[:-1]
         if not repeated.any():
-            return np.arange(n, dtype=np.int64)
-        colliding = np.unique(sorted_head[1:][repeated])
-        seen: set[bytes] = set()
-        drop = []
-        for row in np.flatnonzero(np.isin(head, colliding)).tolist():
-            key = self.digests[row].tobytes()
-            if key in seen:
-                drop.append(row)
-            else:
-                seen.add(key)
-        keep = np.ones(n, dtype=bool)
-        keep[drop] = False
-        return np.flatnonzero(keep).astype(np.int64)
+            return first
+        seen: dict[bytes, int] = {}
+        for row in np.flatnonzero(np.isin(head, np.unique(sorted_head[1:][repeated]))).tolist():
+            first[row] = seen.setdefault(self.digests[row].tobytes(), row)
+        return first
 
     def restamped(self, old: int, new: int) -> ChunkTable:
         """A copy in which rows introduced in version ``old`` say ``new``."""
@@ -148,16 +148,37 @@ class ChunkTable(Sequence[ChunkRef]):
                         int(self.crc32c[i]), int(self.introduced_in[i]), float(self.created_at[i]))
 
     def rows(self, indices: Sequence[int] | range | np.ndarray) -> Iterator[ChunkRef]:
-        """``ChunkRef`` of the given rows, made from the columns in bulk."""
+        """``ChunkRef`` of the given rows, made from the columns in blocks."""
         picked = np.asarray(indices, dtype=np.int64)
+        for start in range(0, len(picked), _BLOCK):
+            yield from self._refs(picked[start : start + _BLOCK])
+
+    def _refs(self, picked: np.ndarray) -> list[ChunkRef]:
         ids = self.ids
         codecs = self.codecs
-        for i, raw, stored, codec, crc, intro, created in zip(
-            picked.tolist(), self.raw_size[picked].tolist(), self.stored_size[picked].tolist(),
-            self.codec_index[picked].tolist(), self.crc32c[picked].tolist(), self.introduced_in[picked].tolist(),
-            self.created_at[picked].tolist(),
-        ):
-            yield ChunkRef(i, ids[i], raw, stored, codecs[codec], crc, intro, created)
+        # The fields are already of the right types, so the frozen dataclass's __init__ (one
+        # object.__setattr__ per field) is skipped; and the collector is paused while a block of
+        # refs (acyclic) is made: its passes over the growing heap cost 3x the making.
+        new, set_dict = object.__new__, object.__setattr__
+        out: list[ChunkRef] = []
+        append = out.append
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            for i, raw, stored, codec, crc, intro, created in zip(
+                picked.tolist(), self.raw_size[picked].tolist(), self.stored_size[picked].tolist(),
+                self.codec_index[picked].tolist(), self.crc32c[picked].tolist(), self.introduced_in[picked].tolist(),
+                self.created_at[picked].tolist(),
+            ):
+                ref = new(ChunkRef)
+                set_dict(ref, "__dict__", {"index": i, "id": ids[i], "raw_size": raw, "stored_size": stored,
+                                           "codec": codecs[codec], "crc32c": crc, "introduced_in": intro,
+                                           "created_at": created})
+                append(ref)
+        finally:
+            if was_enabled:
+                gc.enable()
+        return out
 
     def __iter__(self) -> Iterator[ChunkRef]:
         return self.rows(range(len(self)))

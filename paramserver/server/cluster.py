@@ -13,7 +13,6 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import replace
-from itertools import chain
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -39,6 +38,7 @@ MembersFn = Callable[[], Sequence[MemberRecord]]
 # What one replica holds of the ids asked, row for row: present; the CRC32C its copy declares and
 # whether that copy is raw (both None when the replica did not say).
 Held = tuple[np.ndarray, np.ndarray | None, np.ndarray | None]
+HAS_BATCH = 1 << 16  # ids per HasChunks call of the commit check (about 4.3 MB of request)
 
 
 class PeerSet:
@@ -152,40 +152,47 @@ class QuorumVersionCheck:
             parsed = Manifest.from_bytes(manifest, expected_id=manifest_id)
         except ManifestError as exc:
             raise InvalidChunkError(manifest_id, f"manifest {manifest_id} cannot be committed: {exc}") from None
-        # Each distinct id once, with the CRC32C a raw copy must have. Columns, not a ChunkRef per
-        # chunk, and arrays below: a big checkpoint has half a million chunks.
-        first: dict[str, int] = {manifest_id: 0}  # id -> its row in ids
-        ids = [manifest_id]
-        want_crc = [0]
-        raw = [False]  # the manifest's own CRC is not in it
+        # Each distinct id once, with the CRC32C a raw copy must have. Columns and arrays, not a
+        # ChunkRef per chunk: a big checkpoint has half a million chunks.
         table = parsed.chunks
-        rows = chain(zip(table.ids, table.crc32c.tolist(), table.codec_names()),
-                     ((r.id, r.crc32c, r.codec) for r in parsed.file_chunks()))  # a model folder's files are chunks too
-        for cid, crc, codec in rows:
-            at = first.setdefault(cid, len(ids))
-            if at == len(ids):
-                ids.append(cid)
-                want_crc.append(crc)
-                raw.append(codec == "raw")
-            elif raw[at] and codec == "raw" and want_crc[at] != crc:
-                raise InvalidChunkError(cid, f"manifest {manifest_id} gives chunk {cid} two CRC32Cs "
-                                             f"({want_crc[at]:08x} and {crc:08x}); pack the model again")
-        crcs = np.asarray(want_crc, dtype=np.uint32)
-        is_raw = np.asarray(raw, dtype=bool)
+        raw_rows = np.asarray([c == "raw" for c in table.codecs], dtype=bool)[table.codec_index]
+        first = table.first_of
+        clash = np.flatnonzero(raw_rows & raw_rows[first] & (table.crc32c != table.crc32c[first]))
+        if len(clash):
+            row = int(clash[0])
+            cid = table.ids[row]
+            raise InvalidChunkError(cid, f"manifest {manifest_id} gives chunk {cid} two CRC32Cs "
+                                         f"({int(table.crc32c[first[row]]):08x} and {int(table.crc32c[row]):08x}); pack the model again")
+        rows = table.first_rows
+        all_ids = table.ids
+        ids = [manifest_id, *(all_ids[i] for i in rows.tolist())]  # the manifest's own CRC is not in it
+        crcs = np.concatenate([np.zeros(1, np.uint32), table.crc32c[rows]])
+        is_raw = np.concatenate([np.zeros(1, bool), raw_rows[rows]])
+        file_refs = parsed.file_chunks()  # a model folder's files are chunks too
+        if file_refs:
+            at = {cid: i for i, cid in enumerate(ids)}
+            extra = []
+            for ref in file_refs:
+                i = at.get(ref.id)
+                if i is None:
+                    extra.append(ref)
+                elif i and is_raw[i] and ref.codec == "raw" and int(crcs[i]) != ref.crc32c:
+                    raise InvalidChunkError(ref.id, f"manifest {manifest_id} gives chunk {ref.id} two CRC32Cs "
+                                                    f"({int(crcs[i]):08x} and {ref.crc32c:08x}); pack the model again")
+            ids += [r.id for r in extra]
+            crcs = np.concatenate([crcs, np.asarray([r.crc32c for r in extra], np.uint32)])
+            is_raw = np.concatenate([is_raw, np.asarray([r.codec == "raw" for r in extra], bool)])
         ring = self.peers.ring()
         r = min(self.peers.replication_factor, len(ring))
-        by_placement: dict[tuple[str, ...], list[int]] = {}
-        for row, placed in enumerate(ring.replicas_many(ids, r)):
-            by_placement.setdefault(placed, []).append(row)
-        rows_of: dict[str, list[int]] = {}
-        for placed, group in by_placement.items():
+        rows_of: dict[str, list[np.ndarray]] = {}
+        for placed, group in ring.placement_groups(ids, r).items():
             for server in placed:
-                rows_of.setdefault(server, []).extend(group)
-        positions = {server: np.sort(np.asarray(group, dtype=np.int64)) for server, group in rows_of.items()}
+                rows_of.setdefault(server, []).append(group)
+        positions = {server: np.sort(np.concatenate(groups)) for server, groups in rows_of.items()}
         members = self.peers.members()
         w = self.peers.quorum(r)
         copies = np.zeros(len(ids), dtype=np.int32)
-        wrong: list[tuple[str, str, int]] = []  # (chunk, server, the CRC it holds)
+        wrong: list[tuple[int, str, int]] = []  # (row of the chunk, server, the CRC it holds)
 
         def record(server: str, held: Held) -> None:
             here = positions[server]
@@ -195,7 +202,7 @@ class QuorumVersionCheck:
                 bad = present & raw_copy & is_raw[here] & (crc != crcs[here])
                 if bad.any():
                     k = int(np.argmax(bad))
-                    wrong.append((ids[int(here[k])], server, int(crc[k])))
+                    wrong.append((int(here[k]), server, int(crc[k])))
                     present = present & ~bad
             copies[here[present]] += 1
 
@@ -212,8 +219,8 @@ class QuorumVersionCheck:
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
         if wrong:
-            cid, server, crc = wrong[0]
-            want = int(crcs[first[cid]])
+            row, server, crc = wrong[0]
+            cid, want = ids[row], int(crcs[row])
             raise InvalidChunkError(
                 cid, f"chunk {cid} of manifest {manifest_id}: the manifest says CRC32C {want:08x} but server {server} "
                      f"stores it with CRC32C {crc:08x}; the manifest does not describe the stored chunk, pack and push again",
@@ -228,15 +235,36 @@ class QuorumVersionCheck:
         return VersionFacts(nbytes=parsed.raw_bytes, chunk_count=len(parsed.chunks), model=parsed.model)
 
     def _present_on(self, member: MemberRecord | None, server: str, ids: list[str]) -> Held:
-        absent = np.zeros(len(ids), dtype=bool)
         if server == self.peers.self_id:
             headers = self.local.stored_headers(ids, self.local.claim(ids))
             return (np.fromiter((h is not None for h in headers), bool, len(ids)),
                     np.fromiter((0 if h is None else h[0] for h in headers), np.uint32, len(ids)),
                     np.fromiter((h is not None and h[1] == "raw" for h in headers), bool, len(ids)))
         if member is None:
-            return absent, None, None
-        request = pb.HasChunksRequest(ids=ids, claim=True, with_crc=True)
+            return np.zeros(len(ids), dtype=bool), None, None
+        # In calls of at most HAS_BATCH ids: half a million ids in one message would pass the
+        # message limit and the deadline. A batch that fails counts as absent; the others still count.
+        parts = [self._ask(member, ids[start : start + HAS_BATCH]) for start in range(0, len(ids), HAS_BATCH)]
+        present = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, dtype=bool)
+        if parts and all(p[1] is not None and p[2] is not None for p in parts):
+            return (present, np.concatenate([p[1] for p in parts if p[1] is not None]),
+                    np.concatenate([p[2] for p in parts if p[2] is not None]))
+        if any(p[1] is not None for p in parts):  # mixed answers: keep the CRC check where it was possible
+            crc = np.concatenate([p[1] if p[1] is not None else np.zeros(len(p[0]), np.uint32) for p in parts])
+            raw_copy = np.concatenate([p[2] if p[2] is not None else np.zeros(len(p[0]), bool) for p in parts])
+            return present, crc, raw_copy
+        return present, None, None
+
+    def _ask(self, member: MemberRecord, ids: list[str]) -> Held:
+        absent = np.zeros(len(ids), dtype=bool)
+        try:
+            packed = bytes.fromhex("".join(ids))  # content ids as 32 bytes each: no per-id string on the wire
+        except ValueError:
+            packed = b""
+        if len(packed) != 32 * len(ids):
+            packed = b""
+        request = pb.HasChunksRequest(packed_ids=packed, claim=True, with_crc=True) if packed else \
+            pb.HasChunksRequest(ids=ids, claim=True, with_crc=True)
         deadline = time.monotonic() + self.peer_timeout_s
         client = self.peers.client(member)
         try:
@@ -250,6 +278,20 @@ class QuorumVersionCheck:
             # on a fresh channel.
             try:
                 reply = self.peers.reconnect(member, client).stub.HasChunks(request, timeout=left)
+            except grpc.RpcError:
+                return absent, None, None
+        if packed and len(reply.packed_present) == len(ids):
+            present = np.frombuffer(reply.packed_present, np.uint8).astype(bool)
+            if len(reply.packed_crc32c) == 4 * len(ids) and len(reply.packed_raw) == len(ids):
+                return present, np.frombuffer(reply.packed_crc32c, "<u4").astype(np.uint32), \
+                    np.frombuffer(reply.packed_raw, np.uint8).astype(bool)
+            return present, None, None
+        if packed and ids:
+            # A server from before packed_ids answers nothing: ask it again with the ids as strings.
+            packed = b""
+            request = pb.HasChunksRequest(ids=ids, claim=True, with_crc=True)
+            try:
+                reply = self.peers.client(member).stub.HasChunks(request, timeout=max(0.1, deadline - time.monotonic()))
             except grpc.RpcError:
                 return absent, None, None
         if len(reply.present) != len(ids):

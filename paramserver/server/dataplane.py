@@ -27,9 +27,10 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import grpc
+import numpy as np
 
 from paramserver.server.auth import AuthConfig, has_admin_token
 from paramserver.server.config import DEFAULT_GET_MESSAGE_BYTES
@@ -378,8 +379,15 @@ class ChunkService:
         """Which ids are here. ``claim`` (keep them from orphan collection) needs the admin token;
         ``with_crc`` adds the CRC32C and codec each present chunk's stored copy declares (0 and ""
         when absent; a copy whose header cannot be read counts as absent)."""
-        if len(request.ids) > MAX_IDS_PER_CALL:
-            invalid(context, f"HasChunks asks about {len(request.ids)} chunks; split it into calls of at most {MAX_IDS_PER_CALL}")
+        packed = request.packed_ids
+        if packed and (request.ids or len(packed) % 32):
+            invalid(context, "HasChunks packed_ids must be whole 32-byte ids, and without ids: send one or the other")
+        ids: Sequence[str] = request.ids
+        if packed:
+            text = packed.hex()  # one pass; the store is keyed by hex ids
+            ids = [text[i : i + 64] for i in range(0, len(text), 64)]
+        if len(ids) > MAX_IDS_PER_CALL:
+            invalid(context, f"HasChunks asks about {len(ids)} chunks; split it into calls of at most {MAX_IDS_PER_CALL}")
         if request.claim:
             if not has_admin_token(context.invocation_metadata(), self.auth):
                 context.abort(grpc.StatusCode.UNAUTHENTICATED,
@@ -387,19 +395,25 @@ class ChunkService:
                               "(paramctl --token or $PARAMS_ADMIN_TOKEN); ask without claim to only look")
             # A chunk reported present to a push will not be sent again: it must not be
             # collected as an orphan before that push commits (see paramserver.server.gc).
-            present = self.store.claim(request.ids)
+            present = self.store.claim(ids)
         else:
             if request.renew_hot and not has_admin_token(context.invocation_metadata(), self.auth):
                 context.abort(grpc.StatusCode.UNAUTHENTICATED,
                               "HasChunks with renew_hot keeps hot copies alive, a write: it needs the admin token")
             has = self.store.has
-            present = [has(chunk_id) for chunk_id in request.ids]
+            present = [has(chunk_id) for chunk_id in ids]
             if request.renew_hot and self.hot is not None:
-                self.hot.renew(cid for cid, ok in zip(request.ids, present) if ok)
+                self.hot.renew(cid for cid, ok in zip(ids, present) if ok)
         headers: list[tuple[int, str] | None] = []
         if request.with_crc:  # a copy whose header cannot be read is not one this server can serve
-            headers = self.store.stored_headers(request.ids, present)
+            headers = self.store.stored_headers(ids, present)
             present = [h is not None for h in headers]
+        if packed:
+            reply = pb.HasChunksReply(present_count=sum(present), packed_present=bytes(present))
+            if request.with_crc:
+                reply.packed_crc32c = np.fromiter((0 if h is None else h[0] for h in headers), "<u4", len(headers)).tobytes()
+                reply.packed_raw = bytes(h is not None and h[1] == "raw" for h in headers)
+            return reply
         reply = pb.HasChunksReply(present=present, present_count=sum(present))
         reply.crc32c.extend(0 if h is None else h[0] for h in headers)
         reply.codec.extend("" if h is None else h[1] for h in headers)

@@ -129,22 +129,43 @@ class Ring:
         ids = list(chunk_ids)
         return {cid: list(placed) for cid, placed in zip(ids, self.replicas_many(ids, r))}
 
-    def replicas_many(self, chunk_ids: Sequence[str], r: int) -> list[tuple[str, ...]]:
-        """``replicas(id, r)`` of every id, as tuples, in one pass: the ring positions of content ids
-        are decoded and searched as one array, so placing a whole manifest costs little per chunk."""
+    def placement_groups(self, chunk_ids: Sequence[str], r: int) -> dict[tuple[str, ...], np.ndarray]:
+        """The rows of ``chunk_ids`` (positions in it, ascending) grouped by their replicas: what
+        ``replicas_many`` gives, without a tuple per id."""
+        starts = self._starts(chunk_ids)
+        if not len(starts):
+            return {}
+        r = max(1, min(r, len(self.zones)))
+        unique, inverse = np.unique(starts, return_inverse=True)
+        order = np.argsort(inverse, kind="stable")
+        bounds = np.cumsum(np.bincount(inverse, minlength=len(unique)))[:-1]
+        groups: dict[tuple[str, ...], list[np.ndarray]] = {}
+        for start, rows in zip(unique.tolist(), np.split(order, bounds)):
+            groups.setdefault(self._placed_from(start, r), []).append(rows)
+        return {placed: np.sort(np.concatenate(parts)) for placed, parts in groups.items()}
+
+    def _starts(self, chunk_ids: Sequence[str]) -> np.ndarray:
+        """The vnode each id's ring walk starts at."""
         if not chunk_ids:
-            return []
+            return np.zeros(0, dtype=np.int64)
         if not self.zones:
             raise ValueError("the ring has no servers; add members before placing chunks")
-        r = max(1, min(r, len(self.zones)))
         n = len(self._points)
         try:
             keys = np.frombuffer(bytes.fromhex("".join(cid[:16] for cid in chunk_ids)), dtype=">u8")
             if len(keys) != len(chunk_ids):
                 raise ValueError("an id shorter than 16 hex digits")
-            starts: list[int] = (np.searchsorted(self._points_u64, keys.astype(np.uint64), side="right") % n).tolist()
+            return np.searchsorted(self._points_u64, keys.astype(np.uint64), side="right") % n
         except ValueError:  # not all content ids: one at a time, exactly as replicas() does
-            starts = [bisect.bisect_right(self._points, key_point(cid)) % n for cid in chunk_ids]
+            return np.array([bisect.bisect_right(self._points, key_point(cid)) % n for cid in chunk_ids], dtype=np.int64)
+
+    def replicas_many(self, chunk_ids: Sequence[str], r: int) -> list[tuple[str, ...]]:
+        """``replicas(id, r)`` of every id, as tuples, in one pass: the ring positions of content ids
+        are decoded and searched as one array, so placing a whole manifest costs little per chunk."""
+        if not chunk_ids:
+            return []
+        starts: list[int] = self._starts(chunk_ids).tolist()
+        r = max(1, min(r, len(self.zones)))
         placed = {start: self._placed_from(start, r) for start in set(starts)}
         return [placed[s] for s in starts]
 

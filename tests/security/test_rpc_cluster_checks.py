@@ -201,6 +201,15 @@ def test_replicas_answer_stored_crcs_and_the_check_compares_them(servers: list[R
             reply = c.stub.HasChunks(pb.HasChunksRequest(ids=[victim, "e" * 64], with_crc=True))
             assert list(reply.present) == [True, False] and list(reply.crc32c) == [good.chunks[0].crc32c, 0]
             assert list(reply.codec) == ["raw", ""]
+            # The packed form (what the commit check sends): the same answers, one entry per id.
+            reply = c.stub.HasChunks(pb.HasChunksRequest(packed_ids=bytes.fromhex(victim + "e" * 64), with_crc=True))
+            assert not reply.present and reply.present_count == 1 and reply.packed_present == b"\x01\x00"
+            assert reply.packed_crc32c == good.chunks[0].crc32c.to_bytes(4, "little") + bytes(4)
+            assert reply.packed_raw == b"\x01\x00"
+            for malformed in (pb.HasChunksRequest(packed_ids=b"x" * 33), pb.HasChunksRequest(ids=[victim], packed_ids=b"x" * 32)):
+                with pytest.raises(grpc.RpcError) as info:
+                    c.stub.HasChunks(malformed)
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "packed_ids" in (info.value.details() or "")
     members = [MemberRecord(f"ps{i}", s.address, f"127.0.0.1:{7100 + i}") for i, s in enumerate(servers)]
     peers = PeerSet("outsider", lambda: members)  # every copy is counted over the wire
     try:

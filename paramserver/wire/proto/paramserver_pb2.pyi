@@ -141,28 +141,36 @@ class GetChunksReply(_message.Message):
     def __init__(self, chunks: _Optional[_Iterable[_Union[Chunk, _Mapping]]] = ..., errors: _Optional[_Iterable[_Union[ChunkAck, _Mapping]]] = ...) -> None: ...
 
 class HasChunksRequest(_message.Message):
-    __slots__ = ("ids", "claim", "with_crc", "renew_hot")
+    __slots__ = ("ids", "claim", "with_crc", "renew_hot", "packed_ids")
     IDS_FIELD_NUMBER: _ClassVar[int]
     CLAIM_FIELD_NUMBER: _ClassVar[int]
     WITH_CRC_FIELD_NUMBER: _ClassVar[int]
     RENEW_HOT_FIELD_NUMBER: _ClassVar[int]
+    PACKED_IDS_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[str]
     claim: bool
     with_crc: bool
     renew_hot: bool
-    def __init__(self, ids: _Optional[_Iterable[str]] = ..., claim: _Optional[bool] = ..., with_crc: _Optional[bool] = ..., renew_hot: _Optional[bool] = ...) -> None: ...
+    packed_ids: bytes
+    def __init__(self, ids: _Optional[_Iterable[str]] = ..., claim: _Optional[bool] = ..., with_crc: _Optional[bool] = ..., renew_hot: _Optional[bool] = ..., packed_ids: _Optional[bytes] = ...) -> None: ...
 
 class HasChunksReply(_message.Message):
-    __slots__ = ("present", "present_count", "crc32c", "codec")
+    __slots__ = ("present", "present_count", "crc32c", "codec", "packed_present", "packed_crc32c", "packed_raw")
     PRESENT_FIELD_NUMBER: _ClassVar[int]
     PRESENT_COUNT_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
+    PACKED_PRESENT_FIELD_NUMBER: _ClassVar[int]
+    PACKED_CRC32C_FIELD_NUMBER: _ClassVar[int]
+    PACKED_RAW_FIELD_NUMBER: _ClassVar[int]
     present: _containers.RepeatedScalarFieldContainer[bool]
     present_count: int
     crc32c: _containers.RepeatedScalarFieldContainer[int]
     codec: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, present: _Optional[_Iterable[bool]] = ..., present_count: _Optional[int] = ..., crc32c: _Optional[_Iterable[int]] = ..., codec: _Optional[_Iterable[str]] = ...) -> None: ...
+    packed_present: bytes
+    packed_crc32c: bytes
+    packed_raw: bytes
+    def __init__(self, present: _Optional[_Iterable[bool]] = ..., present_count: _Optional[int] = ..., crc32c: _Optional[_Iterable[int]] = ..., codec: _Optional[_Iterable[str]] = ..., packed_present: _Optional[bytes] = ..., packed_crc32c: _Optional[bytes] = ..., packed_raw: _Optional[bytes] = ...) -> None: ...
 
 class HotChunk(_message.Message):
     __slots__ = ("id", "holders")
