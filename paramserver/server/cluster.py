@@ -152,25 +152,24 @@ class QuorumVersionCheck:
             parsed = Manifest.from_bytes(manifest, expected_id=manifest_id)
         except ManifestError as exc:
             raise InvalidChunkError(manifest_id, f"manifest {manifest_id} cannot be committed: {exc}") from None
-        # Each distinct id once, with the CRC32C a raw copy must have. Columns and arrays, not a
-        # ChunkRef per chunk: a big checkpoint has half a million chunks.
+        # Each distinct id once, as its 32-byte digest, with the CRC32C a raw copy must have.
+        # Columns and arrays, no hex string or ChunkRef per chunk: a big checkpoint has half a million.
         table = parsed.chunks
         raw_rows = np.asarray([c == "raw" for c in table.codecs], dtype=bool)[table.codec_index]
         first = table.first_of
         clash = np.flatnonzero(raw_rows & raw_rows[first] & (table.crc32c != table.crc32c[first]))
         if len(clash):
             row = int(clash[0])
-            cid = table.ids[row]
+            cid = table.digests[row].tobytes().hex()
             raise InvalidChunkError(cid, f"manifest {manifest_id} gives chunk {cid} two CRC32Cs "
                                          f"({int(table.crc32c[first[row]]):08x} and {int(table.crc32c[row]):08x}); pack the model again")
         rows = table.first_rows
-        all_ids = table.ids
-        ids = [manifest_id, *(all_ids[i] for i in rows.tolist())]  # the manifest's own CRC is not in it
-        crcs = np.concatenate([np.zeros(1, np.uint32), table.crc32c[rows]])
+        digests = [np.frombuffer(bytes.fromhex(manifest_id), np.uint8).reshape(1, 32), table.digests[rows]]
+        crcs = np.concatenate([np.zeros(1, np.uint32), table.crc32c[rows]])  # the manifest's own CRC is not in it
         is_raw = np.concatenate([np.zeros(1, bool), raw_rows[rows]])
         file_refs = parsed.file_chunks()  # a model folder's files are chunks too
         if file_refs:
-            at = {cid: i for i, cid in enumerate(ids)}
+            at = {cid: i for i, cid in enumerate([manifest_id, *(table.ids[k] for k in rows.tolist())])}
             extra = []
             for ref in file_refs:
                 i = at.get(ref.id)
@@ -179,19 +178,26 @@ class QuorumVersionCheck:
                 elif i and is_raw[i] and ref.codec == "raw" and int(crcs[i]) != ref.crc32c:
                     raise InvalidChunkError(ref.id, f"manifest {manifest_id} gives chunk {ref.id} two CRC32Cs "
                                                     f"({int(crcs[i]):08x} and {ref.crc32c:08x}); pack the model again")
-            ids += [r.id for r in extra]
-            crcs = np.concatenate([crcs, np.asarray([r.crc32c for r in extra], np.uint32)])
-            is_raw = np.concatenate([is_raw, np.asarray([r.codec == "raw" for r in extra], bool)])
+            if extra:
+                digests.append(np.frombuffer(bytes.fromhex("".join(r.id for r in extra)), np.uint8).reshape(-1, 32))
+                crcs = np.concatenate([crcs, np.asarray([r.crc32c for r in extra], np.uint32)])
+                is_raw = np.concatenate([is_raw, np.asarray([r.codec == "raw" for r in extra], bool)])
+        every = np.ascontiguousarray(np.concatenate(digests))
+        points = every[:, :8].copy().view(">u8").reshape(-1)  # a content id's ring point: its first 8 bytes
+
+        def hex_id(k: int) -> str:
+            return bytes(every[k]).hex()
+
         ring = self.peers.ring()
         r = min(self.peers.replication_factor, len(ring))
         rows_of: dict[str, list[np.ndarray]] = {}
-        for placed, group in ring.placement_groups(ids, r).items():
+        for placed, group in ring.placement_groups_by_point(points, r).items():
             for server in placed:
                 rows_of.setdefault(server, []).append(group)
         positions = {server: np.sort(np.concatenate(groups)) for server, groups in rows_of.items()}
         members = self.peers.members()
         w = self.peers.quorum(r)
-        copies = np.zeros(len(ids), dtype=np.int32)
+        copies = np.zeros(len(every), dtype=np.int32)
         wrong: list[tuple[int, str, int]] = []  # (row of the chunk, server, the CRC it holds)
 
         def record(server: str, held: Held) -> None:
@@ -210,7 +216,7 @@ class QuorumVersionCheck:
         # off must not hold a commit for its full deadline when the others already prove the quorum.
         pool = ThreadPoolExecutor(max_workers=self.max_parallel)
         try:
-            pending = {pool.submit(self._present_on, members.get(server), server, [ids[i] for i in here.tolist()]): server
+            pending = {pool.submit(self._present_on, members.get(server), server, every[here]): server
                        for server, here in positions.items()}
             while pending and (copies < w).any() and not wrong:
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)
@@ -220,7 +226,7 @@ class QuorumVersionCheck:
             pool.shutdown(wait=False, cancel_futures=True)
         if wrong:
             row, server, crc = wrong[0]
-            cid, want = ids[row], int(crcs[row])
+            cid, want = hex_id(row), int(crcs[row])
             raise InvalidChunkError(
                 cid, f"chunk {cid} of manifest {manifest_id}: the manifest says CRC32C {want:08x} but server {server} "
                      f"stores it with CRC32C {crc:08x}; the manifest does not describe the stored chunk, pack and push again",
@@ -229,22 +235,25 @@ class QuorumVersionCheck:
         if len(short):
             k = int(short[0])
             raise PreconditionFailed(
-                f"{len(short)} of {len(ids)} chunks of manifest {manifest_id} have not reached their write quorum "
-                f"(W={w} of R={r}); e.g. chunk {ids[k]} is on {int(copies[k])}. Push the missing chunks again, then commit"
+                f"{len(short)} of {len(every)} chunks of manifest {manifest_id} have not reached their write quorum "
+                f"(W={w} of R={r}); e.g. chunk {hex_id(k)} is on {int(copies[k])}. Push the missing chunks again, then commit"
             )
         return VersionFacts(nbytes=parsed.raw_bytes, chunk_count=len(parsed.chunks), model=parsed.model)
 
-    def _present_on(self, member: MemberRecord | None, server: str, ids: list[str]) -> Held:
+    def _present_on(self, member: MemberRecord | None, server: str, digests: np.ndarray) -> Held:
+        n = len(digests)
         if server == self.peers.self_id:
+            text = digests.tobytes().hex()  # the store is keyed by hex ids
+            ids = [text[i : i + 64] for i in range(0, len(text), 64)]
             headers = self.local.stored_headers(ids, self.local.claim(ids))
-            return (np.fromiter((h is not None for h in headers), bool, len(ids)),
-                    np.fromiter((0 if h is None else h[0] for h in headers), np.uint32, len(ids)),
-                    np.fromiter((h is not None and h[1] == "raw" for h in headers), bool, len(ids)))
+            return (np.fromiter((h is not None for h in headers), bool, n),
+                    np.fromiter((0 if h is None else h[0] for h in headers), np.uint32, n),
+                    np.fromiter((h is not None and h[1] == "raw" for h in headers), bool, n))
         if member is None:
-            return np.zeros(len(ids), dtype=bool), None, None
+            return np.zeros(n, dtype=bool), None, None
         # In calls of at most HAS_BATCH ids: half a million ids in one message would pass the
         # message limit and the deadline. A batch that fails counts as absent; the others still count.
-        parts = [self._ask(member, ids[start : start + HAS_BATCH]) for start in range(0, len(ids), HAS_BATCH)]
+        parts = [self._ask(member, digests[start : start + HAS_BATCH]) for start in range(0, n, HAS_BATCH)]
         present = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, dtype=bool)
         if parts and all(p[1] is not None and p[2] is not None for p in parts):
             return (present, np.concatenate([p[1] for p in parts if p[1] is not None]),
@@ -255,16 +264,10 @@ class QuorumVersionCheck:
             return present, crc, raw_copy
         return present, None, None
 
-    def _ask(self, member: MemberRecord, ids: list[str]) -> Held:
-        absent = np.zeros(len(ids), dtype=bool)
-        try:
-            packed = bytes.fromhex("".join(ids))  # content ids as 32 bytes each: no per-id string on the wire
-        except ValueError:
-            packed = b""
-        if len(packed) != 32 * len(ids):
-            packed = b""
-        request = pb.HasChunksRequest(packed_ids=packed, claim=True, with_crc=True) if packed else \
-            pb.HasChunksRequest(ids=ids, claim=True, with_crc=True)
+    def _ask(self, member: MemberRecord, digests: np.ndarray) -> Held:
+        n = len(digests)
+        absent = np.zeros(n, dtype=bool)
+        request = pb.HasChunksRequest(packed_ids=digests.tobytes(), claim=True, with_crc=True)
         deadline = time.monotonic() + self.peer_timeout_s
         client = self.peers.client(member)
         try:
@@ -280,26 +283,26 @@ class QuorumVersionCheck:
                 reply = self.peers.reconnect(member, client).stub.HasChunks(request, timeout=left)
             except grpc.RpcError:
                 return absent, None, None
-        if packed and len(reply.packed_present) == len(ids):
+        if len(reply.packed_present) == n:
             present = np.frombuffer(reply.packed_present, np.uint8).astype(bool)
-            if len(reply.packed_crc32c) == 4 * len(ids) and len(reply.packed_raw) == len(ids):
+            if len(reply.packed_crc32c) == 4 * n and len(reply.packed_raw) == n:
                 return present, np.frombuffer(reply.packed_crc32c, "<u4").astype(np.uint32), \
                     np.frombuffer(reply.packed_raw, np.uint8).astype(bool)
             return present, None, None
-        if packed and ids:
+        if n:
             # A server from before packed_ids answers nothing: ask it again with the ids as strings.
-            packed = b""
-            request = pb.HasChunksRequest(ids=ids, claim=True, with_crc=True)
+            text = digests.tobytes().hex()
+            request = pb.HasChunksRequest(ids=[text[i : i + 64] for i in range(0, len(text), 64)], claim=True, with_crc=True)
             try:
                 reply = self.peers.client(member).stub.HasChunks(request, timeout=max(0.1, deadline - time.monotonic()))
             except grpc.RpcError:
                 return absent, None, None
-        if len(reply.present) != len(ids):
+        if len(reply.present) != n:
             return absent, None, None  # not an answer to what was asked
-        present = np.fromiter(reply.present, bool, len(ids))
-        if len(reply.crc32c) == len(reply.codec) == len(ids):
-            return (present, np.fromiter(reply.crc32c, np.uint32, len(ids)),
-                    np.fromiter((c == "raw" for c in reply.codec), bool, len(ids)))
+        present = np.fromiter(reply.present, bool, n)
+        if len(reply.crc32c) == len(reply.codec) == n:
+            return (present, np.fromiter(reply.crc32c, np.uint32, n),
+                    np.fromiter((c == "raw" for c in reply.codec), bool, n))
         return present, None, None  # a server from before with_crc: presence only
 
 

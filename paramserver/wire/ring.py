@@ -132,7 +132,19 @@ class Ring:
     def placement_groups(self, chunk_ids: Sequence[str], r: int) -> dict[tuple[str, ...], np.ndarray]:
         """The rows of ``chunk_ids`` (positions in it, ascending) grouped by their replicas: what
         ``replicas_many`` gives, without a tuple per id."""
-        starts = self._starts(chunk_ids)
+        return self._groups(self._starts(chunk_ids), r)
+
+    def placement_groups_by_point(self, points: np.ndarray, r: int) -> dict[tuple[str, ...], np.ndarray]:
+        """``placement_groups`` of keys given as their ring points (``key_point``: for a content id,
+        the first 8 bytes of its digest, big-endian), so a manifest's ids need no hex strings."""
+        if not len(points):
+            return {}
+        if not self.zones:
+            raise ValueError("the ring has no servers; add members before placing chunks")
+        starts = np.searchsorted(self._points_u64, np.asarray(points, dtype=np.uint64), side="right") % len(self._points)
+        return self._groups(starts, r)
+
+    def _groups(self, starts: np.ndarray, r: int) -> dict[tuple[str, ...], np.ndarray]:
         if not len(starts):
             return {}
         r = max(1, min(r, len(self.zones)))
