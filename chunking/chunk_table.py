@@ -9,7 +9,9 @@ reads the columns (or ``ids``, the hex strings, made once on first use).
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from typing import overload
@@ -18,6 +20,27 @@ import numpy as np
 
 DIGEST_BYTES = 32
 _BLOCK = 1 << 16  # refs made per pause of the garbage collector
+_paused_lock = threading.Lock()
+_paused_depth = 0
+_paused_was_enabled = False
+
+
+@contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The garbage collector off while making a block of acyclic objects; threads may nest it."""
+    global _paused_depth, _paused_was_enabled
+    with _paused_lock:
+        if _paused_depth == 0:
+            _paused_was_enabled = gc.isenabled()
+            gc.disable()
+        _paused_depth += 1
+    try:
+        yield
+    finally:
+        with _paused_lock:
+            _paused_depth -= 1
+            if _paused_depth == 0 and _paused_was_enabled:
+                gc.enable()
 
 
 @dataclass(frozen=True)
@@ -162,9 +185,7 @@ class ChunkTable(Sequence[ChunkRef]):
         new, set_dict = object.__new__, object.__setattr__
         out: list[ChunkRef] = []
         append = out.append
-        was_enabled = gc.isenabled()
-        gc.disable()
-        try:
+        with _collector_paused():
             for i, raw, stored, codec, crc, intro, created in zip(
                 picked.tolist(), self.raw_size[picked].tolist(), self.stored_size[picked].tolist(),
                 self.codec_index[picked].tolist(), self.crc32c[picked].tolist(), self.introduced_in[picked].tolist(),
@@ -175,9 +196,6 @@ class ChunkTable(Sequence[ChunkRef]):
                                            "codec": codecs[codec], "crc32c": crc, "introduced_in": intro,
                                            "created_at": created})
                 append(ref)
-        finally:
-            if was_enabled:
-                gc.enable()
         return out
 
     def __iter__(self) -> Iterator[ChunkRef]:

@@ -48,6 +48,7 @@ CHUNK_FIELDS = ("id", "raw_size", "stored_size", "codec", "crc32c", "introduced_
 FILE_FIELDS = ("path", "size", "blake3", "chunks")
 FILE_CHUNK_FIELDS = ("id", "raw_size", "stored_size", "codec", "crc32c")
 MAX_PATH_BYTES = 1024
+MAX_VERSION = (1 << 63) - 1  # introduced_in is a u64 column in format 2; a version number fits an int64
 HEADER_KEYS = frozenset({"format_version", "model", "version", "chunk_size", "hash_algorithm", "fingerprint",
                          "tensor_fields", "tensors"})
 BASE_KEYS = HEADER_KEYS | {"chunk_fields", "chunks"}  # format 1
@@ -138,8 +139,8 @@ class Manifest:
                     raise _fail(f"chunk at position {i} says index {ref.index}")
             try:
                 table = ChunkTable.from_refs(refs)
-            except ValueError as exc:
-                raise _fail(str(exc)) from None
+            except (ValueError, OverflowError) as exc:
+                raise _fail(f"a chunk field is out of range ({exc})") from None
             object.__setattr__(self, "chunks", table)
         if self.format_version not in READABLE_FORMATS:
             raise _unsupported(self.format_version)
@@ -216,7 +217,11 @@ class Manifest:
                 "version. Fetch the manifest again from another server."
             )
         manifest = cls._from_binary(doc, columns) if binary else cls._from_doc(doc)
-        if manifest.to_bytes() != raw:
+        try:
+            again = manifest.to_bytes()
+        except UnicodeEncodeError:
+            raise _fail("a name is not valid Unicode (a lone surrogate)") from None
+        if again != raw:
             raise _fail("bytes are not in canonical form (re-serialised bytes differ), so its id would not be stable")
         if expected_id is not None:
             manifest.__dict__["id"] = expected_id
@@ -228,6 +233,10 @@ class Manifest:
         codecs = doc["codecs"]
         if not all(is_codec_name(c) for c in codecs) or len(set(codecs)) != len(codecs):
             raise _fail(f"codec table {codecs!r} has an unknown or repeated codec")
+        # Canonical: the table lists exactly the codecs used, in the order they first appear.
+        used, first_row = np.unique(columns.codec_index, return_index=True)
+        if used[np.argsort(first_row)].tolist() != list(range(len(codecs))):
+            raise _fail("its codec table is not the codecs used in order of first use")
         tensors, chunk_size = cls._header_tensors(doc)
         n = len(columns.digests)
         if not _spans(tensors, chunk_size, n):
@@ -473,11 +482,11 @@ def _chunk_from(item: Any, i: int) -> ChunkRef:
     return ChunkRef(
         index=i,
         id=cid,
-        raw_size=_int(raw_size, f"chunk #{i} raw_size", 1),
-        stored_size=_int(stored_size, f"chunk #{i} stored_size", 1),
+        raw_size=_int(raw_size, f"chunk #{i} raw_size", 1, MAX_CHUNK_SIZE),
+        stored_size=_int(stored_size, f"chunk #{i} stored_size", 1, 0xFFFFFFFF),
         codec=codec,
         crc32c=_int(crc, f"chunk #{i} crc32c", 0, 0xFFFFFFFF),
-        introduced_in=_int(introduced_in, f"chunk #{i} introduced_in"),
+        introduced_in=_int(introduced_in, f"chunk #{i} introduced_in", 0, MAX_VERSION),
         created_at=float(created_at),
     )
 

@@ -66,6 +66,9 @@ def _runs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def encode(header: dict[str, Any], columns: Columns) -> bytes:
     """Bytes of a manifest whose non-chunk fields are ``header`` (``chunk_count`` and ``runs`` are added)."""
     n = len(columns.digests)
+    if n and (int(columns.stored_size.max()) > 0xFFFFFFFF or int(columns.stored_size.min()) < 1
+              or int(columns.introduced_in.min()) < 0):
+        raise ValueError("a chunk's stored_size or introduced_in does not fit format 2 (u32 sizes, u64 versions)")
     created = columns.created_at.astype("<f8") + 0.0  # -0.0 and 0.0 compare equal; one run, one spelling
     runs = [_runs(columns.codec_index.astype("u1")), _runs(columns.introduced_in.astype("<u8")), _runs(created)]
     doc = dict(header, chunk_count=n, runs=[len(c) for c, _ in runs])

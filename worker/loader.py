@@ -22,7 +22,7 @@ import torch
 
 from chunking.dtypes import torch_dtype
 from chunking.manifest import Manifest
-from paramserver.client.cluster_view import in_thread
+from paramserver.client.cluster_view import in_thread, start_background
 from paramserver.client.errors import ConfigError
 from paramserver.client.hostmem import Targets, allocate_targets
 from paramserver.client.refs import ModelRef
@@ -144,9 +144,9 @@ class LoadHandle:
         self._heat_sent = threading.Event()
         self._error: BaseException | None = None
         self._report: LoadReport | None = None
-        self._thread = threading.Thread(target=self._run, name="paramworker-load", daemon=True)
         self._start = time.perf_counter()
-        self._thread.start()
+        # Its heat report goes out after result() returns; a process that exits right then waits for it briefly.
+        self._thread = start_background(self._run, "paramworker-load")
 
     def _run(self) -> None:
         prefault = self._host.prefaulter().start() if self._host is not None else None

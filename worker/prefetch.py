@@ -170,7 +170,7 @@ class ChunkWriter:
             lo = first if entry.offset == first * cs else first + 1
             whole[lo : last + 1] = t
         end = np.arange(count, dtype=np.int64) * cs + np.asarray(self._plan.raw_sizes, dtype=np.int64)
-        stops = np.array([e.offset + e.nbytes for e in manifest.tensors] or [0], dtype=np.int64)
+        stops = np.array([e.offset + e.nbytes if e.nbytes else 0 for e in manifest.tensors] or [0], dtype=np.int64)
         inside = np.ones(count, dtype=bool)
         held = whole >= 0
         inside[held] = end[held] <= stops[whole[held]]

@@ -7,9 +7,11 @@ client places chunks where the servers' quorum check looks for them.
 """
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import closing
@@ -362,8 +364,35 @@ def in_thread(fn: Callable[[], T], name: str) -> Future[T]:
         except BaseException as exc:  # noqa: BLE001 - whoever waits on the future re-raises it
             f.set_exception(exc)
 
-    threading.Thread(target=run, name=name, daemon=True).start()
+    start_background(run, name)
     return f
+
+
+_BACKGROUND: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+EXIT_GRACE_S = 3.0
+
+
+def start_background(target: Callable[..., object], name: str, *args: object) -> threading.Thread:
+    """A daemon thread for client work behind the caller's back (a heat report, a hot-chunks
+    refresh), which the interpreter's exit waits for, briefly (``_let_background_calls_end``)."""
+    thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+    _BACKGROUND.add(thread)
+    thread.start()
+    return thread
+
+
+@atexit.register
+def _let_background_calls_end() -> None:
+    """A daemon thread still inside a gRPC call when the interpreter finalizes makes gRPC's core
+    abort the process ("terminate called without an active exception", exit status 134): give
+    the background calls up to EXIT_GRACE_S in all to end (a closed client's calls end at once)."""
+    end = time.monotonic() + EXIT_GRACE_S
+    for thread in list(_BACKGROUND):
+        left = end - time.monotonic()
+        if left <= 0:
+            return
+        if thread.is_alive() and thread is not threading.current_thread():
+            thread.join(left)
 
 
 def _put_on(events: _Events, kind: str, address: str) -> Callable[[Future[Any] | grpc.Future[Any]], None]:

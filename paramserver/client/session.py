@@ -23,7 +23,7 @@ import grpc
 
 from chunking.errors import ManifestError
 from chunking.manifest import ChunkRef, Manifest
-from paramserver.client.cluster_view import ClusterOptions, ClusterView, parse_seeds
+from paramserver.client.cluster_view import ClusterOptions, ClusterView, parse_seeds, start_background
 from paramserver.client.errors import (
     ClientClosed,
     ClientError,
@@ -521,7 +521,7 @@ class ClusterClient:
                 self._hot_busy = started = True
         if started:
             try:
-                threading.Thread(target=self._refresh_hot, args=(view,), name="hot-chunks-refresh", daemon=True).start()
+                start_background(self._refresh_hot, "hot-chunks-refresh", view)
             except BaseException:
                 with self._lock:
                     self._hot_busy = False

@@ -160,3 +160,39 @@ def test_first_rows_find_repeats_even_when_ids_share_a_prefix() -> None:
     ids = table.ids
     assert table.first_rows.tolist() == [i for i, x in enumerate(ids) if ids.index(x) == i]
     assert 250 in table.first_rows.tolist() and 100 not in table.first_rows.tolist()
+
+
+def test_a_reordered_or_padded_codec_table_is_not_canonical() -> None:
+    manifest = pack(_state_dict(), model="m", config=ChunkingConfig(chunk_size=SMALL, codec="auto")).manifest
+    doc, columns = _header(manifest.to_bytes())
+    assert len(doc["codecs"]) >= 2
+    unused = next(c for c in ("raw", "zstd", "zstd+shuffle2", "zstd+shuffle16") if c not in doc["codecs"])
+    with pytest.raises(ManifestError, match="codec table"):
+        Manifest.from_bytes(_with_header(dict(doc, codecs=doc["codecs"] + [unused]), columns))
+    # The same chunks with the table reversed and the run values remapped: another encoding, refused.
+    n, k0 = doc["chunk_count"], doc["runs"][0]
+    start = n * 32 + 2 * (n * 4 + -(n * 4) % 8) + k0 * 4 + -(k0 * 4) % 8
+    values = bytearray(columns[start : start + k0])
+    last = len(doc["codecs"]) - 1
+    remapped = bytes(last - v for v in values)
+    forged = columns[:start] + remapped + columns[start + k0:]
+    with pytest.raises(ManifestError, match="codec table"):
+        Manifest.from_bytes(_with_header(dict(doc, codecs=doc["codecs"][::-1]), forged))
+
+
+@pytest.mark.parametrize("field, value", [(1, 2**64), (2, 2**64), (2, 2**32), (5, 2**63)])
+def test_format_1_numbers_out_of_range_are_malformed_not_a_crash(field: int, value: int) -> None:
+    manifest = pack(_state_dict(), model="m", config=ChunkingConfig(chunk_size=SMALL)).manifest.in_format(1)
+    doc = json.loads(manifest.to_bytes())
+    doc["chunks"][0][field] = value
+    with pytest.raises(ManifestError, match="malformed"):
+        Manifest.from_bytes(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
+
+
+def test_a_lone_surrogate_in_a_name_is_malformed_not_a_crash() -> None:
+    manifest = pack(_state_dict(), model="m", config=ChunkingConfig(chunk_size=SMALL)).manifest
+    doc, columns = _header(manifest.to_bytes())
+    head = json.dumps(dict(doc, model="\ud800"), sort_keys=True, separators=(",", ":")).encode()  # ASCII escapes
+    pre = MAGIC + struct.pack("<I", len(head)) + head
+    with pytest.raises(ManifestError, match="malformed"):
+        Manifest.from_bytes(pre + bytes(-len(pre) % 8) + columns)

@@ -58,3 +58,15 @@ def test_segments_are_worked_out_on_access_and_match_an_eager_cut() -> None:
     assert plan.segments[-1] == plan.segments[plan.count - 1]
     with pytest.raises(IndexError):
         plan.segments[plan.count]
+
+
+def test_an_empty_tensor_anywhere_does_not_trouble_the_writer() -> None:
+    import dataclasses
+
+    manifest = pack({"a": torch.ones(3000), "b": torch.empty(0)}, model="m", config=ChunkingConfig(chunk_size=4096)).manifest
+    far = tuple(dataclasses.replace(t, offset=1 << 70) if t.nbytes == 0 else t for t in manifest.tensors)
+    moved = dataclasses.replace(manifest, tensors=far)
+    moved.check()  # an empty tensor's offset names no bytes
+    targets = {t.name: torch.empty(t.shape, dtype=getattr(torch, t.dtype)) for t in moved.tensors}
+    writer = ChunkWriter(moved, targets, TensorReadiness({}), PrefetchConfig())
+    assert [writer.region(i) is not None for i in range(len(moved.chunks))] == [True, True, True]
