@@ -18,6 +18,8 @@ from typing import overload
 
 import numpy as np
 
+from chunking.hashing import hex_ids
+
 DIGEST_BYTES = 32
 _BLOCK = 1 << 16  # refs made per pause of the garbage collector
 _paused_lock = threading.Lock()
@@ -109,9 +111,7 @@ class ChunkTable(Sequence[ChunkRef]):
     @cached_property
     def ids(self) -> tuple[str, ...]:
         """Hex content ids in row order (an id repeats when two chunks hold equal bytes)."""
-        text = self.digests.tobytes().hex()
-        step = 2 * DIGEST_BYTES
-        return tuple(text[i : i + step] for i in range(0, len(text), step))
+        return tuple(hex_ids(self.digests))
 
     def codec_names(self) -> list[str]:
         return [self.codecs[i] for i in self.codec_index.tolist()]

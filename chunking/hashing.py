@@ -60,6 +60,13 @@ def content_id(data: Buffer, algorithm: str = "blake3") -> str:
     raise ValueError(f"unknown content hash {algorithm!r}: use 'blake3' or 'sha256'")
 
 
+def hex_ids(digests: bytes | np.ndarray) -> list[str]:
+    """The hex content ids of 32-byte digests laid end to end (a column of a manifest, packed
+    ids on the wire): one hex pass, then slices."""
+    text = (digests.tobytes() if isinstance(digests, np.ndarray) else bytes(digests)).hex()
+    return [text[i : i + CONTENT_ID_HEX_LEN] for i in range(0, len(text), CONTENT_ID_HEX_LEN)]
+
+
 _CONTENT_ID = re.compile(f"[0-9a-f]{{{CONTENT_ID_HEX_LEN}}}")
 
 

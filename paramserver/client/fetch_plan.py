@@ -104,6 +104,17 @@ class Want:
     extras: tuple[str, ...] = ()
 
 
+def _least_loaded(servers: Sequence[str], load: dict[str, int]) -> str:
+    """The server with the least bytes planned so far; ties go to the earliest (ring order: the primary)."""
+    best = servers[0]
+    best_load = load.get(best, 0)
+    for s in servers[1:]:
+        s_load = load.get(s, 0)
+        if s_load < best_load:
+            best, best_load = s, s_load
+    return best
+
+
 def spread_rank(salt: int, chunk_id: str, server: str) -> int:
     """A salted order of a hot chunk's holders (rendezvous hashing): each fetch prefers another one."""
     digest = hashlib.blake2b(f"{salt}:{chunk_id}:{server}".encode(), digest_size=8).digest()
@@ -272,13 +283,8 @@ class FetchPlanner:
                 if ring is None:
                     ring = fresh[want.replicas] = [s for s in want.replicas if s not in down]
                 if ring:
-                    best = ring[0]
-                    best_load = load.get(best, 0)
-                    for s in ring[1:]:
-                        s_load = load.get(s, 0)
-                        if s_load < best_load:
-                            best, best_load = s, s_load
-                    load[best] = best_load + want.size
+                    best = _least_loaded(ring, load)
+                    load[best] = load.get(best, 0) + want.size
                     by_server.setdefault(best, []).append(cid)
                     continue
             candidates = self._candidates(cid)
@@ -295,7 +301,7 @@ class FetchPlanner:
             if self._want[cid].extras:
                 best = min(candidates, key=lambda s: (load.get(s, 0), spread_rank(self.salt, cid, s)))
             else:
-                best = min(candidates, key=lambda s: (load.get(s, 0), candidates.index(s)))
+                best = _least_loaded(candidates, load)
             self._down.discard(best)  # a last-resort pick gets its chance
             load[best] = load.get(best, 0) + self._want[cid].size
             by_server.setdefault(best, []).append(cid)

@@ -20,6 +20,7 @@ import grpc
 import numpy as np
 
 from chunking.errors import ManifestError
+from chunking.hashing import hex_ids
 from chunking.manifest import Manifest
 from consensus.records import MemberRecord
 
@@ -243,8 +244,7 @@ class QuorumVersionCheck:
     def _present_on(self, member: MemberRecord | None, server: str, digests: np.ndarray) -> Held:
         n = len(digests)
         if server == self.peers.self_id:
-            text = digests.tobytes().hex()  # the store is keyed by hex ids
-            ids = [text[i : i + 64] for i in range(0, len(text), 64)]
+            ids = hex_ids(digests)  # the store is keyed by hex ids
             headers = self.local.stored_headers(ids, self.local.claim(ids))
             return (np.fromiter((h is not None for h in headers), bool, n),
                     np.fromiter((0 if h is None else h[0] for h in headers), np.uint32, n),
@@ -255,14 +255,13 @@ class QuorumVersionCheck:
         # message limit and the deadline. A batch that fails counts as absent; the others still count.
         parts = [self._ask(member, digests[start : start + HAS_BATCH]) for start in range(0, n, HAS_BATCH)]
         present = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, dtype=bool)
-        if parts and all(p[1] is not None and p[2] is not None for p in parts):
-            return (present, np.concatenate([p[1] for p in parts if p[1] is not None]),
-                    np.concatenate([p[2] for p in parts if p[2] is not None]))
-        if any(p[1] is not None for p in parts):  # mixed answers: keep the CRC check where it was possible
-            crc = np.concatenate([p[1] if p[1] is not None else np.zeros(len(p[0]), np.uint32) for p in parts])
-            raw_copy = np.concatenate([p[2] if p[2] is not None else np.zeros(len(p[0]), bool) for p in parts])
-            return present, crc, raw_copy
-        return present, None, None
+        if all(p[1] is None or p[2] is None for p in parts):
+            return present, None, None
+        # A batch answered without CRCs (a server from before with_crc) counts its copies as not
+        # raw: present, never compared; the CRC check holds for the batches that said.
+        crc = np.concatenate([p[1] if p[1] is not None else np.zeros(len(p[0]), np.uint32) for p in parts])
+        raw_copy = np.concatenate([p[2] if p[2] is not None else np.zeros(len(p[0]), bool) for p in parts])
+        return present, crc, raw_copy
 
     def _ask(self, member: MemberRecord, digests: np.ndarray) -> Held:
         n = len(digests)
@@ -291,8 +290,7 @@ class QuorumVersionCheck:
             return present, None, None
         if n:
             # A server from before packed_ids answers nothing: ask it again with the ids as strings.
-            text = digests.tobytes().hex()
-            request = pb.HasChunksRequest(ids=[text[i : i + 64] for i in range(0, len(text), 64)], claim=True, with_crc=True)
+            request = pb.HasChunksRequest(ids=hex_ids(digests), claim=True, with_crc=True)
             try:
                 reply = self.peers.client(member).stub.HasChunks(request, timeout=max(0.1, deadline - time.monotonic()))
             except grpc.RpcError:

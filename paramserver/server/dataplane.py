@@ -32,6 +32,7 @@ from typing import Iterable, Iterator, Mapping, Sequence
 import grpc
 import numpy as np
 
+from chunking.hashing import hex_ids
 from paramserver.server.auth import AuthConfig, has_admin_token
 from paramserver.server.config import DEFAULT_GET_MESSAGE_BYTES
 from paramserver.server.errors import ChunkCorruptError, ChunkNotFoundError, ConfigError, InvalidChunkError, ParamServerError
@@ -384,8 +385,7 @@ class ChunkService:
             invalid(context, "HasChunks packed_ids must be whole 32-byte ids, and without ids: send one or the other")
         ids: Sequence[str] = request.ids
         if packed:
-            text = packed.hex()  # one pass; the store is keyed by hex ids
-            ids = [text[i : i + 64] for i in range(0, len(text), 64)]
+            ids = hex_ids(packed)  # the store is keyed by hex ids
         if len(ids) > MAX_IDS_PER_CALL:
             invalid(context, f"HasChunks asks about {len(ids)} chunks; split it into calls of at most {MAX_IDS_PER_CALL}")
         if request.claim:

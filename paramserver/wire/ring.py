@@ -125,28 +125,15 @@ class Ring:
                 if len(seen) == len(self.zones):
                     return
 
-    def placement(self, chunk_ids: Iterable[str], r: int) -> dict[str, list[str]]:
-        ids = list(chunk_ids)
-        return {cid: list(placed) for cid, placed in zip(ids, self.replicas_many(ids, r))}
-
-    def placement_groups(self, chunk_ids: Sequence[str], r: int) -> dict[tuple[str, ...], np.ndarray]:
-        """The rows of ``chunk_ids`` (positions in it, ascending) grouped by their replicas: what
-        ``replicas_many`` gives, without a tuple per id."""
-        return self._groups(self._starts(chunk_ids), r)
-
     def placement_groups_by_point(self, points: np.ndarray, r: int) -> dict[tuple[str, ...], np.ndarray]:
-        """``placement_groups`` of keys given as their ring points (``key_point``: for a content id,
-        the first 8 bytes of its digest, big-endian), so a manifest's ids need no hex strings."""
+        """The rows of ``points`` (positions in it, ascending) grouped by their replicas, for keys
+        given as their ring points (``key_point``: for a content id, the first 8 bytes of its
+        digest, big-endian): what ``replicas_many`` gives, without a hex string or tuple per id."""
         if not len(points):
             return {}
         if not self.zones:
             raise ValueError("the ring has no servers; add members before placing chunks")
         starts = np.searchsorted(self._points_u64, np.asarray(points, dtype=np.uint64), side="right") % len(self._points)
-        return self._groups(starts, r)
-
-    def _groups(self, starts: np.ndarray, r: int) -> dict[tuple[str, ...], np.ndarray]:
-        if not len(starts):
-            return {}
         r = max(1, min(r, len(self.zones)))
         unique, inverse = np.unique(starts, return_inverse=True)
         order = np.argsort(inverse, kind="stable")

@@ -3,9 +3,10 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import numpy as np
 import pytest
 
-from paramserver.wire.ring import Ring, RingConfig
+from paramserver.wire.ring import Ring, RingConfig, key_point
 
 N_KEYS = 20_000
 
@@ -91,7 +92,6 @@ def test_replicas_many_is_replicas_of_each(keys: list[str], zones: dict[str, str
         for r in (1, 2, 3, 5):
             assert [list(p) for p in ring.replicas_many(ids, r)] == [ring.replicas(i, r) for i in ids]
     assert ring.replicas_many([], 3) == []
-    assert ring.placement(keys[:5], 2) == {k: ring.replicas(k, 2) for k in keys[:5]}
 
 
 @pytest.mark.parametrize("zones", [{"a": "", "b": "", "c": ""}, {"a": "z1", "b": "z1", "c": "z2", "d": "z3"}])
@@ -100,10 +100,10 @@ def test_placement_groups_are_the_rows_of_each_replica_set(keys: list[str], zone
     mixed = [*keys, "short", "x" * 16, keys[0]]
     for ids in (keys, mixed):
         for r in (1, 2, 3):
-            groups = ring.placement_groups(ids, r)
+            groups = ring.placement_groups_by_point(np.array([key_point(i) for i in ids], dtype=np.uint64), r)
             rows = sorted(int(i) for g in groups.values() for i in g)
             assert rows == list(range(len(ids)))
             for placed, group in groups.items():
                 assert list(group) == sorted(group)
                 assert all(ring.replicas(ids[int(i)], r) == list(placed) for i in group)
-    assert ring.placement_groups([], 3) == {}
+    assert ring.placement_groups_by_point(np.zeros(0, np.uint64), 3) == {}
