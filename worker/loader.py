@@ -24,13 +24,13 @@ from chunking.dtypes import torch_dtype
 from chunking.manifest import Manifest
 from paramserver.client.cluster_view import in_thread, start_background
 from paramserver.client.errors import ConfigError
-from paramserver.client.hostmem import Targets, allocate_targets
+from paramserver.client.hostmem import Targets, allocate_targets, default_pool, retarget
 from paramserver.client.refs import ModelRef
 from paramserver.client.session import ClusterClient, VersionInfo, client_for
 from worker.config import CacheConfig, PrefetchConfig
 from worker.errors import WorkerError
 from worker.heatmap import HeatmapRecorder, HeatReport
-from worker.prefetch import LoadCounters, LocalSource, Prefetcher
+from worker.prefetch import HeldGroup, LoadCounters, LocalSource, Prefetcher
 from worker.tiered_cache import TieredCache
 
 log = logging.getLogger(__name__)
@@ -102,6 +102,14 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+def _adopt(manifest: Manifest, group: HeldGroup) -> tuple[Targets, HeldGroup] | None:
+    """Tensors for ``manifest`` on a held group's arena when nothing but the tier uses it."""
+    arena = group.arena
+    if arena is None or not default_pool().free_but_for(arena.view):
+        return None
+    return retarget(manifest, arena), group
+
+
 def make_cache(cache: TieredCache | CacheConfig | None) -> TieredCache | None:
     if cache is None or isinstance(cache, TieredCache):
         return cache
@@ -122,6 +130,19 @@ def _heat_of(client: ClusterClient, info: VersionInfo) -> HeatReport | None:
     except Exception:  # noqa: BLE001 - no heatmap: manifest order
         return None
     return HeatReport.from_entries(info.model, info.number, entries) if entries else None
+
+
+def _send_heat(client: ClusterClient, model: str, number: int, recorder: HeatmapRecorder | None, owned: bool,
+               sent: threading.Event) -> None:
+    try:
+        if recorder is not None:
+            client.report_heat(model, number, recorder.snapshot().entries())
+    except Exception:  # noqa: BLE001 - heat is advisory; never fail a load for it
+        pass
+    finally:
+        if owned:
+            client.close()
+        sent.set()
 
 
 class LoadHandle:
@@ -159,18 +180,13 @@ class LoadHandle:
             if prefault is not None:
                 prefault.stop()
             self._host = None
-            # The load is done: heat goes out behind it, so it never adds to the load's latency.
-            self._done.set()
-        try:
-            if self._report_heat and self._error is None:
-                entries = self.prefetcher.recorder.snapshot().entries()
-                self._client.report_heat(self.info.model, self.info.number, entries)
-        except Exception:  # noqa: BLE001 - heat is advisory; never fail a load for it
-            pass
-        finally:
-            if self._owned:
-                self._client.close()
-            self._heat_sent.set()
+        # The load is done: heat goes out behind it, so it never adds to the load's latency. Its
+        # thread holds no reference to this handle, hence none to the tensors: a caller that
+        # drops them frees (or lets the memory tier reuse) their memory at once.
+        recorder = self.prefetcher.recorder if self._report_heat and self._error is None else None
+        start_background(_send_heat, "paramworker-heat", self._client, self.info.model, self.info.number, recorder,
+                         self._owned, self._heat_sent)
+        self._done.set()
 
     def heat_sent(self, timeout: float | None = None) -> bool:
         """Wait until the load's heat report went out (or was skipped)."""
@@ -218,17 +234,24 @@ def start_load(
         asked = in_thread(partial(_heat_of, client, info), "paramworker-heat-ask") if config.use_heatmap else None
         manifest = manifest or client.manifest(info.manifest_id)
         # Fresh CPU targets come from recycled host arenas (no page zeroing), and only this load
-        # writes them until it is done: chunks may be received straight into them.
-        host: Targets | None = allocate_targets(manifest) if targets is None and dev.type == "cpu" else None
+        # writes them until it is done: chunks may be received straight into them. When the
+        # memory tier holds this manifest's arena and nothing else uses it, the load gets that.
+        tiered = make_cache(cache)
+        host: Targets | None = None
+        adopted: HeldGroup | None = None
+        if targets is None and dev.type == "cpu":
+            taken = tiered.adopt(manifest.id, partial(_adopt, manifest)) if tiered is not None else None
+            host, adopted = taken if taken is not None else (allocate_targets(manifest), None)
         if host is not None:
             tensors = dict(host.tensors)
         else:
             tensors = dict(targets) if targets is not None else empty_targets(manifest, dev)
         heat = asked.result() if asked is not None else None
         prefetcher = Prefetcher(
-            manifest, tensors, client=client, cache=make_cache(cache), config=config, version=info.number, heat=heat,
+            manifest, tensors, client=client, cache=tiered, config=config, version=info.number, heat=heat,
             local=local, recorder=HeatmapRecorder(info.model, info.number), on_progress=on_progress,
-            private_targets=host is not None,
+            private_targets=host is not None, arena=host.arena if host is not None else None,
+            adopted=adopted,
         )
     except BaseException:
         if owned:

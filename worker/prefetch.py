@@ -12,6 +12,11 @@ tensor region whole is received straight into it and verified there. On CPU the 
 then holds a view of the loaded tensor's bytes, not a copy (a loaded model is never in memory
 twice), with the chunk's CRC32C: a later hit is re-verified before it is copied, so a tensor
 the user changed in place never leaks into another load. On CUDA the tier holds one host copy.
+
+When those views are of a host arena (``paramserver.client.hostmem``) and every tensor of that
+load is gone, a later load of the same manifest is given the arena itself (``TieredCache``
+``adoptable``, ``hostmem.retarget``): each held chunk is re-verified where it lies and nothing is
+copied; a chunk that fails (the user wrote into the old tensor) is fetched again into place.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ import torch
 from chunking.codec import as_u8
 from chunking.hashing import Buffer, crc32c
 from chunking.manifest import ChunkRef, Manifest
+from paramserver.client.hostmem import ArenaView
 from worker.config import PrefetchConfig
 from worker.heatmap import HeatmapRecorder, HeatReport, prefetch_order
 from worker.readiness import TensorReadiness
@@ -58,12 +64,17 @@ class LoadCounters:
 
 
 class HeldGroup:
-    """The memory-tier entries that view one load's tensors: evicting one evicts them all."""
+    """The memory-tier entries that view one load's tensors: evicting one evicts them all.
 
-    __slots__ = ("keys",)
+    ``arena``: the host arena those views slice, when they do (then a later load of
+    ``manifest_id`` may be given that memory once nothing else uses it)."""
 
-    def __init__(self) -> None:
+    __slots__ = ("arena", "keys", "manifest_id")
+
+    def __init__(self, manifest_id: str = "", arena: ArenaView | None = None) -> None:
         self.keys: set[str] = set()
+        self.manifest_id = manifest_id
+        self.arena = arena
 
 
 class HeldChunk:
@@ -84,8 +95,10 @@ class ChunkWriter:
     """Writes verified raw chunk bytes into the destination tensors of one manifest. Thread-safe."""
 
     def __init__(self, manifest: Manifest, targets: Mapping[str, torch.Tensor], readiness: TensorReadiness,
-                 config: PrefetchConfig, pool: StagingPool | None = None) -> None:
+                 config: PrefetchConfig, pool: StagingPool | None = None, arena: ArenaView | None = None) -> None:
+        """``arena``: where the CPU targets lie in one host arena (``arena_region`` then slices it)."""
         self.manifest = manifest
+        self.arena = arena
         self.readiness = readiness
         self.config = config
         self._plan = manifest.plan
@@ -150,6 +163,17 @@ class ChunkWriter:
         assert cpu is not None
         start = index * self.manifest.chunk_size - self.manifest.tensors[t].offset
         return cpu[start : start + self._plan.raw_sizes[index]].data
+
+    def arena_region(self, index: int) -> memoryview | None:
+        """``region(index)`` as a slice of the arena's own view (it outlives the tensors), or None."""
+        t = self._whole[index]
+        if t < 0 or self.arena is None:
+            return None
+        base = self.arena.offsets.get(self.manifest.tensors[t].name)
+        if base is None:
+            return None
+        start = base + index * self.manifest.chunk_size - self.manifest.tensors[t].offset
+        return self.arena.view[start : start + self._plan.raw_sizes[index]]
 
     def _whole_chunks(self) -> np.ndarray:
         """Per chunk: the CPU tensor whose bytes it is exactly (its one segment, from the chunk's
@@ -216,7 +240,12 @@ class Prefetcher:
         pool: StagingPool | None = None,
         on_progress: Callable[[int], None] | None = None,
         private_targets: bool = False,
+        arena: ArenaView | None = None,
+        adopted: HeldGroup | None = None,
     ) -> None:
+        """``arena``: where ``targets`` lie in a host arena (the memory tier then holds slices of
+        it). ``adopted``: the held group whose arena ``targets`` were made on (``hostmem.retarget``):
+        its chunks are verified in place instead of copied."""
         self.manifest = manifest
         self.config = config.validate()
         self.client = client
@@ -228,7 +257,7 @@ class Prefetcher:
         self.on_progress = on_progress
         self.private_targets = private_targets
         self.readiness = TensorReadiness({t.name: manifest.plan.tensor_chunks[i] for i, t in enumerate(manifest.tensors)})
-        self.writer = ChunkWriter(manifest, targets, self.readiness, self.config, pool)
+        self.writer = ChunkWriter(manifest, targets, self.readiness, self.config, pool, arena)
         self.counters = LoadCounters()
         self._indices: dict[str, list[int]] = {}
         for index, cid in enumerate(manifest.chunks.ids):
@@ -241,11 +270,17 @@ class Prefetcher:
         # The memory tier holds views of these tensors when all of them fit its budget (a view
         # keeps the whole load's memory alive); the first view is charged the bytes that no
         # view covers (small tensors packed together, padding), so the charge is what is held.
-        self._group = HeldGroup()
+        self._adopted = adopted
+        self._group = adopted or HeldGroup(manifest.id, arena)
         first = manifest.chunks.first_rows
         in_place = first[self.writer.whole[first] >= 0]
-        self._slack = max(0, manifest.raw_bytes - int(manifest.chunks.raw_size[in_place].sum()))
+        # An adopted group's uncovered bytes are charged already.
+        self._slack = 0 if adopted else max(0, manifest.raw_bytes - int(manifest.chunks.raw_size[in_place].sum()))
         self._views = cache is not None and cache.memory.capacity_bytes >= manifest.raw_bytes + self._slack
+        # A model larger than the memory tier goes around it (a scan): copies of its chunks would
+        # take the tier's whole budget on top of the loaded model, and a load reads a model in
+        # order, so the next load of it would evict each copy before reaching it.
+        self._bypass_memory = cache is not None and cache.memory.capacity_bytes < manifest.raw_bytes
         for i, t in enumerate(manifest.tensors):
             if manifest.plan.tensor_chunks[i]:
                 self.readiness.on_ready(t.name, self._first_ready)
@@ -300,6 +335,9 @@ class Prefetcher:
         if self.cache is None:
             return
         if in_tensor and self._views:
+            # A slice of the arena rather than of the tensor: the tier must not keep the tensor
+            # objects alive, or the arena could never be handed to a later load.
+            view = self.writer.arena_region(self._indices[ref.id][0]) or view
             crc = ref.crc32c if ref.codec == "raw" else crc32c(view)
             with self._lock:
                 charge = view.nbytes + self._slack
@@ -310,7 +348,8 @@ class Prefetcher:
         else:
             # A received buffer is reused after this call (or a CUDA staging copy): keep one copy.
             disk_value = bytes(view)
-            self.cache.memory.put(ref.id, disk_value)
+            if not self._bypass_memory:
+                self.cache.memory.put(ref.id, disk_value)
         if self.cache.disk is not None:
             self._disk_writer().put((ref.id, disk_value if isinstance(disk_value, bytes) else bytes(disk_value)))
 
@@ -353,6 +392,8 @@ class Prefetcher:
         finally:
             self._finish_disk()
         self.writer.synchronize()
+        if self.cache is not None and self._group.arena is not None and self._group.keys and self._adopted is None:
+            self.cache.hold_group(self._group.manifest_id, self._group)
         return self.counters
 
     def _run(self, order: Sequence[ChunkRef]) -> None:
@@ -403,17 +444,20 @@ class Prefetcher:
                     for ref in hits[start : start + HIT_BLOCK]:
                         hit = cache.get(ref.id)
                         value = hit.value
+                        written: int | None = None
                         if isinstance(value, HeldChunk):
                             if not value.intact():  # the tensor it views was changed in place
                                 cache.memory.pop(ref.id)
                                 value = None
                             else:
+                                if value.group is self._adopted:  # already where it belongs
+                                    written = self._indices[ref.id][0]
                                 value = value.view
                         if value is None:
                             with lock:  # evicted meanwhile, or dropped by the disk tier's verification
                                 late.append(ref)
                             continue
-                        self._land(ref, value, hit.tier or "memory")
+                        self._land(ref, value, hit.tier or "memory", written=written)
             except BaseException as exc:  # noqa: BLE001 - handed to the loading thread, which re-raises it
                 errors.append(exc)
 

@@ -31,6 +31,10 @@ class TieredCache:
         self.disk = disk
         memory.on_evict = self._evicted
         self._lock = threading.Lock()
+        # Held groups (worker.prefetch.HeldGroup) by manifest id: the memory tier's views of one
+        # load's host arena, which a later load of that manifest may be given (``adopt``).
+        self._groups: dict[str, Any] = {}
+        self._adopt_lock = threading.Lock()
         self._lookups = 0
         self._full_misses = 0
 
@@ -76,12 +80,32 @@ class TieredCache:
         if self.disk is not None:
             self.disk.put(key, value)
 
+    def hold_group(self, manifest_id: str, group: Any) -> None:
+        """Remember a completed load's held group (its entries are in the memory tier already)."""
+        with self._lock:
+            self._groups[manifest_id] = group
+
+    def adopt(self, manifest_id: str, take: Callable[[Any], Any | None]) -> Any | None:
+        """``take(group)`` for the held group of ``manifest_id``, one caller at a time: it returns
+        what it made of the group's memory (new tensors on it), or None when that memory is still
+        in use. Returns None when no group is held, or when ``take`` declined."""
+        with self._adopt_lock:
+            with self._lock:
+                group = self._groups.get(manifest_id)
+            if group is None or not group.keys:
+                return None
+            return take(group)
+
     def _evicted(self, key: object, value: Any) -> None:
         # Entries that view one load's tensors keep all of that memory alive: they live and die
         # together, so the budget they are charged is what they really hold.
-        group = getattr(value, "group", None)
+        group: Any = getattr(value, "group", None)
         if group is None:
             return
+        manifest_id: str = group.manifest_id
+        with self._lock:
+            if self._groups.get(manifest_id) is group:
+                del self._groups[manifest_id]
         keys = group.keys
         for other in list(keys):
             held = self.memory.peek(other)

@@ -121,7 +121,7 @@ class ClusterView:
         finally:
             for c in clients.values():
                 c.close()  # also cancels the questions still out (silent seeds)
-        pick = best_answer((info.leader_grpc_address, info.term) for _address, info in answers)
+        pick = best_answer((info.leader_grpc_address, info.term, info.is_leader) for _address, info in answers)
         if pick is None:
             raise ClusterUnreachable(
                 f"no cluster member answered at {', '.join(errors)}; check --cluster (any member's gRPC address) and that the servers run"
@@ -194,7 +194,7 @@ class ClusterView:
             except Exception:  # noqa: BLE001 - a member that cannot answer now (cut off, closed, cancelled)
                 watch.ask_failed(address, time.monotonic())
                 continue
-            if watch.answered(address, info.leader_grpc_address, info.term, time.monotonic()):
+            if watch.answered(address, info.leader_grpc_address, info.term, time.monotonic(), claims=info.is_leader):
                 if current is not None:
                     current, unsure = None, True  # abandoned on the old leader, outcome unknown
                 try:
@@ -262,9 +262,9 @@ class ClusterView:
                         last = f"{address}: {rpc_details(got)}"
                         continue
                     answers.append(got)
-                    if got.leader_id and got.term >= known:
+                    if got.is_leader and got.term >= known:
                         break
-            pick = best_answer((info.leader_grpc_address, info.term) for info in answers)
+            pick = best_answer((info.leader_grpc_address, info.term, info.is_leader) for info in answers)
             if pick is not None:
                 self._apply(answers[pick])
                 return

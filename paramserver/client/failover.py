@@ -61,13 +61,17 @@ class Plan:
     wake_at: float = math.inf
 
 
-def best_answer(answers: Iterable[tuple[str, int]]) -> int | None:
-    """Index of the answer to trust among (leader named, term) pairs: the highest term that names a
-    leader; else the first (a leaderless answer still lists the members); None if there are none."""
+def best_answer(answers: Iterable[tuple[str, int] | tuple[str, int, bool]]) -> int | None:
+    """Index of the answer to trust among (leader named, term[, the member claims to lead]) tuples:
+    the highest term that names a leader, within a term a member's claim to lead itself over
+    another's belief (``LeaderFailover.answered`` says why); else the first (a leaderless answer
+    still lists the members); None if there are none."""
     best: int | None = None
-    best_key: tuple[int, int] | None = None
-    for i, (leader, term) in enumerate(answers):
-        key = (1, term) if leader else (0, 0)
+    best_key: tuple[int, int, bool] | None = None
+    for i, answer in enumerate(answers):
+        leader, term = answer[0], answer[1]
+        claims = bool(answer[2]) if len(answer) > 2 else False
+        key = (1, term, claims) if leader else (0, 0, False)
         if best_key is None or key > best_key:
             best, best_key = i, key
     return best
@@ -141,13 +145,22 @@ class LeaderFailover:
         backoff = min(self.policy.retry_max_s, self.policy.retry_after_s * 2 ** (self._failures - 1))
         self._retry_at = now + backoff
 
-    def answered(self, member: str, leader: str, term: int, now: float) -> bool:
-        """``member`` says ``leader`` (an address, "" for none) leads in ``term``. True: moved to that
-        leader, so the call in flight (if any) is abandoned and the next poll calls the new target."""
+    def answered(self, member: str, leader: str, term: int, now: float, *, claims: bool = False) -> bool:
+        """``member`` says ``leader`` (an address, "" for none) leads in ``term``; ``claims``: the
+        member says it is that leader itself. True: moved to that leader, so the call in flight (if
+        any) is abandoned and the next poll calls the new target.
+
+        A member's belief can be stale within a term (a vote raises its term before it forgets the
+        old leader, so one answer may pair the old leader with the new term), but a member leads in
+        a term only after winning it, and Raft elects one leader per term: a claim beats a belief
+        in the same term."""
         self._asking.discard(member)
         self._asked[member] = now
-        if not leader or (self.term is not None and term <= self.term):
-            return False  # no leader named, or no news: the same or an older term
+        if not leader:
+            return False
+        same_term_claim = claims and self.term is not None and term == self.term and leader != self.target
+        if self.term is not None and term <= self.term and not same_term_claim:
+            return False  # no news: the same or an older term
         self.term = term
         if leader == self.target:
             if self._calling_since is None:  # re-elected in a newer term: try it again at once

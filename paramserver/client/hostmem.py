@@ -175,6 +175,16 @@ class ArenaPool:
             self._timer.daemon = True
             self._timer.start()
 
+    def free_but_for(self, view: memoryview) -> bool:
+        """Whether ``view`` (one memoryview of a whole arena) is all that still uses that arena:
+        no tensor carved out of it is alive. False for memory this pool does not know."""
+        with self._lock:
+            for arena in self._arenas:
+                if view.obj is arena.area:
+                    # The view's buffer export is one more reference; any live tensor is another.
+                    return sys.getrefcount(arena.area) <= arena._baseline + 1
+        return False
+
     def held_bytes(self) -> tuple[int, int]:
         """(bytes in arenas still in use, bytes of released arenas kept for reuse)."""
         with self._lock:
@@ -254,10 +264,21 @@ class Prefaulter:
             self._thread.join()
 
 
+@dataclass(frozen=True)
+class ArenaView:
+    """Where the tensors of one manifest lie in one arena: a memoryview of the whole arena and
+    each tensor's byte offset in it. A cache may keep slices of ``view`` after the tensors are
+    gone, and hand the same memory to a later load of that manifest (``retarget``)."""
+
+    view: memoryview
+    offsets: dict[str, int]  # tensor name -> offset; tensors of no bytes are not in the arena
+
+
 @dataclass
 class Targets:
     tensors: dict[str, torch.Tensor]  # name -> empty tensor, manifest order
     fresh: list[torch.Tensor]  # large tensors on never-touched memory: prefault these
+    arena: ArenaView | None = None
 
     def prefaulter(self) -> Prefaulter:
         return Prefaulter(self.fresh)
@@ -271,21 +292,33 @@ def allocate_targets(manifest: Manifest, pool: ArenaPool | None = None) -> Targe
     pool = pool or default_pool()
     sized = [t for t in manifest.tensors if t.nbytes]
     area, offsets, fresh = pool.allocate([t.nbytes for t in sized])
+    view = memoryview(area)
+    del area
+    return _carve(manifest, ArenaView(view, {t.name: off for t, off in zip(sized, offsets)}), fresh)
+
+
+def retarget(manifest: Manifest, arena: ArenaView) -> Targets:
+    """New tensors for ``manifest`` on the memory of ``arena``, which already holds their bytes
+    (the caller checked that no earlier tensor on it is alive: ``ArenaPool.free_but_for``)."""
+    return _carve(manifest, arena, False)
+
+
+def _carve(manifest: Manifest, arena: ArenaView, fresh: bool) -> Targets:
     out: dict[str, torch.Tensor] = {}
     large: list[torch.Tensor] = []
-    placed = {t.name: (t, off) for t, off in zip(sized, offsets)}
     for entry in manifest.tensors:
         dtype = torch_dtype(entry.dtype)
-        if entry.name not in placed:
+        off = arena.offsets.get(entry.name)
+        if off is None:
             out[entry.name] = torch.empty(entry.shape, dtype=dtype)
             continue
-        _, off = placed[entry.name]
-        t = torch.frombuffer(area, dtype=torch.uint8, count=entry.nbytes, offset=off).view(dtype).reshape(entry.shape)
+        t = torch.frombuffer(arena.view.obj, dtype=torch.uint8, count=entry.nbytes, offset=off)
+        t = t.view(dtype).reshape(entry.shape)
         out[entry.name] = t
         if fresh and entry.nbytes >= PAGE_ALIGNED_BYTES:
             large.append(t)
-    del area
-    return Targets(out, large)
+    return Targets(out, large, arena)
 
 
-__all__ = ["HostMemoryConfig", "ArenaPool", "Prefaulter", "Targets", "allocate_targets", "arena_layout", "default_pool"]
+__all__ = ["ArenaPool", "ArenaView", "HostMemoryConfig", "Prefaulter", "Targets", "allocate_targets", "arena_layout", "default_pool",
+           "retarget"]

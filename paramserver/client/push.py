@@ -459,6 +459,9 @@ def commit(
     raise PushError(f"CommitVersion of {model} failed ({code.name}): {details}; {outcome}", code) from None
 
 
+STALE_LEADER_S = 1.0  # an upload longer than this asks who leads before the commit
+
+
 def push(
     seeds: str | Sequence[str],
     source: Source,
@@ -520,6 +523,14 @@ def push(
         pack_s = job.pack_seconds
         progress("commit", 0, 1)
         t_commit = time.perf_counter()
+        if t_commit - t_up > STALE_LEADER_S:
+            # An election during a long upload: learn the new leader now. Sent to the old one, the
+            # commit is forwarded, but only after that server ran the whole quorum check, and the
+            # client, moving to the new leader meanwhile, has it run the check again.
+            try:
+                view.refresh(deadline_s=min(2.0, options.commit_deadline_s))
+            except (ClusterUnreachable, TransferError):
+                pass  # the commit's own leader search reports it
         version = commit(
             view, model=model, manifest_id=job.manifest_id, parent=base, publisher=publisher, tag=tag,
             nbytes=manifest.raw_bytes, chunk_count=len(manifest.chunks), force=options.force, deadline_s=options.commit_deadline_s,

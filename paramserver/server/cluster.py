@@ -201,9 +201,9 @@ class QuorumVersionCheck:
         copies = np.zeros(len(every), dtype=np.int32)
         wrong: list[tuple[int, str, int]] = []  # (row of the chunk, server, the CRC it holds)
 
-        def record(server: str, held: Held) -> None:
-            here = positions[server]
+        def record(server: str, start: int, held: Held) -> None:
             present, crc, raw_copy = held
+            here = positions[server][start : start + len(present)]
             if crc is not None and raw_copy is not None:
                 # A raw copy with another CRC than a raw manifest entry: the manifest describes bytes no server holds.
                 bad = present & raw_copy & is_raw[here] & (crc != crcs[here])
@@ -215,14 +215,21 @@ class QuorumVersionCheck:
 
         # Answers are awaited only until every chunk has W copies: a replica that is down or cut
         # off must not hold a commit for its full deadline when the others already prove the quorum.
+        # Every replica is asked in batches of at most HAS_BATCH ids, several at once: half a million
+        # ids in one message would pass the message limit and the deadline, and one lookup that
+        # long in the local store would hold the GIL from this server's Raft ticks. A batch that
+        # fails counts as absent; the others still count.
         pool = ThreadPoolExecutor(max_workers=self.max_parallel)
         try:
-            pending = {pool.submit(self._present_on, members.get(server), server, every[here]): server
-                       for server, here in positions.items()}
+            pending = {}
+            for server, here in positions.items():
+                for start in range(0, len(here), HAS_BATCH):
+                    batch = every[here[start : start + HAS_BATCH]]
+                    pending[pool.submit(self._present_on, members.get(server), server, batch)] = (server, start)
             while pending and (copies < w).any() and not wrong:
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for future in done:
-                    record(pending.pop(future), future.result())
+                    record(*pending.pop(future), future.result())
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
         if wrong:
@@ -244,24 +251,12 @@ class QuorumVersionCheck:
     def _present_on(self, member: MemberRecord | None, server: str, digests: np.ndarray) -> Held:
         n = len(digests)
         if server == self.peers.self_id:
-            ids = hex_ids(digests)  # the store is keyed by hex ids
-            headers = self.local.stored_headers(ids, self.local.claim(ids))
-            return (np.fromiter((h is not None for h in headers), bool, n),
-                    np.fromiter((0 if h is None else h[0] for h in headers), np.uint32, n),
-                    np.fromiter((h is not None and h[1] == "raw" for h in headers), bool, n))
+            return self.local.held(hex_ids(digests), claim=True)  # the store is keyed by hex ids
         if member is None:
             return np.zeros(n, dtype=bool), None, None
-        # In calls of at most HAS_BATCH ids: half a million ids in one message would pass the
-        # message limit and the deadline. A batch that fails counts as absent; the others still count.
-        parts = [self._ask(member, digests[start : start + HAS_BATCH]) for start in range(0, n, HAS_BATCH)]
-        present = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, dtype=bool)
-        if all(p[1] is None or p[2] is None for p in parts):
-            return present, None, None
         # A batch answered without CRCs (a server from before with_crc) counts its copies as not
-        # raw: present, never compared; the CRC check holds for the batches that said.
-        crc = np.concatenate([p[1] if p[1] is not None else np.zeros(len(p[0]), np.uint32) for p in parts])
-        raw_copy = np.concatenate([p[2] if p[2] is not None else np.zeros(len(p[0]), bool) for p in parts])
-        return present, crc, raw_copy
+        # raw: present, never compared (record); the CRC check holds for the batches that said.
+        return self._ask(member, digests)
 
     def _ask(self, member: MemberRecord, digests: np.ndarray) -> Held:
         n = len(digests)

@@ -395,6 +395,12 @@ class ChunkService:
                               "(paramctl --token or $PARAMS_ADMIN_TOKEN); ask without claim to only look")
             # A chunk reported present to a push will not be sent again: it must not be
             # collected as an orphan before that push commits (see paramserver.server.gc).
+            if packed and request.with_crc:
+                # The commit check's question, about every chunk of a version: answered from the
+                # index in one pass, straight into the packed arrays.
+                held, crc, raw = self.store.held(ids, claim=True)
+                return pb.HasChunksReply(present_count=int(held.sum()), packed_present=held.astype(np.uint8).tobytes(),
+                                         packed_crc32c=crc.astype("<u4").tobytes(), packed_raw=raw.astype(np.uint8).tobytes())
             present = self.store.claim(ids)
         else:
             if request.renew_hot and not has_admin_token(context.invocation_metadata(), self.auth):

@@ -120,6 +120,37 @@ def test_second_load_moves_zero_network_bytes(cluster: Cluster, client: ClusterC
     assert_bit_exact(second.tensors, sd)
 
 
+def test_memory_tier_hands_its_arena_to_the_next_load_once_the_tensors_are_gone(cluster: Cluster, client: ClusterClient) -> None:
+    sd = {**layers(6), **mixed(seed=1)}  # another seed: no chunk of mixed() repeats one of layers()
+    cluster.push(sd, "adopt", tag="prod")
+    cache = mem_cache()
+    first = load(client, "adopt:prod", cache=cache)
+    big = "layers.0.weight"
+    at = first.tensors[big].data_ptr()
+    # While the first tensors are alive, a memory-tier load copies into memory of its own.
+    second = load(client, "adopt:prod", cache=cache)
+    assert second.report.bytes_memory == second.report.bytes_total
+    assert second.tensors[big].data_ptr() != at
+    assert_bit_exact(second.tensors, sd)
+    for done in (first, second):
+        assert done.handle is not None and done.handle.heat_sent(10)
+    del first, second
+    # Nothing uses the first load's memory now but the tier: the next load is given it, verified in place.
+    third = load(client, "adopt:prod", cache=cache)
+    assert third.tensors[big].data_ptr() == at
+    assert third.report.bytes_memory == third.report.bytes_total and third.report.bytes_network == 0
+    assert_bit_exact(third.tensors, sd)
+    # A caller that wrote into a tensor before dropping it: that chunk fails its CRC32C where it
+    # lies and is fetched again into place; the rest is still not copied.
+    third.tensors[big].view(-1)[5] += 1.0
+    assert third.handle is not None and third.handle.heat_sent(10)
+    del third
+    fourth = load(client, "adopt:prod", cache=cache)
+    assert fourth.tensors[big].data_ptr() == at
+    assert 0 < fourth.report.bytes_network <= fourth.manifest.chunk_size
+    assert_bit_exact(fourth.tensors, sd)
+
+
 def test_version_sharing_90_percent_fetches_only_the_rest(cluster: Cluster, client: ClusterClient) -> None:
     base = layers(20, seed=1)
     tuned = finetune(base, fraction=0.1, seed=2)

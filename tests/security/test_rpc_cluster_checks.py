@@ -180,7 +180,7 @@ def servers(tmp_path: Path) -> Iterator[list[RunningServer]]:
         s.stop(0)
 
 
-def test_replicas_answer_stored_crcs_and_the_check_compares_them(servers: list[RunningServer]) -> None:
+def test_replicas_answer_stored_crcs_and_the_check_compares_them(servers: list[RunningServer], monkeypatch: pytest.MonkeyPatch) -> None:
     from chunking import pack
 
     packed = pack({"a": torch.arange(50_000, dtype=torch.float32)}, model="m", config=ChunkingConfig(chunk_size=64 * 1024))
@@ -221,6 +221,14 @@ def test_replicas_answer_stored_crcs_and_the_check_compares_them(servers: list[R
         # Another encoding of the same raw bytes (a later push with compression) has its own
         # CRC legitimately: readers prove that copy by its content id.
         assert check(content_id(recoded.to_bytes()), recoded.to_bytes()).model == "m"
+        # In many small calls (as a big manifest is asked), answered out of order: the same verdicts.
+        import paramserver.server.cluster as cluster_module
+        monkeypatch.setattr(cluster_module, "HAS_BATCH", 2)
+        assert len(good.chunks) >= 4  # with the manifest: 3 calls to each replica
+        assert check(content_id(good.to_bytes()), good.to_bytes()).chunk_count == len(good.chunks)
+        with pytest.raises(InvalidChunkError, match=f"chunk {victim} .*CRC32C .* server ps[012] stores"):
+            check(content_id(bad.to_bytes()), bad.to_bytes())
+        monkeypatch.undo()
         # The probe AddMember uses: a live server answers with its id and cluster id.
         probe = MemberCheck(peers, cluster_id(None, 128))
         probe(members[1])

@@ -191,3 +191,21 @@ def test_policy_values_are_checked(bad: dict[str, float]) -> None:
         FailoverPolicy(**bad).validate()
     with pytest.raises(ConfigError):
         LeaderFailover(L, 1, [A], FailoverPolicy(**bad), now=0, deadline=1)
+
+
+def test_a_claim_to_lead_beats_a_stale_belief_in_the_same_term() -> None:
+    # A member that just voted has the new term but may still name the old leader: the view can
+    # start out believing L in term 6 when B won term 6. B's own claim moves the call at once.
+    w = watch(term=6)
+    assert w.poll(0.0).call == L
+    assert not w.answered(A, L, 6, now=0.2)  # another stale belief: no news
+    assert not w.answered(A, B, 6, now=0.2)  # a belief, not a claim: the same term is no news
+    assert w.answered(B, B, 6, now=0.3, claims=True)
+    assert w.target == B and w.poll(0.3).call == B
+    assert not w.answered(L, L, 6, now=0.4)  # L's stale belief in itself without a claim cannot move it back
+    assert not w.answered(A, B, 5, now=0.4, claims=True)  # an older term never moves it
+
+
+def test_best_answer_prefers_a_claim_within_a_term() -> None:
+    assert best_answer([("a", 4, False), ("b", 4, True)]) == 1
+    assert best_answer([("a", 5, False), ("b", 4, True)]) == 0  # a newer term still wins

@@ -43,6 +43,7 @@ def info(answering: str, leader: str | None, term: int) -> pb.ClusterInfoReply:
     )  # fmt: skip
     if leader is not None:
         reply.leader_id, reply.leader_grpc_address = leader, ADDR[leader]
+        reply.is_leader = leader == answering  # what a real server says
     return reply
 
 
@@ -233,3 +234,23 @@ def test_a_view_without_a_leader_calls_nobody_until_one_is_named() -> None:
     members["ps3"].answers = lambda: info("ps3", "ps3", 3)  # healed: the majority's leader answers
     assert view.leader_call(lambda c: c.do(), deadline_s=2.0) == "head from the leader"
     assert members["ps2"].calls == 0
+
+
+def test_a_stale_belief_in_the_current_term_gives_way_to_the_leader_claiming_it() -> None:
+    """A member that voted in term 6 but still names the term-5 leader: a view built from it
+    believes ps2 leads term 6. ps2 (now a follower) is slow to answer; ps3 says it leads term 6."""
+    release = threading.Event()
+    members = {
+        "ps2": Member("ps2", lambda: info("ps2", "ps3", 6), silent(release)),
+        "ps1": Member("ps1", lambda: info("ps1", "ps2", 6), lambda: "ps1 is no leader"),  # the stale belief
+        "ps3": Member("ps3", lambda: info("ps3", "ps3", 6), lambda: "done on ps3"),
+    }
+    view = view_of(members, info("ps1", "ps2", 6))
+    started = time.monotonic()
+    try:
+        assert view.leader_call(lambda c: c.do(), deadline_s=3.0) == "done on ps3"
+        assert time.monotonic() - started < 1.0 and members["ps1"].calls == 0
+    finally:
+        release.set()
+    view.refresh(deadline_s=2.0)  # the same answers: the claim wins over the belief
+    assert view.info.leader_id == "ps3"

@@ -14,7 +14,7 @@ from chunking.config import ChunkingConfig
 from chunking.errors import InvalidInput
 from chunking.pack import pack
 from paramserver.client.errors import ConfigError
-from paramserver.client.hostmem import ArenaPool, HostMemoryConfig, allocate_targets, arena_layout
+from paramserver.client.hostmem import ArenaPool, HostMemoryConfig, allocate_targets, arena_layout, retarget
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int64, torch.bool, torch.float64]
 
@@ -100,6 +100,35 @@ def test_released_arena_is_reused_only_when_every_tensor_and_view_is_gone() -> N
     area, _, fresh = pool.allocate([1 << 20])
     assert not fresh and pool.reused == 1
     del area
+
+
+def test_an_arena_view_outlives_the_tensors_and_retargets_only_when_they_are_gone() -> None:
+    sd = model()
+    packed = pack(sd, model="m", config=ChunkingConfig(chunk_size=64 << 10))
+    pool = ArenaPool()
+    targets = allocate_targets(packed.manifest, pool)
+    assert targets.arena is not None
+    arena = targets.arena
+    for name, t in targets.tensors.items():
+        t.copy_(sd[name])
+    views = {name: t[1:] for name, t in targets.tensors.items() if t.dim()}  # a view holds the arena too
+    del targets, t
+    gc.collect()
+    assert not pool.free_but_for(arena.view)
+    del views
+    gc.collect()
+    # Only the arena's own view is left: the memory (and the bytes in it) may go to a new load.
+    assert pool.free_but_for(arena.view)
+    again = retarget(packed.manifest, arena)
+    assert not again.fresh and not pool.free_but_for(arena.view)
+    for name, t in again.tensors.items():
+        assert as_bytes(t) == as_bytes(sd[name]), name
+    # And the pool never hands it out while that view exists.
+    del again
+    gc.collect()
+    _, _, fresh = pool.allocate([arena.view.nbytes])
+    assert fresh
+    assert not ArenaPool().free_but_for(arena.view)  # another pool's memory: never "free"
 
 
 def test_a_much_smaller_request_does_not_take_a_large_arena() -> None:

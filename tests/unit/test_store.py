@@ -15,7 +15,7 @@ from paramserver.server.errors import (
     InvalidChunkError,
     UnknownCodecError,
 )
-from paramserver.server.repair import RepairQueue, Repairer, Scrubber
+from paramserver.server.repair import SCRUB_CHUNK_OVERHEAD_BYTES, RepairQueue, Repairer, Scrubber
 from paramserver.server.segments import write_in_place
 from paramserver.server.store import HEADER_SIZE, ChunkStore, StoredChunk, decode_header
 
@@ -204,6 +204,16 @@ def test_hot_cache_respects_budget_and_serves_hits(tmp_path: Path) -> None:
     assert big[0] not in store.cache
 
 
+def test_scrubber_charges_each_chunk_so_small_chunks_do_not_multiply_its_work(tmp_path: Path) -> None:
+    store = ChunkStore(tmp_path / "a", cache_bytes=0, fsync=False)
+    store.put_many([raw_chunk(4 * KiB, seed=i) for i in range(64)])
+    scrubber = Scrubber(store, RepairQueue(clock=lambda: 0.0))
+    # A 1 MiB budget would cover 256 chunks of 4 KiB by bytes alone; with the per-chunk charge, 15.
+    report = scrubber.step(budget_bytes=1 << 20)
+    assert report.checked == -(-(1 << 20) // (4 * KiB + SCRUB_CHUNK_OVERHEAD_BYTES))
+    assert report.bytes_checked == report.checked * 4 * KiB
+
+
 def test_scrubber_finds_untouched_corruption_and_repairer_restores(tmp_path: Path) -> None:
     queue = RepairQueue(clock=lambda: 0.0)
     store = ChunkStore(tmp_path / "a", cache_bytes=0, on_corrupt=queue.add)
@@ -214,11 +224,12 @@ def test_scrubber_finds_untouched_corruption_and_repairer_restores(tmp_path: Pat
     victim = chunks[5][0]
     flip_byte(store, victim, HEADER_SIZE + 7)
     scrubber = Scrubber(store, queue)
-    first = scrubber.step(budget_bytes=4 * 16 * KiB)
-    assert first.bytes_checked >= 4 * 16 * KiB and not first.finished_pass
+    budget = 4 * (16 * KiB + SCRUB_CHUNK_OVERHEAD_BYTES)
+    first = scrubber.step(budget_bytes=budget)
+    assert 4 <= first.checked <= 5 and first.bytes_checked >= 3 * 16 * KiB and not first.finished_pass  # a corrupt one checks no bytes
     total_corrupt = list(first.corrupt)
     while True:
-        report = scrubber.step(budget_bytes=4 * 16 * KiB)
+        report = scrubber.step(budget_bytes=budget)
         total_corrupt += report.corrupt
         if report.finished_pass:
             break
@@ -338,16 +349,16 @@ def test_a_claimed_old_orphan_survives_collection_and_an_unclaimed_one_does_not(
 
 def test_generation_changes_when_the_set_of_chunks_does(store: ChunkStore) -> None:
     c = raw_chunk(seed=21)
-    g0 = store.generation
+    g0, l0 = store.generation, store.loss_generation
     store.put(*c)
     g1 = store.generation
-    assert g1 != g0
+    assert g1 != g0 and store.loss_generation == l0  # an arrival is no loss
     store.put(*c)  # already there
     store.get(c[0])
     store.claim([c[0]])
     assert store.generation == g1
     store.delete(c[0])
-    assert store.generation != g1
+    assert store.generation != g1 and store.loss_generation != l0
 
 
 def test_anti_entropy_gate_skips_only_after_a_clean_pass_of_the_same_state() -> None:
@@ -387,3 +398,34 @@ def test_resending_a_stored_orphan_claims_it_before_trusting_it(tmp_path: Path, 
     monkeypatch.setattr(store, "_intact_copy_exists", collect_then_check)
     assert store.put(*c) is False  # already here, and still here
     assert store.has(c[0])
+
+
+def test_held_answers_presence_crc_and_raw_in_one_pass_and_claims(tmp_path: Path) -> None:
+    now = [100.0]
+    store = ChunkStore(tmp_path / "a", cache_bytes=0, fsync=False, clock=lambda: now[0])
+    raw = raw_chunk(8 * KiB, seed=1)
+    packed = zstd_chunk(bytes(8 * KiB))
+    store.put_many([raw, packed])
+    absent = raw_chunk(8 * KiB, seed=2)[0]
+    now[0] = 200.0
+    present, crc, is_raw = store.held([raw[0], absent, packed[0]], claim=True)
+    assert present.tolist() == [True, False, True]
+    assert crc.tolist() == [raw[4], 0, packed[4]] and is_raw.tolist() == [True, False, False]
+    assert store.claimed_at(raw[0]) == 200.0 and store.claimed_at(packed[0]) == 200.0
+    now[0] = 300.0
+    store.held([raw[0]], claim=False)
+    assert store.claimed_at(raw[0]) == 200.0
+
+
+def test_index_entries_are_not_walked_by_the_garbage_collector(tmp_path: Path) -> None:
+    import gc
+
+    store = ChunkStore(tmp_path / "a", cache_bytes=0, fsync=False)
+    chunks = [raw_chunk(4 * KiB, seed=i) for i in range(50)]
+    store.put_many(chunks)
+    assert not any(gc.is_tracked(store._index[c[0]]) for c in chunks)  # written
+    store.close()
+    again = ChunkStore(tmp_path / "a", cache_bytes=0, fsync=False)
+    assert not any(gc.is_tracked(again._index[c[0]]) for c in chunks)  # loaded at start
+    assert all(again.get(c[0]).data == c[1] for c in chunks)
+    again.close()

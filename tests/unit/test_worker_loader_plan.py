@@ -222,3 +222,16 @@ def test_views_of_one_load_are_evicted_together() -> None:
         cache.memory.put(f"{i:064x}", bytes(packed.manifest.raw_bytes // 2))
         cache.memory.put(f"{i:064x}", bytes(packed.manifest.raw_bytes // 2))
     assert not any(isinstance(cache.memory.peek(r.id), HeldChunk) for r in packed.manifest.unique_chunks())
+
+
+def test_a_model_larger_than_the_memory_tier_goes_around_it() -> None:
+    sd = model()
+    packed = pack(sd, model="m")
+    small = TieredCache.from_config(CacheConfig(memory_bytes=packed.manifest.raw_bytes // 2))
+    targets, counters, _ = private_run(packed, small)
+    assert all(same(targets[k], v) for k, v in sd.items()) and counters.bytes["network"] == packed.manifest.raw_bytes
+    # No copy of half the model on top of the loaded one (the next in-order load would evict
+    # each before reaching it).
+    assert small.memory.bytes == 0
+    targets, counters, _, _ = run(packed, small)  # targets the caller owns: nothing received in place
+    assert all(same(targets[k], v) for k, v in sd.items()) and small.memory.bytes == 0
