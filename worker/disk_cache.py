@@ -14,7 +14,7 @@ import struct
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
@@ -122,6 +122,12 @@ class DiskCache:
             return key in self._index
 
     __contains__ = contains
+
+    def contains_many(self, keys: Iterable[str]) -> list[bool]:
+        """``contains`` of each key, under one acquisition of the lock."""
+        with self._lock:
+            index = self._index
+            return [key in index for key in keys]
 
     def put(self, key: str, data: bytes | bytearray | memoryview) -> bool:
         """Store ``data`` (raw chunk bytes) under its content id; True when it is on disk."""

@@ -26,7 +26,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -140,6 +140,12 @@ class LRUKCache:
             return key in self._entries
 
     __contains__ = contains
+
+    def contains_many(self, keys: Iterable[Hashable]) -> list[bool]:
+        """``contains`` of each key, under one acquisition of the lock (a manifest's every chunk)."""
+        with self._lock:
+            entries = self._entries
+            return [key in entries for key in keys]
 
     def put(self, key: Hashable, value: Any, size: int | None = None) -> bool:
         """Cache ``value`` under ``key``; True when it is resident afterwards.

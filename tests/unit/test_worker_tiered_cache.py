@@ -62,3 +62,17 @@ def test_memory_only() -> None:
 def test_cache_config_validate_refuses_bad_values(kwargs: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         CacheConfig(**kwargs).validate()  # type: ignore[arg-type]
+
+
+def test_contains_many_answers_as_contains_does_in_both_tiers(tmp_path: Path) -> None:
+    cfg = CacheConfig(memory_bytes=1 << 20, disk_dir=str(tmp_path), disk_bytes=1 << 20, disk_fsync=False)
+    cache = TieredCache.from_config(cfg)
+    blobs = [bytes([i]) * 1000 for i in range(4)]
+    keys = [content_id(b) for b in blobs]
+    for k, b in zip(keys[:2], blobs[:2]):
+        cache.put(k, b)
+    assert cache.disk is not None
+    cache.disk.put(keys[2], blobs[2])
+    assert cache.memory.contains_many(keys) == [cache.memory.contains(k) for k in keys] == [True, True, False, False]
+    assert cache.disk.contains_many(keys) == [cache.disk.contains(k) for k in keys] == [True, True, True, False]
+    assert cache.memory.stats().hits == 0  # a look, not a reference
