@@ -14,8 +14,8 @@ twice), with the chunk's CRC32C: a later hit is re-verified before it is copied,
 the user changed in place never leaks into another load. On CUDA the tier holds one host copy.
 
 When those views are of a host arena (``paramserver.client.hostmem``) and every tensor of that
-load is gone, a later load of the same manifest is given the arena itself (``TieredCache``
-``adoptable``, ``hostmem.retarget``): each held chunk is re-verified where it lies and nothing is
+load is gone, a later load of the same manifest is given the arena itself (``TieredCache.adopt``,
+``hostmem.retarget``): each held chunk is re-verified where it lies and nothing is
 copied; a chunk that fails (the user wrote into the old tensor) is fetched again into place.
 """
 from __future__ import annotations
@@ -154,26 +154,33 @@ class ChunkWriter:
                 cpu[s.tensor_offset : s.tensor_offset + s.length] = src[s.chunk_offset : s.chunk_offset + s.length]
         self.readiness.mark_landed(index, fence)
 
-    def region(self, index: int) -> memoryview | None:
-        """The CPU tensor bytes chunk ``index`` fills when they are one whole region, else None."""
+    def _span(self, index: int) -> tuple[int, int, int] | None:
+        """(tensor, start, stop) of the tensor bytes chunk ``index`` fills when they are one whole region."""
         t = self._whole[index]
         if t < 0:
             return None
+        start = index * self.manifest.chunk_size - self.manifest.tensors[t].offset
+        return t, start, start + self._plan.raw_sizes[index]
+
+    def region(self, index: int) -> memoryview | None:
+        """The CPU tensor bytes chunk ``index`` fills when they are one whole region, else None."""
+        span = self._span(index)
+        if span is None:
+            return None
+        t, start, stop = span
         cpu = self._cpu[t]
         assert cpu is not None
-        start = index * self.manifest.chunk_size - self.manifest.tensors[t].offset
-        return cpu[start : start + self._plan.raw_sizes[index]].data
+        return cpu[start:stop].data
 
     def arena_region(self, index: int) -> memoryview | None:
         """``region(index)`` as a slice of the arena's own view (it outlives the tensors), or None."""
-        t = self._whole[index]
-        if t < 0 or self.arena is None:
+        span = self._span(index) if self.arena is not None else None
+        if span is None:
             return None
+        t, start, stop = span
+        assert self.arena is not None
         base = self.arena.offsets.get(self.manifest.tensors[t].name)
-        if base is None:
-            return None
-        start = base + index * self.manifest.chunk_size - self.manifest.tensors[t].offset
-        return self.arena.view[start : start + self._plan.raw_sizes[index]]
+        return None if base is None else self.arena.view[base + start : base + stop]
 
     def _whole_chunks(self) -> np.ndarray:
         """Per chunk: the CPU tensor whose bytes it is exactly (its one segment, from the chunk's
