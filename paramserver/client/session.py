@@ -50,6 +50,9 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 MIB = 1 << 20
+# A heat report refused with one of these is sent again after each delay (a lagging follower, a busy one).
+HEAT_RETRY_CODES = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+HEAT_RETRY_DELAYS_S = (0.2, 0.5, 1.0)
 
 
 @dataclass(frozen=True)
@@ -438,21 +441,29 @@ class ClusterClient:
         return None
 
     def report_heat(self, model: str, version: int, entries: Sequence[tuple[int, int, int]]) -> int:
-        """Send a heat report to every up member (each aggregates on its own). Best effort."""
+        """Send a heat report to every up member (each aggregates on its own). Best effort: a member
+        that refuses with a transient code is tried again a few times (bounded), since a follower
+        that has not applied a just-committed version yet answers NOT_FOUND for it."""
         if not entries:
             return 0
         ok = 0
         for m in self.members().values():
             if m.state != "up":
                 continue
-            try:
-                # Servers refuse oversized reports (paramserver.wire.limits): send slices that always fit.
-                for start in range(0, len(entries), HEAT_ENTRIES_PER_CALL):
-                    self.server(m.grpc_address).report_heat(model, version, self.worker_id,
-                                                            entries[start : start + HEAT_ENTRIES_PER_CALL])
-                ok += 1
-            except grpc.RpcError:
-                continue
+            sent = 0  # slices already accepted by this member: a retry resends only the rest
+            for delay in (*HEAT_RETRY_DELAYS_S, None):
+                try:
+                    # Servers refuse oversized reports (paramserver.wire.limits): send slices that always fit.
+                    for start in range(sent, len(entries), HEAT_ENTRIES_PER_CALL):
+                        self.server(m.grpc_address).report_heat(model, version, self.worker_id,
+                                                                entries[start : start + HEAT_ENTRIES_PER_CALL])
+                        sent = start + HEAT_ENTRIES_PER_CALL
+                    ok += 1
+                    break
+                except grpc.RpcError as exc:
+                    if delay is None or self._closed or exc.code() not in HEAT_RETRY_CODES:
+                        break
+                    time.sleep(delay)
         return ok
 
     def report_corrupt(self, chunk_ids: Sequence[str], server_id: str, reason: str) -> bool:
