@@ -384,7 +384,7 @@ def main() -> int:
         if man.total_bytes != model_bytes or len(man.unique_chunks()) != pushed.chunks_unique or man.raw_bytes != pushed.bytes_total:
             raise SystemExit(f"packed model ({len(man.unique_chunks())} chunks, {man.raw_bytes} B) differs from the push "
                              f"({pushed.chunks_unique} chunks, {pushed.bytes_total} B)")
-        (root / "manifest.bin").write_bytes(man.to_bytes())
+        (root / "manifest.bin").write_bytes(man.in_format(2).to_bytes())  # one file for the Redis loader
         redis_server = RedisServer(root)
         rc = redis_server.client()
         t0 = time.perf_counter()

@@ -6,7 +6,10 @@
 
 Part a: size, encode time, decode time and decoded RSS of synthetic manifests for 1 GB, 140 GB
 and 800 GB bf16 checkpoints at 256 KiB chunks, format 1 (JSON) next to format 2 (binary
-columns), in one run.
+columns) and format 3 (a root and parts, each its own blob; the size is root plus parts), in
+one run. Then a fine-tune of each: every tenth tensor (name order) gets new chunks, and the
+bytes of the blobs its format-3 manifest adds (those the first version does not have) are
+given as a share of its root-plus-parts bytes.
 
 The 140 GB model has the shape of a 70B-class decoder (80 layers of q/k/v/o, gate/up/down and two
 norms, an embedding and an output head: 723 tensors); the others scale its layer count.
@@ -36,9 +39,11 @@ model pushes, pulls and loads bit-exact with no process's peak RSS above 1.5x th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -63,6 +68,24 @@ CHUNK = 256 << 10
 HIDDEN, KV, FFN, VOCAB = 8192, 1024, 28672, 128256
 # decoder shapes (layers, hidden, kv width, ffn, vocab): a ~1 GB small model; a 70B-class one; 800 GB by more layers
 SIZES = {"1g": (8, 2048, 256, 5632, 32000), "140g": (80, HIDDEN, KV, FFN, VOCAB), "800g": (458, HIDDEN, KV, FFN, VOCAB)}
+
+
+def fine_tuned(base: Manifest, *, every: int = 10, seed: int = 1) -> tuple[Manifest, int]:
+    """Version 2 of ``base`` in which every ``every``-th tensor has new bytes: its chunks get new
+    ids and CRCs, introduced in version 2. Returns it and the number of chunks changed."""
+    t = base.chunks
+    changed = np.zeros(len(t), bool)
+    for k, tensor in enumerate(base.tensors):
+        if k % every == 0 and tensor.nbytes:
+            changed[tensor.offset // base.chunk_size : (tensor.offset + tensor.nbytes - 1) // base.chunk_size + 1] = True
+    rng = np.random.default_rng(seed)
+    rows = np.flatnonzero(changed)
+    digests, crc, introduced = t.digests.copy(), t.crc32c.copy(), t.introduced_in.copy()
+    digests[rows] = rng.integers(0, 256, (len(rows), 32), dtype=np.uint8)
+    crc[rows] = rng.integers(0, 1 << 32, len(rows), dtype=np.uint32)
+    introduced[rows] = 2
+    table = ChunkTable(digests, t.raw_size, t.stored_size, crc, t.codec_index, t.codecs, introduced, t.created_at)
+    return dataclasses.replace(base, version=2, chunks=table), len(rows)
 
 
 def synthetic_manifest(layers: int, hidden: int, kv: int, ffn: int, vocab: int, *, seed: int = 0) -> Manifest:
@@ -90,15 +113,21 @@ def synthetic_manifest(layers: int, hidden: int, kv: int, ffn: int, vocab: int, 
 
 
 def decode_child(path: str, expected_id: str) -> None:
-    """Child process: decode the manifest at ``path``; print one JSON line of figures."""
+    """Child process: decode the manifest at ``path`` (format 3: a folder of root and parts); print
+    one JSON line of figures."""
     gc.collect()
     base = rss_bytes()
     reset_hwm()
-    data = Path(path).read_bytes()
+    folder = Path(path)
+    if folder.is_dir():
+        data = (folder / "root").read_bytes()
+        blobs: dict[str, bytes] | None = {f.name: f.read_bytes() for f in folder.iterdir() if f.name != "root"}
+    else:
+        data, blobs = folder.read_bytes(), None
     t0 = time.perf_counter()
-    manifest = Manifest.from_bytes(data, expected_id=expected_id)
+    manifest = Manifest.from_bytes(data, expected_id=expected_id, parts=blobs)
     seconds = time.perf_counter() - t0
-    del data  # format 2 keeps it alive through its column views; format 1 lets it go
+    del data, blobs  # format 2 keeps its bytes alive through its column views; formats 1 and 3 let them go
     gc.collect()
     held = rss_bytes() - base
     print(json.dumps({"seconds": seconds, "held": held, "peak": hwm_bytes() - base, "chunks": len(manifest.chunks)}))
@@ -175,17 +204,19 @@ def e2e_child(step: str, spec: dict[str, Any]) -> dict[str, Any]:
             out["seconds"] = time.perf_counter() - t0
             out["peak_rss"] = hwm_bytes() - base
             out["chunks"] = len(manifest.chunks)
-            out["manifest_bytes"] = len(manifest.to_bytes())
-            # Where the time goes, asked again: the tag, the GetManifest RPC, the decode (with its plan).
+            out["manifest_bytes"] = sum(len(b) for b in manifest.blobs().values())  # format 3: root and parts
+            # Where the time goes, asked again: the tag, the GetManifest RPC of the root, the parts and the decode (with its plan).
             t0 = time.perf_counter()
             info = client.resolve_ref(ref, linearizable=True)
             t1 = time.perf_counter()
             reply = client.server(info.server).get_manifest(manifest_id=info.manifest_id)
             t2 = time.perf_counter()
-            again = Manifest.from_bytes(reply.data, expected_id=info.manifest_id)
+            server = client.server(info.server)
+            again = Manifest.read(info.manifest_id, lambda blob: bytes(server.get_manifest(manifest_id=blob).data),
+                                  root=reply.data)
             again.plan  # noqa: B018 - what ClusterClient.manifest does too
             t3 = time.perf_counter()
-            out["parts"] = {"resolve": t1 - t0, "rpc": t2 - t1, "decode": t3 - t2}
+            out["parts"] = {"resolve": t1 - t0, "rpc": t2 - t1, "parts+decode": t3 - t2}
             return out
         from worker.config import CacheConfig
         from worker.loader import load
@@ -321,23 +352,35 @@ def bench_manifests(args: argparse.Namespace) -> None:
     if unknown or args.rounds < 1:
         raise SystemExit(f"bench_scale: unknown size {unknown} (use 1g, 140g, 800g) or --rounds < 1")
     rows = []
+    tunes: list[tuple[str, int, float, int, int]] = []
     with tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp:
         for size in sizes:
             binary = synthetic_manifest(*SIZES[size])
             gb = binary.total_bytes / 1e9
-            formats = [2] if args.skip_json_above is not None and gb > args.skip_json_above else [1, 2]
+            formats = [2, 3] if args.skip_json_above is not None and gb > args.skip_json_above else [1, 2, 3]
             figures: dict[int, dict[str, float]] = {}
             files: dict[int, tuple[Path, str]] = {}
             for fmt in formats:
                 fresh = binary.in_format(fmt)
                 t0 = time.perf_counter()
-                data = fresh.to_bytes()
+                blobs = fresh.blobs()  # format 3: root and parts; otherwise the one blob
                 encode_s = time.perf_counter() - t0
-                path = Path(tmp) / f"{size}-{fmt}.bin"
-                path.write_bytes(data)
+                path = Path(tmp) / f"{size}-{fmt}"
+                if fmt == 3:
+                    path.mkdir()
+                    for bid, data in blobs.items():
+                        (path / ("root" if bid == fresh.id else bid)).write_bytes(data)
+                    tune, changed = fine_tuned(fresh)
+                    tuned = tune.blobs()
+                    added = sum(len(d) for bid, d in tuned.items() if bid not in blobs)
+                    total = sum(len(d) for d in tuned.values())
+                    tunes.append((size, len(fresh.parts), changed / len(fresh.chunks), added, total))
+                    del tune, tuned
+                else:
+                    path.write_bytes(blobs[fresh.id])
                 files[fmt] = (path, fresh.id)
-                figures[fmt] = {"bytes": len(data), "encode": encode_s}
-                del fresh, data
+                figures[fmt] = {"bytes": sum(len(d) for d in blobs.values()), "encode": encode_s}
+                del fresh, blobs
                 gc.collect()
             decodes: dict[int, list[dict[str, float]]] = {fmt: [] for fmt in formats}
             for r in range(args.rounds):
@@ -360,18 +403,28 @@ def bench_manifests(args: argparse.Namespace) -> None:
                 gc.collect()
             print(f"{size}: format-2 views: " + ", ".join(f"{k} {v:.2f} s" for k, v in views.items()), flush=True)
             for fmt in formats:
-                os.unlink(files[fmt][0])
+                if files[fmt][0].is_dir():
+                    shutil.rmtree(files[fmt][0])
+                else:
+                    os.unlink(files[fmt][0])
     print(f"\n{'model':>6} {'GB':>7} {'chunks':>9} {'tensors':>7} {'format':>6} {'MB':>8} {'encode s':>9} "
           f"{'decode s':>9} {'held MB':>8} {'peak MB':>8}")
     for size, gb, chunks, tensors, fmt, f in rows:
         print(f"{size:>6} {gb:7.1f} {chunks:9d} {tensors:7d} {fmt:6d} {f['bytes'] / 1e6:8.1f} {f['encode']:9.3f} "
               f"{f['seconds']:9.3f} {f['held'] / 1e6:8.1f} {f['peak'] / 1e6:8.1f}")
+    print(f"\nfine-tune (every 10th tensor new), format 3:\n{'model':>6} {'parts':>6} {'chunks changed':>15} "
+          f"{'added MB':>9} {'total MB':>9} {'added share':>12}")
+    for size, nparts, share, added, total in tunes:
+        print(f"{size:>6} {nparts:6d} {share:14.1%} {added / 1e6:9.2f} {total / 1e6:9.2f} {added / total:11.1%}"
+              f"  -> {'PASS' if added / total <= 0.15 else 'BELOW'} (<= 15%)")
     by = {(size, fmt): f for size, _, _, _, fmt, f in rows}
-    if ("140g", 2) in by:
-        f = by[("140g", 2)]
+    for fmt in (2, 3):
+        if ("140g", fmt) not in by:
+            continue
+        f = by[("140g", fmt)]
         checks = [("encoded size <= 25 MB", f["bytes"] / 1e6, 25.0), ("decode <= 0.3 s", f["seconds"], 0.3),
                   ("decoded RSS <= 100 MB", f["held"] / 1e6, 100.0)]
-        print("\n140 GB, format 2, issue #18 bars:")
+        print(f"\n140 GB, format {fmt}, issue #18 bars:")
         for what, value, bar in checks:
             print(f"  {what}: {value:.3f} -> {'PASS' if value <= bar else 'BELOW'}")
         if ("140g", 1) in by:

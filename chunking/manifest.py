@@ -6,6 +6,10 @@ content id names it):
 - format 2, written by this library: a small JSON header (tensors, files, names) followed by
   the chunk fields as binary columns (``chunking.manifest_binary``). A 140 GB checkpoint's
   half-million chunks decode as numpy views, not as objects;
+- format 3, written by this library for manifests of ``SPLIT_FROM_CHUNKS`` chunks or more: a
+  root (the header and a list of parts) and parts (runs of chunk columns), each a blob of its
+  own (``chunking.manifest_split``), so versions that share tensors share manifest bytes. The
+  root's bytes are ``to_bytes()`` and name the manifest; ``parts`` are the other blobs;
 - format 1, still read (and re-written byte for byte, so its id holds): compact JSON with
   sorted keys, tensors and chunks as arrays in ``TENSOR_FIELDS`` / ``CHUNK_FIELDS`` order.
 
@@ -25,12 +29,13 @@ import json
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 import numpy as np
 
-from chunking import manifest_binary
+from chunking import manifest_binary, manifest_split
 from chunking.chunk_table import ChunkRef as ChunkRef  # re-exported: a manifest's rows
 from chunking.chunk_table import ChunkTable
 from chunking.config import HASH_ALGORITHMS, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
@@ -41,8 +46,9 @@ from chunking.layout import ChunkPlan, chunk_raw_sizes, plan_chunks
 
 JSON_FORMAT = 1
 BINARY_FORMAT = 2
-FORMAT_VERSION = BINARY_FORMAT  # what pack writes
-READABLE_FORMATS = (JSON_FORMAT, BINARY_FORMAT)
+SPLIT_FORMAT = 3
+FORMAT_VERSION = SPLIT_FORMAT  # the newest; pack writes it from SPLIT_FROM_CHUNKS chunks up (written_format)
+READABLE_FORMATS = (JSON_FORMAT, BINARY_FORMAT, SPLIT_FORMAT)
 TENSOR_FIELDS = ("name", "dtype", "shape", "offset", "nbytes")
 CHUNK_FIELDS = ("id", "raw_size", "stored_size", "codec", "crc32c", "introduced_in", "created_at")
 FILE_FIELDS = ("path", "size", "blake3", "chunks")
@@ -53,8 +59,14 @@ HEADER_KEYS = frozenset({"format_version", "model", "version", "chunk_size", "ha
                          "tensor_fields", "tensors"})
 BASE_KEYS = HEADER_KEYS | {"chunk_fields", "chunks"}  # format 1
 BINARY_KEYS = HEADER_KEYS | {"chunk_count", "runs", "codecs"}  # format 2
+SPLIT_KEYS = HEADER_KEYS | {"parts"}  # format 3's root
 FILE_KEYS = frozenset({"file_fields", "file_chunk_fields", "files"})
 SHARD_KEYS = frozenset({"weight_files", "tensor_file"})
+
+
+def written_format(chunk_count: int) -> int:
+    """The byte form pack gives a manifest of ``chunk_count`` chunks: split only where parts pay."""
+    return SPLIT_FORMAT if chunk_count >= manifest_split.SPLIT_FROM_CHUNKS else BINARY_FORMAT
 
 
 def is_codec_name(name: str) -> bool:
@@ -147,11 +159,32 @@ class Manifest:
 
     # -- serialisation ---------------------------------------------------
     def to_bytes(self) -> bytes:
-        """The canonical bytes, in this manifest's ``format_version``."""
+        """The canonical bytes, in this manifest's ``format_version`` (format 3: the root's)."""
         return self._encoded
 
+    @property
+    def parts(self) -> tuple[manifest_split.Part, ...]:
+        """The part blobs a format-3 root names, in chunk order; () in the other formats."""
+        if self.format_version != SPLIT_FORMAT:
+            return ()
+        return self._split[1]
+
+    def blobs(self) -> dict[str, bytes]:
+        """Every blob that makes up this manifest, id -> bytes: the root (or sole blob) first."""
+        out = {self.id: self.to_bytes()}
+        for part in self.parts:
+            out.setdefault(part.id, part.data)
+        return out
+
     @cached_property
-    def _encoded(self) -> bytes:
+    def _split(self) -> tuple[bytes, tuple[manifest_split.Part, ...]]:
+        t = self.chunks
+        columns = manifest_binary.Columns(t.digests, t.crc32c, t.stored_size, t.codec_index, t.introduced_in, t.created_at)
+        bounds = manifest_split.part_bounds([(x.offset, x.nbytes) for x in self.tensors], self.chunk_size, len(t))
+        parts = manifest_split.split_columns(columns, t.codecs, bounds, self.hash_algorithm)
+        return manifest_split.encode_root(self._header(), parts), parts
+
+    def _header(self) -> dict[str, Any]:
         header: dict[str, Any] = {
             "format_version": self.format_version,
             "model": self.model,
@@ -172,6 +205,13 @@ class Manifest:
         if self.weight_files:
             header["weight_files"] = list(self.weight_files)
             header["tensor_file"] = list(self.tensor_file)
+        return header
+
+    @cached_property
+    def _encoded(self) -> bytes:
+        if self.format_version == SPLIT_FORMAT:
+            return self._split[0]
+        header = self._header()
         t = self.chunks
         if self.format_version == BINARY_FORMAT:
             header["codecs"] = list(t.codecs)
@@ -189,11 +229,21 @@ class Manifest:
         return dataclasses.replace(self, format_version=format_version)
 
     @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview, expected_id: str | None = None) -> Manifest:
-        """Parse and validate manifest bytes (either format); refuse unknown format versions and id mismatches."""
+    def from_bytes(cls, data: bytes | bytearray | memoryview, expected_id: str | None = None,
+                   parts: manifest_split.PartSource | None = None) -> Manifest:
+        """Parse and validate manifest bytes (any readable format); refuse unknown format versions and id mismatches.
+
+        A format-3 root needs its parts: ``parts`` maps part ids to their bytes, or is called with
+        the ids the root names (``manifest_split.part_ids(data)``) and returns that mapping."""
         raw = bytes(data)
-        binary = manifest_binary.is_binary(raw)
-        if binary:
+        split, binary = manifest_split.is_root(raw), manifest_binary.is_binary(raw)
+        columns: manifest_binary.Columns | None = None
+        if split:
+            try:
+                doc = manifest_split.root_doc(raw)
+            except ValueError as exc:
+                raise _fail(f"format-3 root is damaged: {exc}") from None
+        elif binary:
             try:
                 doc, columns = manifest_binary.decode(raw)
             except ValueError as exc:
@@ -206,19 +256,28 @@ class Manifest:
             if not isinstance(doc, dict):
                 raise _fail("top level is not an object")
         fmt = doc.get("format_version")
-        if fmt != (BINARY_FORMAT if binary else JSON_FORMAT):
+        if fmt != (SPLIT_FORMAT if split else BINARY_FORMAT if binary else JSON_FORMAT):
+            if binary and doc.get("kind") == manifest_split.PART_KIND:
+                raise _fail("these bytes are a part of a split manifest, not a manifest: fetch the version's root")
             raise _unsupported(fmt)
         algorithm = doc.get("hash_algorithm")
         if algorithm not in HASH_ALGORITHMS:
             raise _fail(f"hash_algorithm {algorithm!r} is unknown")
         if expected_id is not None and content_id(raw, algorithm) != expected_id:
-            raise ManifestError(
-                f"manifest bytes do not match the id {expected_id}: they were corrupted or belong to another "
-                "version. Fetch the manifest again from another server."
-            )
-        manifest = cls._from_binary(doc, columns) if binary else cls._from_doc(doc)
+            raise _mismatch(expected_id)
+        if split:
+            if parts is None:
+                raise ManifestError(
+                    f"manifest {expected_id or content_id(raw, algorithm)} is split (format 3): fetch the parts its root "
+                    "names (chunking.manifest_split.part_ids) and pass them as parts="
+                )
+            manifest = cls._from_split(doc, parts)
+        elif columns is not None:
+            manifest = cls._from_binary(doc, columns)
+        else:
+            manifest = cls._from_doc(doc)
         try:
-            again = manifest.to_bytes()
+            again = manifest.to_bytes()  # format 3: the root names the re-encoded parts' ids, so this covers them
         except UnicodeEncodeError:
             raise _fail("a name is not valid Unicode (a lone surrogate)") from None
         if again != raw:
@@ -228,15 +287,66 @@ class Manifest:
         return manifest
 
     @classmethod
+    def read(cls, manifest_id: str, get_blob: Callable[[str], bytes], *, root: bytes | None = None,
+             parallel: int = 8) -> Manifest:
+        """The manifest named ``manifest_id``, its blobs read with ``get_blob(id)`` (the root unless
+        ``root`` is given, then the parts it names, ``parallel`` at a time), proven by their ids.
+        What ``get_blob`` raises passes through; so does ManifestError."""
+        data = get_blob(manifest_id) if root is None else root
+        try:
+            wanted = manifest_split.part_ids(data)
+        except ValueError as exc:
+            raise _fail(f"format-3 root is damaged: {exc}") from None
+        if not wanted:
+            return cls.from_bytes(data, expected_id=manifest_id)
+        # The root's id is proven before any part is asked for: a forged root must not make us fetch.
+        algorithm = manifest_split.root_doc(data).get("hash_algorithm")
+        if algorithm not in HASH_ALGORITHMS:
+            raise _fail(f"hash_algorithm {algorithm!r} is unknown")
+        if content_id(data, algorithm) != manifest_id:
+            raise _mismatch(manifest_id)
+        with ThreadPoolExecutor(max_workers=max(1, min(parallel, len(wanted))), thread_name_prefix="manifest-parts") as pool:
+            blobs = dict(zip(wanted, pool.map(get_blob, wanted)))
+        return cls.from_bytes(data, expected_id=manifest_id, parts=blobs)
+
+    @classmethod
+    def _from_split(cls, doc: dict[str, Any], parts: manifest_split.PartSource) -> Manifest:
+        _check_keys(set(doc), SPLIT_KEYS)
+        try:
+            listed = manifest_split.root_parts(doc)
+        except ValueError as exc:
+            raise _fail(f"format-3 root is damaged: {exc}") from None
+        blobs = manifest_split.gather(parts, list(dict.fromkeys(pid for pid, _ in listed)))
+        try:
+            codecs, columns, parts_read = manifest_split.join_parts(listed, blobs, doc["hash_algorithm"])
+        except ValueError as exc:
+            raise _fail(str(exc)) from None
+        manifest = cls._from_columns(doc, columns, codecs, SPLIT_FORMAT)
+        # Each part was proven canonical as it was read, so re-encoding it would give it back; what
+        # is left to prove is that the parts are cut where the layout says (the root's re-encoding
+        # in from_bytes then covers the rest).
+        bounds = manifest_split.part_bounds([(t.offset, t.nbytes) for t in manifest.tensors], manifest.chunk_size,
+                                            len(manifest.chunks))
+        if bounds != [(p.start, p.stop) for p in parts_read]:
+            raise _fail("its parts are not cut where the tensor layout puts the cuts")
+        manifest.__dict__["_split"] = (manifest_split.encode_root(manifest._header(), parts_read), parts_read)
+        return manifest
+
+    @classmethod
     def _from_binary(cls, doc: dict[str, Any], columns: manifest_binary.Columns) -> Manifest:
         _check_keys(set(doc), BINARY_KEYS)
         codecs = doc["codecs"]
-        if not all(is_codec_name(c) for c in codecs) or len(set(codecs)) != len(codecs):
-            raise _fail(f"codec table {codecs!r} has an unknown or repeated codec")
         # Canonical: the table lists exactly the codecs used, in the order they first appear.
         used, first_row = np.unique(columns.codec_index, return_index=True)
         if used[np.argsort(first_row)].tolist() != list(range(len(codecs))):
             raise _fail("its codec table is not the codecs used in order of first use")
+        return cls._from_columns(doc, columns, tuple(codecs), BINARY_FORMAT)
+
+    @classmethod
+    def _from_columns(cls, doc: dict[str, Any], columns: manifest_binary.Columns, codecs: tuple[str, ...],
+                      fmt: int) -> Manifest:
+        if not all(is_codec_name(c) for c in codecs) or len(set(codecs)) != len(codecs):
+            raise _fail(f"codec table {list(codecs)!r} has an unknown or repeated codec")
         tensors, chunk_size = cls._header_tensors(doc)
         n = len(columns.digests)
         if not _spans(tensors, chunk_size, n):
@@ -246,8 +356,8 @@ class Manifest:
         except ValueError as exc:
             raise _fail(str(exc)) from None
         table = ChunkTable(columns.digests, raw_size, columns.stored_size, columns.crc32c, columns.codec_index,
-                           tuple(codecs), columns.introduced_in, columns.created_at)
-        return cls._build(doc, tensors, table, BINARY_FORMAT)
+                           codecs, columns.introduced_in, columns.created_at)
+        return cls._build(doc, tensors, table, fmt)
 
     @classmethod
     def _header_tensors(cls, doc: dict[str, Any]) -> tuple[tuple[TensorEntry, ...], int]:
@@ -403,8 +513,10 @@ class Manifest:
         return tuple(seen.values())
 
     def all_chunk_ids(self) -> frozenset[str]:
-        """Every chunk id the version needs: its tensors' and its files' (what GC must keep)."""
-        return frozenset(self.chunks.ids) | frozenset(c.id for f in self.files for c in f.chunks)
+        """Every chunk id the version needs: its tensors', its files' and its manifest parts' (what GC
+        must keep; the manifest's own id is not in it)."""
+        return (frozenset(self.chunks.ids) | frozenset(c.id for f in self.files for c in f.chunks)
+                | frozenset(p.id for p in self.parts))
 
     def file(self, path: str) -> FileEntry | None:
         return next((f for f in self.files if f.path == path), None)
@@ -435,8 +547,15 @@ class Manifest:
 def _unsupported(fmt: Any) -> ManifestError:
     return ManifestError(
         f"manifest format version {fmt!r} is not supported: this chunking library reads versions "
-        f"{' and '.join(map(str, READABLE_FORMATS))}. Upgrade the worker/server software to read it, or re-push the "
+        f"{', '.join(map(str, READABLE_FORMATS))}. Upgrade the worker/server software to read it, or re-push the "
         "model with this version."
+    )
+
+
+def _mismatch(expected_id: str) -> ManifestError:
+    return ManifestError(
+        f"manifest bytes do not match the id {expected_id}: they were corrupted or belong to another "
+        "version. Fetch the manifest again from another server."
     )
 
 

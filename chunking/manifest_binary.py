@@ -81,8 +81,12 @@ def encode(header: dict[str, Any], columns: Columns) -> bytes:
     return b"".join(parts)
 
 
-def decode(data: bytes) -> tuple[dict[str, Any], Columns]:
-    """Header and columns of format-2 bytes; ValueError says what is wrong. Columns are views of ``data``."""
+def decode(data: bytes, *, canonical: bool = False) -> tuple[dict[str, Any], Columns]:
+    """Header and columns of format-2 bytes; ValueError says what is wrong. Columns are views of ``data``.
+
+    ``canonical``: also refuse bytes that ``encode`` would not have written (a header not in
+    canonical JSON, non-zero padding, runs that are not maximal, a codec table not in order of
+    first use): the cheap proof for many small blobs that re-encoding each would give it back."""
     if len(data) < _PREFIX or not is_binary(data):
         raise ValueError("it does not start with the format-2 magic bytes")
     (head_len,) = _HEAD.unpack_from(data, len(MAGIC))
@@ -106,10 +110,16 @@ def decode(data: bytes) -> tuple[dict[str, Any], Columns]:
     expected = pos + sum(size + _pad(size) for size, _ in widths)
     if expected != len(data):  # checked before any array is made: a forged count cannot make us allocate
         raise ValueError(f"it is {len(data)} bytes but its header describes {expected} ({n} chunks)")
+    if canonical:
+        _check_canonical_header(data, doc, head_len)
+        if data[_PREFIX + head_len : pos].count(0) != pos - _PREFIX - head_len:
+            raise ValueError("its padding is not zeros")
     arrays = []
     for size, dtype in widths:
         arrays.append(np.frombuffer(data, dtype, size // np.dtype(dtype).itemsize, pos))
         pos += size + _pad(size)
+        if canonical and data[pos - _pad(size) : pos].count(0) != _pad(size):
+            raise ValueError("its padding is not zeros")
     digests, crc, stored, c_counts, c_vals, i_counts, i_vals, t_counts, t_vals = arrays
     if n and int(stored.min()) < 1:
         raise ValueError("a chunk has stored_size 0")
@@ -123,10 +133,27 @@ def decode(data: bytes) -> tuple[dict[str, Any], Columns]:
     for counts, values in ((c_counts, c_vals), (i_counts, i_vals), (t_counts, t_vals)):
         if (len(counts) and int(counts.min()) < 1) or int(counts.sum(dtype=np.int64)) != n:
             raise ValueError(f"its run lengths do not add up to its {n} chunks")
+        if canonical and len(values) > 1 and bool((values[1:] == values[:-1]).any()):
+            raise ValueError("its runs are not maximal (two neighbouring runs hold the same value)")
         expanded.append(np.repeat(values, counts))
+    if canonical:
+        if bool(np.signbit(t_vals[t_vals == 0]).any()):
+            raise ValueError("a created_at time stamp is -0.0")
+        _, first = np.unique(c_vals, return_index=True)
+        if np.unique(c_vals)[np.argsort(first)].tolist() != list(range(len(codecs))):
+            raise ValueError("its codec table is not the codecs used in order of first use")
     columns = Columns(digests.reshape(n, DIGEST_BYTES), crc, stored, expanded[0], expanded[1].astype(np.int64),
                       expanded[2])
     return doc, columns
+
+
+def _check_canonical_header(data: bytes, doc: dict[str, Any], head_len: int) -> None:
+    try:
+        again = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    except (ValueError, UnicodeEncodeError):
+        raise ValueError("its header is not canonical JSON") from None
+    if again != data[_PREFIX : _PREFIX + head_len]:
+        raise ValueError("its header is not canonical JSON (sorted keys, no spaces)")
 
 
 def _count(value: Any) -> bool:

@@ -24,7 +24,7 @@ from chunking.errors import ChunkingError, InvalidInput
 from chunking.hashing import Buffer, bytes_like, content_id, crc32c
 from chunking.layout import ChunkPlan, place_tensors, plan_chunks
 from chunking.chunk_table import ChunkTable
-from chunking.manifest import FORMAT_VERSION, ChunkRef, Manifest, TensorEntry
+from chunking.manifest import ChunkRef, Manifest, TensorEntry, written_format
 from chunking.parallel import chunks_per_block, default_threads, map_blocks
 from chunking.sources import Source, load_source
 
@@ -165,7 +165,10 @@ class PackStream:
         self._elem_sizes = [element_size(t.dtype) for t in self.tensors]
         self.model, self.version, self.config, self.stamp = model, version, config, stamp
         self.threads = threads if threads is not None else (default_threads() if self.plan.count > 16 else 1)
-        self._known = (dict(zip(previous.chunks.ids, previous.chunks.introduced_in.tolist()))
+        # A chunk the previous version has keeps when it came in, so the manifest rows (and parts)
+        # of tensors a fine-tune left alone stay byte for byte the same.
+        self._known = (dict(zip(previous.chunks.ids, zip(previous.chunks.introduced_in.tolist(),
+                                                         previous.chunks.created_at.tolist())))
                        if previous is not None else {})
         self._keep_budget = keep_stored_bytes
         self._refs: list[ChunkRef] = []
@@ -204,8 +207,8 @@ class PackStream:
             out = []
             for cid, codec, stored_size, crc, data in block:
                 i = len(self._refs)
-                ref = ChunkRef(i, cid, self.plan.raw_sizes[i], stored_size, codec, crc, self._known.get(cid, self.version),
-                               self.stamp)
+                introduced, created = self._known.get(cid, (self.version, self.stamp))
+                ref = ChunkRef(i, cid, self.plan.raw_sizes[i], stored_size, codec, crc, introduced, created)
                 self._refs.append(ref)
                 if codec != "raw" and stored_size <= self._keep_budget:
                     self._kept[i] = bytes(data)
@@ -226,7 +229,7 @@ class PackStream:
             model=self.model,
             version=self.version,
             chunk_size=self.config.chunk_size,
-            format_version=FORMAT_VERSION,
+            format_version=written_format(len(refs)),
             tensors=self.tensors,
             chunks=ChunkTable.from_refs(refs),
             fingerprint=fingerprint(self.tensors, [r.id for r in refs], self.config.chunk_size, self.config.hash_algorithm),
@@ -266,7 +269,7 @@ def pack(
 
     Tensors are laid out sorted by name (code point order), so the same weights
     give the same manifest whatever the dict order or file format. Chunks whose
-    id ``previous`` already names keep its ``introduced_in``.
+    id ``previous`` already names keep its ``introduced_in`` and ``created_at``.
     """
     stream = pack_stream(source, model=model, version=version, config=config, previous=previous, created_at=created_at,
                          threads=threads, keep_stored_bytes=keep_stored_bytes)

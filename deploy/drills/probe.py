@@ -97,7 +97,9 @@ class ClusterProbe:
             raise RuntimeError("no leader answers: cannot read a manifest; is the cluster up?")
         with self._client(leader) as c:
             reply = c.get_manifest(model=model, version=version)
-        return list(Manifest.from_bytes(reply.data, expected_id=reply.manifest_id).chunk_ids())
+            manifest = Manifest.read(reply.manifest_id, lambda blob_id: bytes(c.get_manifest(manifest_id=blob_id).data),
+                                     root=reply.data, parallel=1)
+        return list(manifest.chunk_ids())
 
     # ---- chunk records on disk ----------------------------------------------------------------------
     def chunk_path(self, server_id: str, chunk_id: str) -> "ChunkRecord":

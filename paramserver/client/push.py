@@ -169,8 +169,13 @@ def fetch_manifest(view: ClusterView, model: str, version: int) -> Manifest:
         reply = view.leader_call(lambda c: c.get_manifest(model=model, version=version))
     except grpc.RpcError as exc:
         raise TransferError(f"cannot read the manifest of {model} v{version}: {rpc_details(exc)}", rpc_code(exc)) from None
+    def get_blob(blob_id: str) -> bytes:
+        return bytes(view.leader_call(lambda c: c.get_manifest(manifest_id=blob_id)).data)
+
     try:
-        return Manifest.from_bytes(reply.data, expected_id=reply.manifest_id)
+        return Manifest.read(reply.manifest_id, get_blob, root=reply.data)
+    except grpc.RpcError as exc:
+        raise TransferError(f"cannot read a manifest part of {model} v{version}: {rpc_details(exc)}", rpc_code(exc)) from None
     except ManifestError as exc:
         raise TransferError(f"manifest of {model} v{version} from {view.info.server_id}: {exc}", grpc.StatusCode.DATA_LOSS) from None
 
@@ -197,8 +202,8 @@ class _Push:
         self.unreachable: set[str] = set()
         self.failed: dict[str, tuple[grpc.StatusCode | None, str]] = {}
         self.packed: PackResult | FolderPackResult | None = None
-        self.manifest_bytes = b""
         self.manifest_id = ""
+        self.manifest_blobs: dict[str, bytes] = {}  # the manifest's root (or sole blob) and parts
         self.dedup = 0
         self.sent_ids: set[str] = set()
         self.wire = 0
@@ -253,7 +258,7 @@ class _Push:
         self.ledger.record_present(present, ids)
         plan = plan_uploads([self.items[c] for c in ids], self.ledger.placement, present)
         if first_round:
-            self.dedup += sum(1 for c in plan.deduplicated if c != self.manifest_id)
+            self.dedup += sum(1 for c in plan.deduplicated if c not in self.manifest_blobs)
         self.wire += plan.wire_bytes
         for cid in ids:
             servers = plan.targets.get(cid)
@@ -328,9 +333,9 @@ class _Push:
             drain(keep=0)
             self.packed = self.stream.result()
             manifest = self.packed.manifest
-            self.manifest_bytes = manifest.to_bytes()
             self.manifest_id = manifest.id
-            ids = self._place([(self.manifest_id, len(self.manifest_bytes))])
+            self.manifest_blobs = manifest.blobs()
+            ids = self._place([(bid, len(data)) for bid, data in self.manifest_blobs.items()])
             if ids:
                 self._send_checked(session, ids, self.has(ids), self._chunk_data, True)
             self._check_fatal(session.finish())
@@ -343,8 +348,8 @@ class _Push:
                 self._check_fatal(session.finish())
 
     def _chunk_data(self, cid: str, buffers: Mapping[str, Buffer] | None = None) -> ChunkData:
-        if cid == self.manifest_id:
-            data = self.manifest_bytes
+        data = self.manifest_blobs.get(cid)
+        if data is not None:
             return ChunkData(cid, "raw", len(data), crc32c(data), data)
         ref = self.refs[cid]
         held = buffers.get(cid) if buffers is not None else None
@@ -375,8 +380,8 @@ class _Push:
         )
 
     def sent_summary(self) -> tuple[int, int]:
-        """(distinct chunks sent, their stored bytes once each), the manifest not counted."""
-        data_sent = [c for c in self.sent_ids if c != self.manifest_id]
+        """(distinct chunks sent, their stored bytes once each), the manifest's blobs not counted."""
+        data_sent = [c for c in self.sent_ids if c not in self.manifest_blobs]
         return len(data_sent), sum(self.items[c].stored_size for c in data_sent)
 
 

@@ -403,10 +403,12 @@ class ClusterClient:
                 _MANIFESTS.move_to_end(manifest_id)
                 return cached
         errors: list[str] = []
-        for address in self._leader_first():
+        order = self._leader_first()
+        for address in order:
             try:
                 reply = self.server(address).get_manifest(manifest_id=manifest_id)
-                manifest = Manifest.from_bytes(reply.data, expected_id=manifest_id)
+                manifest = Manifest.read(manifest_id, self._blob_reader([address, *(a for a in order if a != address)]),
+                                         root=reply.data)
             except grpc.RpcError as exc:
                 code = rpc_code(exc)
                 if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
@@ -439,6 +441,23 @@ class ClusterClient:
             if reply.reports and reply.entries:
                 return [(e.chunk_index, e.count, e.first_access_order) for e in reply.entries]
         return None
+
+    def _blob_reader(self, order: Sequence[str]) -> Callable[[str], bytes]:
+        """``get_blob`` for ``Manifest.read``: a manifest part from the first of ``order`` that has it."""
+
+        def get_blob(blob_id: str) -> bytes:
+            failure: grpc.RpcError | None = None
+            for address in order:
+                try:
+                    return bytes(self.server(address).get_manifest(manifest_id=blob_id).data)
+                except grpc.RpcError as exc:
+                    if rpc_code(exc) in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                        raise
+                    failure = exc
+            assert failure is not None
+            raise failure
+
+        return get_blob
 
     def report_heat(self, model: str, version: int, entries: Sequence[tuple[int, int, int]]) -> int:
         """Send a heat report to every up member (each aggregates on its own). Best effort: a member

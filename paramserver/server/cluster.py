@@ -142,17 +142,25 @@ class QuorumVersionCheck:
     earlier with another codec or zstd level; the content id was proven on ingest) differs
     legitimately: readers prove such a copy by its content id (paramserver.client.verify)."""
 
-    def __init__(self, peers: PeerSet, local: ChunkStore, *, max_parallel: int = 8, peer_timeout_s: float = 3.0) -> None:
+    def __init__(self, peers: PeerSet, local: ChunkStore, *, max_parallel: int = 8, peer_timeout_s: float = 3.0,
+                 fetch_blob: Callable[[str], bytes] | None = None) -> None:
         self.peers = peers
+        self.fetch_blob = fetch_blob  # a split manifest's parts (cluster_blob_fetcher); None reads only whole ones
         self.peer_timeout_s = peer_timeout_s
         self.local = local
         self.max_parallel = max_parallel
 
     def __call__(self, manifest_id: str, manifest: bytes) -> VersionFacts:
+        def no_parts(blob_id: str) -> bytes:
+            raise ChunkNotFoundError(blob_id, "this server reads no manifest parts")
+
         try:
-            parsed = Manifest.from_bytes(manifest, expected_id=manifest_id)
+            parsed = Manifest.read(manifest_id, self.fetch_blob or no_parts, root=manifest)
         except ManifestError as exc:
             raise InvalidChunkError(manifest_id, f"manifest {manifest_id} cannot be committed: {exc}") from None
+        except ParamServerError as exc:
+            raise PreconditionFailed(f"manifest {manifest_id} cannot be committed: a part of it is not readable ({exc}); "
+                                     "push the manifest's parts with PutChunks before CommitVersion") from None
         # Each distinct id once, as its 32-byte digest, with the CRC32C a raw copy must have.
         # Columns and arrays, no hex string or ChunkRef per chunk: a big checkpoint has half a million.
         table = parsed.chunks
@@ -165,18 +173,21 @@ class QuorumVersionCheck:
             raise InvalidChunkError(cid, f"manifest {manifest_id} gives chunk {cid} two CRC32Cs "
                                          f"({int(table.crc32c[first[row]]):08x} and {int(table.crc32c[row]):08x}); pack the model again")
         rows = table.first_rows
-        digests = [np.frombuffer(bytes.fromhex(manifest_id), np.uint8).reshape(1, 32), table.digests[rows]]
-        crcs = np.concatenate([np.zeros(1, np.uint32), table.crc32c[rows]])  # the manifest's own CRC is not in it
-        is_raw = np.concatenate([np.zeros(1, bool), raw_rows[rows]])
+        # The manifest's own blobs (its root, or sole blob, and its parts) lead; their CRCs are not in it.
+        blob_ids = list(parsed.blobs())
+        head = len(blob_ids)
+        digests = [np.frombuffer(bytes.fromhex("".join(blob_ids)), np.uint8).reshape(-1, 32), table.digests[rows]]
+        crcs = np.concatenate([np.zeros(head, np.uint32), table.crc32c[rows]])
+        is_raw = np.concatenate([np.zeros(head, bool), raw_rows[rows]])
         file_refs = parsed.file_chunks()  # a model folder's files are chunks too
         if file_refs:
-            at = {cid: i for i, cid in enumerate([manifest_id, *(table.ids[k] for k in rows.tolist())])}
+            at = {cid: i for i, cid in enumerate([*blob_ids, *(table.ids[k] for k in rows.tolist())])}
             extra = []
             for ref in file_refs:
                 i = at.get(ref.id)
                 if i is None:
                     extra.append(ref)
-                elif i and is_raw[i] and ref.codec == "raw" and int(crcs[i]) != ref.crc32c:
+                elif i >= head and is_raw[i] and ref.codec == "raw" and int(crcs[i]) != ref.crc32c:
                     raise InvalidChunkError(ref.id, f"manifest {manifest_id} gives chunk {ref.id} two CRC32Cs "
                                                     f"({int(crcs[i]):08x} and {ref.crc32c:08x}); pack the model again")
             if extra:

@@ -52,11 +52,11 @@ class References:
                 mid = version.manifest_id
                 if mid not in self._chunks_of:
                     try:
-                        manifest = Manifest.from_bytes(self.fetch_blob(mid), expected_id=mid)
+                        manifest = Manifest.read(mid, self.fetch_blob, parallel=4)
                     except (ParamServerError, ManifestError) as exc:
                         log.warning("orphan collection skipped: manifest %s of %s v%d unreadable (%s)", mid, model, version.number, exc)
                         return None
-                    self._chunks_of[mid] = manifest.all_chunk_ids()  # tensors' and files' chunks
+                    self._chunks_of[mid] = manifest.all_chunk_ids()  # tensor, file and manifest-part blobs
                 refs.add(mid)
                 refs |= self._chunks_of[mid]
         return refs

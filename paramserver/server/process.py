@@ -77,7 +77,7 @@ class ParamServer:
         hot_config = HotConfig.from_extra(cfg.extra)
         self.hot = hot = HotChunks(hot_config, store, peers, state_path=cfg.data_dir / STATE_FILE) if hot_config.enabled else None
         self.running = start_server(cfg, store, metadata=node, repair_queue=queue, fetch_blob=fetch_blob,
-                                    version_check=QuorumVersionCheck(peers, store),
+                                    version_check=QuorumVersionCheck(peers, store, fetch_blob=fetch_blob),
                                     member_probe=MemberCheck(peers, cluster_id(cfg.cluster_secret, cfg.vnodes)), hot=hot)
         log.info("%s serving gRPC on %s, Raft on %s", cfg.server_id, self.running.address, cfg.raft)
         if cfg.bulk_enabled:

@@ -20,7 +20,9 @@ import torch
 from safetensors.torch import load_file
 
 from chunking.hashing import content_id, crc32c
-from chunking.manifest import Manifest
+from chunking.config import ChunkingConfig
+from chunking.manifest import SPLIT_FORMAT, Manifest
+from chunking.pack import pack
 from chunking.synthetic import synthetic_state_dict
 from deploy.local import LocalCluster, LocalClusterConfig
 from paramserver.client.rpc import ChunkData, ParamServerClient, make_chunk
@@ -98,8 +100,9 @@ def versions(cluster: LocalCluster, model: str) -> list[int]:
 def manifest_of(cluster: LocalCluster, model: str, version: int) -> Manifest:
     # Ask the leader: a follower may not have applied a commit that just returned.
     leader = admin(cluster.addresses[0]).cluster_info().leader_grpc_address or cluster.addresses[0]
-    reply = admin(leader).get_manifest(model=model, version=version)
-    return Manifest.from_bytes(reply.data, expected_id=reply.manifest_id)
+    c = admin(leader)
+    reply = c.get_manifest(model=model, version=version)
+    return Manifest.read(reply.manifest_id, lambda blob_id: bytes(c.get_manifest(manifest_id=blob_id).data), root=reply.data)
 
 
 # ------------------------------------------------------------------ happy paths
@@ -146,6 +149,50 @@ def test_second_version_sharing_90_percent_uploads_only_new_chunks(cluster: Loca
     assert all(c.introduced_in == second.version for c in m2.chunks if c.id in new)
     tensors, _ = pull_tensors(cluster.seed, "ft:prod", token=READ)
     assert_bit_exact(tensors, tuned)
+
+
+def test_a_split_manifest_commits_pulls_and_shares_its_parts_with_a_fine_tune(cluster: LocalCluster) -> None:
+    # 4 KiB chunks: 80 tensors of 64 KiB give 1280 chunks, past the split threshold (1024): a part per tensor.
+    config = ChunkingConfig(chunk_size=4096)
+    base = synthetic_state_dict(80 * 64 * 1024, tensor_bytes=64 * 1024, seed=5)
+    first = push(cluster.seed, base, model="split", tag="prod", token=ADMIN, config=config)
+    m1 = manifest_of(cluster, "split", first.version)
+    assert m1.format_version == SPLIT_FORMAT and len(m1.parts) > 10 and m1.id == first.manifest_id
+    tensors, _ = pull_tensors(cluster.seed, "split:prod", token=READ)
+    assert_bit_exact(tensors, base)
+    # Every blob of the manifest (root and parts) reached its write quorum.
+    for blob_id in m1.blobs():
+        assert sum(admin(a).has_chunks([blob_id])[0] for a in cluster.addresses) >= 2, blob_id
+
+    weights = sorted(k for k in base if k.endswith(".weight"))
+    tuned = dict(base)
+    for name in weights[:: 10]:  # every tenth weight tensor changes
+        tuned[name] = base[name] + 1.0
+    second = push(cluster.seed, tuned, model="split", tag="prod", token=ADMIN, config=config)
+    m2 = manifest_of(cluster, "split", second.version)
+    shared = {p.id for p in m1.parts} & {p.id for p in m2.parts}
+    assert len(shared) >= 0.8 * len(m2.parts), (len(shared), len(m2.parts))
+    new_blob_bytes = sum(len(b) for bid, b in m2.blobs().items() if bid not in m1.blobs())
+    assert new_blob_bytes <= 0.3 * sum(len(b) for b in m2.blobs().values())
+    tensors, _ = pull_tensors(cluster.seed, "split:prod", token=READ)
+    assert_bit_exact(tensors, tuned)
+    tensors, _ = pull_tensors(cluster.seed, f"split@{first.version}", token=READ)
+    assert_bit_exact(tensors, base)
+
+
+def test_a_commit_whose_manifest_part_is_missing_is_refused(cluster: LocalCluster) -> None:
+    state = synthetic_state_dict(80 * 64 * 1024, tensor_bytes=64 * 1024, seed=6)
+    manifest = pack(state, model="partless", config=ChunkingConfig(chunk_size=4096)).manifest
+    assert manifest.format_version == SPLIT_FORMAT
+    root = manifest.to_bytes()
+    leader = admin(cluster.addresses[0]).cluster_info().leader_grpc_address
+    for address in cluster.addresses:  # the root everywhere, no part anywhere
+        admin(address).put_chunks([make_chunk(manifest.id, root)])
+    with pytest.raises(grpc.RpcError) as err:
+        admin(leader).commit_version("partless", manifest.id, publisher="t", nbytes=1, chunk_count=1)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "a part of it is not readable" in (err.value.details() or "") and "push the manifest's parts" in (err.value.details() or "")
+    assert versions(cluster, "partless") == []
 
 
 def _leader_and_follower(cluster: LocalCluster) -> tuple[str, str]:

@@ -1,0 +1,194 @@
+"""Manifest format 3: a root that names parts, so versions that share tensors share manifest bytes.
+
+A root is ``ROOT_MAGIC`` followed by canonical JSON: everything a format-2 header holds
+(tensors, files, names) and ``parts``, a list of ``[part id, chunk count]`` in chunk order. A
+part is the format-2 column container (``chunking.manifest_binary``) of a run of consecutive
+chunk rows, with a header of its own (``kind: "part"``, its codec table); it names neither the
+model, the version nor its position, so a fine-tune that leaves a tensor group alone leaves its
+part byte for byte, and its id, unchanged. The root's id is the version's manifest id; every
+part is a blob of its own, stored, replicated, checked at commit and kept by GC like a chunk.
+
+Where parts are cut is a function of the tensor layout alone (``part_bounds``): at the first
+chunk of a tensor that starts on a chunk boundary (a tensor of at least a chunk always does),
+once the part so far has ``PART_MIN_CHUNKS``; and wherever a part would pass
+``PART_MAX_CHUNKS``. Two versions with the same layout therefore cut alike, and the bytes of a
+manifest are again unique: ``Manifest.from_bytes`` proves each part canonical as it reads it
+(``manifest_binary.decode(canonical=True)``), checks the cuts, and re-encodes the root.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from chunking import manifest_binary
+from chunking.hashing import content_id, is_content_id
+
+ROOT_MAGIC = b"\x89PDMR\r\n\x1a"
+PART_KIND = "part"
+PART_KEYS = frozenset({"kind", "chunk_count", "runs", "codecs"})
+PART_MIN_CHUNKS = 16  # a part of fewer rows would cost more as a blob than it saves
+PART_MAX_CHUNKS = 1 << 16  # at most 2.6 MB of columns per part blob
+SPLIT_FROM_CHUNKS = 1024  # pack writes a split manifest from this many chunks up (256 MiB at 256 KiB)
+MAX_PARTS = 1 << 20
+
+PartSource = Mapping[str, bytes] | Callable[[Sequence[str]], Mapping[str, bytes]]
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part blob: its content id, bytes, and the chunk rows ``[start, stop)`` it holds."""
+
+    id: str
+    data: bytes
+    start: int
+    stop: int
+
+
+def is_root(data: bytes | bytearray | memoryview) -> bool:
+    return bytes(data[: len(ROOT_MAGIC)]) == ROOT_MAGIC
+
+
+def part_bounds(ranges: Sequence[tuple[int, int]], chunk_size: int, count: int) -> list[tuple[int, int]]:
+    """Chunk row ranges ``[start, stop)`` of the parts of a manifest whose tensors lie at ``ranges``."""
+    cuts = [0]
+    for offset, nbytes in ranges:
+        if nbytes == 0:
+            continue
+        first, last = offset // chunk_size, (offset + nbytes - 1) // chunk_size
+        if offset % chunk_size == 0 and first - cuts[-1] >= PART_MIN_CHUNKS:
+            cuts.append(first)
+        while last + 1 - cuts[-1] > PART_MAX_CHUNKS:
+            cuts.append(cuts[-1] + PART_MAX_CHUNKS)
+    if count:
+        cuts.append(count)
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def encode_part(columns: manifest_binary.Columns, codecs: Sequence[str]) -> bytes:
+    """A part's bytes; ``columns.codec_index`` indexes ``codecs`` (the part keeps only those it uses)."""
+    used, first_row = np.unique(columns.codec_index, return_index=True)
+    order = used[np.argsort(first_row)]
+    remap = np.zeros(max(len(codecs), 1), np.uint8)
+    remap[order] = np.arange(len(order), dtype=np.uint8)
+    local = manifest_binary.Columns(columns.digests, columns.crc32c, columns.stored_size, remap[columns.codec_index],
+                                    columns.introduced_in, columns.created_at)
+    return manifest_binary.encode({"kind": PART_KIND, "codecs": [codecs[i] for i in order.tolist()]}, local)
+
+
+def decode_part(data: bytes) -> tuple[list[str], manifest_binary.Columns]:
+    """Codec table and columns of a part; ValueError says what is wrong."""
+    doc, columns = manifest_binary.decode(data, canonical=True)
+    if set(doc) != PART_KEYS or doc.get("kind") != PART_KIND:
+        raise ValueError("it is not a manifest part (its header keys differ)")
+    return doc["codecs"], columns
+
+
+def root_doc(data: bytes) -> dict[str, Any]:
+    """The JSON object of a root's bytes; ValueError says what is wrong."""
+    if not is_root(data):
+        raise ValueError("it does not start with the format-3 root magic bytes")
+    try:
+        doc = json.loads(data[len(ROOT_MAGIC):].decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"its root is not UTF-8 JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise ValueError("its root is not an object")
+    return doc
+
+
+def root_parts(doc: dict[str, Any]) -> list[tuple[str, int]]:
+    """``(part id, chunk count)`` of a root's object, validated; ValueError says what is wrong."""
+    parts = doc.get("parts")
+    if not isinstance(parts, list) or len(parts) > MAX_PARTS:
+        raise ValueError("its root lacks the part list")
+    out = []
+    for i, item in enumerate(parts):
+        if (not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str) or not is_content_id(item[0])
+                or not isinstance(item[1], int) or isinstance(item[1], bool) or not 1 <= item[1] <= PART_MAX_CHUNKS):
+            raise ValueError(f"part #{i} is not [content id, chunk count 1..{PART_MAX_CHUNKS}]")
+        out.append((item[0], item[1]))
+    return out
+
+
+def part_ids(data: bytes | bytearray | memoryview) -> tuple[str, ...]:
+    """The part ids a manifest's bytes name: () for a format-1 or format-2 manifest (no parts).
+
+    A caller that fetches manifests asks for these blobs too, then passes them to
+    ``Manifest.from_bytes(root, parts=...)``. Raises ValueError for a damaged root."""
+    raw = bytes(data)
+    if not is_root(raw):
+        return ()
+    return tuple(dict.fromkeys(pid for pid, _count in root_parts(root_doc(raw))))
+
+
+def encode_root(header: dict[str, Any], parts: Sequence[Part]) -> bytes:
+    doc = dict(header, parts=[[p.id, p.stop - p.start] for p in parts])
+    return ROOT_MAGIC + json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def split_columns(columns: manifest_binary.Columns, codecs: Sequence[str], bounds: Sequence[tuple[int, int]],
+                  algorithm: str) -> tuple[Part, ...]:
+    out = []
+    for start, stop in bounds:
+        rows = slice(start, stop)
+        data = encode_part(manifest_binary.Columns(
+            columns.digests[rows], columns.crc32c[rows], columns.stored_size[rows], columns.codec_index[rows],
+            columns.introduced_in[rows], columns.created_at[rows]), codecs)
+        out.append(Part(content_id(data, algorithm), data, start, stop))
+    return tuple(out)
+
+
+def join_parts(listed: Sequence[tuple[str, int]], blobs: Mapping[str, bytes], algorithm: str
+               ) -> tuple[tuple[str, ...], manifest_binary.Columns, tuple[Part, ...]]:
+    """One codec table (in order of first use), the columns of all parts end to end, and the parts.
+
+    Each part must be in ``blobs``, hash to its id, be in canonical form and hold the chunk
+    count the root gives it. Raises ValueError naming the part that is wrong."""
+    codecs: dict[str, int] = {}
+    pieces: list[manifest_binary.Columns] = []
+    parts: list[Part] = []
+    proven: set[str] = set()
+    for i, (pid, count) in enumerate(listed):
+        data = blobs.get(pid)
+        if data is None:
+            raise ValueError(f"part #{i} ({pid}) was not supplied")
+        if pid not in proven:
+            if content_id(data, algorithm) != pid:
+                raise ValueError(f"part #{i} ({pid}): its bytes do not match its id (corrupted, or another part)")
+            proven.add(pid)
+        try:
+            names, cols = decode_part(data)
+        except ValueError as exc:
+            raise ValueError(f"part #{i} ({pid}) is damaged: {exc}") from None
+        if len(cols.digests) != count:
+            raise ValueError(f"part #{i} ({pid}) holds {len(cols.digests)} chunks; the root says {count}")
+        start = parts[-1].stop if parts else 0
+        parts.append(Part(pid, data, start, start + count))
+        remap = np.asarray([codecs.setdefault(name, len(codecs)) for name in names] or [0], np.uint8)
+        pieces.append(manifest_binary.Columns(cols.digests, cols.crc32c, cols.stored_size, remap[cols.codec_index],
+                                              cols.introduced_in, cols.created_at))
+    if len(codecs) > 255:
+        raise ValueError("its parts use more than 255 codecs")
+
+    def cat(name: str, empty: np.ndarray) -> np.ndarray:
+        arrays = [getattr(p, name) for p in pieces]
+        return np.concatenate(arrays) if arrays else empty
+
+    joined = manifest_binary.Columns(
+        cat("digests", np.zeros((0, 32), np.uint8)), cat("crc32c", np.zeros(0, np.uint32)),
+        cat("stored_size", np.zeros(0, np.uint32)), cat("codec_index", np.zeros(0, np.uint8)),
+        cat("introduced_in", np.zeros(0, np.int64)), cat("created_at", np.zeros(0, np.float64)),
+    )
+    return tuple(codecs), joined, tuple(parts)
+
+
+def gather(source: PartSource, ids: Sequence[str]) -> Mapping[str, bytes]:
+    return source(ids) if callable(source) else source
+
+
+__all__ = ["Part", "PartSource", "ROOT_MAGIC", "SPLIT_FROM_CHUNKS", "PART_MAX_CHUNKS", "PART_MIN_CHUNKS",
+           "is_root", "part_bounds", "part_ids"]
