@@ -11,7 +11,7 @@ from __future__ import annotations
 import hmac
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Sequence
@@ -39,6 +39,7 @@ MembersFn = Callable[[], Sequence[MemberRecord]]
 # What one replica holds of the ids asked, row for row: present; the CRC32C its copy declares and
 # whether that copy is raw (both None when the replica did not say).
 Held = tuple[np.ndarray, np.ndarray | None, np.ndarray | None]
+HEDGE_S, HEDGE_S_PER_ID = 0.3, 2e-6  # when the commit check asks the other replicas of chunks still short
 HAS_BATCH = 1 << 15  # ids per HasChunks call of the commit check: 1 MiB packed, 2.2 MB as strings (under 4 MiB)
 
 
@@ -202,19 +203,14 @@ class QuorumVersionCheck:
 
         ring = self.peers.ring()
         r = min(self.peers.replication_factor, len(ring))
-        rows_of: dict[str, list[np.ndarray]] = {}
-        for placed, group in ring.placement_groups_by_point(points, r).items():
-            for server in placed:
-                rows_of.setdefault(server, []).append(group)
-        positions = {server: np.sort(np.concatenate(groups)) for server, groups in rows_of.items()}
-        members = self.peers.members()
         w = self.peers.quorum(r)
+        wave1, wave2 = self._waves(ring.placement_groups_by_point(points, r), w)
+        members = self.peers.members()
         copies = np.zeros(len(every), dtype=np.int32)
         wrong: list[tuple[int, str, int]] = []  # (row of the chunk, server, the CRC it holds)
 
-        def record(server: str, start: int, held: Held) -> None:
+        def record(server: str, here: np.ndarray, held: Held) -> None:
             present, crc, raw_copy = held
-            here = positions[server][start : start + len(present)]
             if crc is not None and raw_copy is not None:
                 # A raw copy with another CRC than a raw manifest entry: the manifest describes bytes no server holds.
                 bad = present & raw_copy & is_raw[here] & (crc != crcs[here])
@@ -224,21 +220,36 @@ class QuorumVersionCheck:
                     present = present & ~bad
             copies[here[present]] += 1
 
-        # Answers are awaited only until every chunk has W copies: a replica that is down or cut
-        # off must not hold a commit for its full deadline when the others already prove the quorum.
-        # Every replica is asked in batches of at most HAS_BATCH ids, several at once: half a million
-        # ids in one message would pass the message limit and the deadline, and one lookup that
-        # long in the local store would hold the GIL from this server's Raft ticks. A batch that
-        # fails counts as absent; the others still count.
+        # Each chunk is first asked of W of its replicas (this server's store first, then the others
+        # in turn), a third fewer lookups than asking all R: the servers share two cores with the
+        # pushes and Raft. The other replicas are asked only for the chunks still short of W, once
+        # the first wave has answered or after HEDGE_S plus a share per id, so a replica that is down
+        # or cut off costs that wait, not its deadline. Batches of at most HAS_BATCH ids, several at
+        # once: half a million ids in one message would pass the message limit and the deadline, and
+        # one lookup that long in the local store would hold the GIL from this server's Raft ticks.
+        # A batch that fails counts as absent; the others still count.
         pool = ThreadPoolExecutor(max_workers=self.max_parallel)
         try:
-            pending = {}
-            for server, here in positions.items():
-                for start in range(0, len(here), HAS_BATCH):
-                    batch = every[here[start : start + HAS_BATCH]]
-                    pending[pool.submit(self._present_on, members.get(server), server, batch)] = (server, start)
-            while pending and (copies < w).any() and not wrong:
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            pending: dict[Future[Held], tuple[str, np.ndarray]] = {}
+
+            def submit(wave: dict[str, np.ndarray]) -> None:
+                for server, here in wave.items():
+                    for start in range(0, len(here), HAS_BATCH):
+                        rows = here[start : start + HAS_BATCH]
+                        pending[pool.submit(self._present_on, members.get(server), server, every[rows])] = (server, rows)
+
+            submit(wave1)
+            hedge_at = time.monotonic() + HEDGE_S + len(every) * HEDGE_S_PER_ID
+            hedged = not wave2
+            while (copies < w).any() and not wrong:
+                if not hedged and (not pending or time.monotonic() >= hedge_at):
+                    still = copies < w
+                    submit({server: rows[still[rows]] for server, rows in wave2.items() if still[rows].any()})
+                    hedged = True
+                if not pending:
+                    break
+                done, _ = wait(pending, timeout=None if hedged else max(0.0, hedge_at - time.monotonic()),
+                               return_when=FIRST_COMPLETED)
                 for future in done:
                     record(*pending.pop(future), future.result())
         finally:
@@ -258,6 +269,29 @@ class QuorumVersionCheck:
                 f"(W={w} of R={r}); e.g. chunk {hex_id(k)} is on {int(copies[k])}. Push the missing chunks again, then commit"
             )
         return VersionFacts(nbytes=parsed.raw_bytes, chunk_count=len(parsed.chunks), model=parsed.model)
+
+    def _waves(self, groups: dict[tuple[str, ...], np.ndarray], w: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Rows to ask of each server first (W replicas per chunk: this server when it is one, then
+        the others in turn by row), and the rest of each server's rows, asked only for chunks still short."""
+        first: dict[str, list[np.ndarray]] = {}
+        later: dict[str, list[np.ndarray]] = {}
+        me = self.peers.self_id
+        for placed, group in groups.items():
+            others = [s for s in placed if s != me]
+            if len(others) < len(placed):
+                first.setdefault(me, []).append(group)
+            turns = w - (len(placed) - len(others))  # copies still to ask of the others
+            step = np.arange(len(group))
+            for i, server in enumerate(others):
+                mine = ((i - step) % len(others)) < turns
+                first.setdefault(server, []).append(group[mine])
+                later.setdefault(server, []).append(group[~mine])
+
+        def merged(waves: dict[str, list[np.ndarray]]) -> dict[str, np.ndarray]:
+            out = {server: np.sort(np.concatenate(parts)) for server, parts in waves.items()}
+            return {server: rows for server, rows in out.items() if len(rows)}
+
+        return merged(first), merged(later)
 
     def _present_on(self, member: MemberRecord | None, server: str, digests: np.ndarray) -> Held:
         n = len(digests)

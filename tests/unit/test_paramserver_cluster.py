@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import pytest
 import torch
 
@@ -115,4 +116,32 @@ def test_replica_fetcher_repairs_from_a_healthy_copy(cluster: list[RunningServer
     assert found is not None and found.data == data
     assert cluster_blob_fetcher(local, ReplicaFetcher(peers, local))(cid) == data
     assert ReplicaFetcher(peers, local)("e" * 64) is None
+    peers.close()
+
+
+def test_quorum_check_asks_w_replicas_first_and_the_others_only_for_chunks_still_short(
+        cluster: list[RunningServer], model: tuple) -> None:  # type: ignore[type-arg]
+    mid, body, chunks, manifest = model
+    peers = PeerSet("ps0", lambda: members_of(cluster))
+    check = QuorumVersionCheck(peers, cluster[0].servicer.chunks.store)
+    ring = peers.ring()
+    ids = [mid, *chunks]
+    points = np.frombuffer(bytes.fromhex("".join(ids)), np.uint8).reshape(-1, 32)[:, :8].copy().view(">u8").reshape(-1)
+    groups = ring.placement_groups_by_point(points, 3)
+    wave1, wave2 = check._waves(groups, 2)
+    asked1 = np.zeros(len(ids), int)
+    for rows in wave1.values():
+        asked1[rows] += 1
+    assert (asked1 == 2).all()  # W of R per chunk
+    assert len(wave1["ps0"]) == len(ids)  # this server's own store first, for every chunk it holds
+    for placed, group in groups.items():  # the rest of every replica set, and nothing else
+        for server in placed:
+            rows = set(group.tolist())
+            assert rows <= set(wave1.get(server, np.zeros(0, int)).tolist()) | set(wave2.get(server, np.zeros(0, int)).tolist())
+    assert not set(wave1.get("ps1", [])) & set(wave2.get("ps1", []))
+    # With every replica holding every chunk, a stopped one is made up for by the other.
+    push(cluster, peers, {**chunks, mid: body}, copies=3)
+    assert check(mid, body).chunk_count == len(manifest.chunks)  # type: ignore[attr-defined]
+    cluster[1].stop(0)
+    assert check(mid, body).chunk_count == len(manifest.chunks)  # type: ignore[attr-defined]
     peers.close()
