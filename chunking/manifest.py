@@ -29,7 +29,7 @@ import json
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
@@ -288,10 +288,11 @@ class Manifest:
 
     @classmethod
     def read(cls, manifest_id: str, get_blob: Callable[[str], bytes], *, root: bytes | None = None,
-             parallel: int = 8) -> Manifest:
-        """The manifest named ``manifest_id``, its blobs read with ``get_blob(id)`` (the root unless
-        ``root`` is given, then the parts it names, ``parallel`` at a time), proven by their ids.
-        What ``get_blob`` raises passes through; so does ManifestError."""
+             get_parts: Callable[[Sequence[str]], Mapping[str, bytes]] | None = None, parallel: int = 8) -> Manifest:
+        """The manifest named ``manifest_id``, proven by the ids of its blobs: the root from
+        ``get_blob(id)`` (unless ``root`` is given), then the parts it names, ``parallel`` calls at
+        a time: of ``get_parts(ids)`` (many per call) when given, else of ``get_blob``. What they
+        raise passes through; so does ManifestError."""
         data = get_blob(manifest_id) if root is None else root
         try:
             wanted = manifest_split.part_ids(data)
@@ -305,8 +306,15 @@ class Manifest:
             raise _fail(f"hash_algorithm {algorithm!r} is unknown")
         if content_id(data, algorithm) != manifest_id:
             raise _mismatch(manifest_id)
-        with ThreadPoolExecutor(max_workers=max(1, min(parallel, len(wanted))), thread_name_prefix="manifest-parts") as pool:
-            blobs = dict(zip(wanted, pool.map(get_blob, wanted)))
+        calls = max(1, min(parallel, len(wanted)))
+        blobs: dict[str, bytes] = {}
+        with ThreadPoolExecutor(max_workers=calls, thread_name_prefix="manifest-parts") as pool:
+            if get_parts is not None:
+                step = -(-len(wanted) // calls)
+                for got in pool.map(get_parts, [wanted[i : i + step] for i in range(0, len(wanted), step)]):
+                    blobs.update(got)
+            else:
+                blobs.update(zip(wanted, pool.map(get_blob, wanted)))
         return cls.from_bytes(data, expected_id=manifest_id, parts=blobs)
 
     @classmethod

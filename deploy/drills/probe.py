@@ -98,7 +98,7 @@ class ClusterProbe:
         with self._client(leader) as c:
             reply = c.get_manifest(model=model, version=version)
             manifest = Manifest.read(reply.manifest_id, lambda blob_id: bytes(c.get_manifest(manifest_id=blob_id).data),
-                                     root=reply.data, parallel=1)
+                                     get_parts=c.get_manifest_parts, root=reply.data, parallel=1)
         return list(manifest.chunk_ids())
 
     # ---- chunk records on disk ----------------------------------------------------------------------

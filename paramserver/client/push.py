@@ -172,8 +172,11 @@ def fetch_manifest(view: ClusterView, model: str, version: int) -> Manifest:
     def get_blob(blob_id: str) -> bytes:
         return bytes(view.leader_call(lambda c: c.get_manifest(manifest_id=blob_id)).data)
 
+    def get_parts(part_ids: Sequence[str]) -> dict[str, bytes]:
+        return view.leader_call(lambda c: c.get_manifest_parts(part_ids))
+
     try:
-        return Manifest.read(reply.manifest_id, get_blob, root=reply.data)
+        return Manifest.read(reply.manifest_id, get_blob, get_parts=get_parts, root=reply.data)
     except grpc.RpcError as exc:
         raise TransferError(f"cannot read a manifest part of {model} v{version}: {rpc_details(exc)}", rpc_code(exc)) from None
     except ManifestError as exc:

@@ -15,7 +15,7 @@ import grpc
 from chunking.hashing import crc32c
 
 from paramserver.client.channel import open_channel
-from paramserver.wire.limits import DEFAULT_GET_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES
+from paramserver.wire.limits import DEFAULT_GET_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES, MAX_PART_IDS_PER_CALL
 from paramserver.client.errors import ConfigError
 from paramserver.wire.proto import SERVICE_NAME, pb, pb_grpc
 from paramserver.wire.getchunks import ReplyBuilder, passthrough_serializer
@@ -193,6 +193,21 @@ class ParamServerClient:
             pb.GetManifestRequest(manifest_id=manifest_id, model=model, version=version, tag=tag, linearizable=linearizable),
             timeout=self.config.timeout_s,
         )
+
+    def get_manifest_parts(self, part_ids: Sequence[str]) -> dict[str, bytes]:
+        """The bytes of split-manifest parts, many per call (each reply holds a prefix that fits;
+        the rest is asked again). Each part is proven by its id where it is decoded (Manifest.read)."""
+        out: dict[str, bytes] = {}
+        rest = list(dict.fromkeys(part_ids))
+        while rest:
+            reply = self.stub.GetManifest(pb.GetManifestRequest(part_ids=rest[:MAX_PART_IDS_PER_CALL]),
+                                          timeout=self.config.timeout_s)
+            got = list(reply.parts)
+            if not got:  # a server that sent no part (one from before part_ids): one id at a time
+                got = [self.get_manifest(manifest_id=rest[0]).data]
+            out.update(zip(rest, got))
+            rest = rest[len(got):]
+        return out
 
     def resolve_tag(self, model: str, tag: str, *, linearizable: bool = False) -> pb.VersionReply:
         return self.stub.ResolveTag(pb.ResolveTagRequest(model=model, tag=tag, linearizable=linearizable), timeout=self.config.timeout_s)

@@ -407,8 +407,8 @@ class ClusterClient:
         for address in order:
             try:
                 reply = self.server(address).get_manifest(manifest_id=manifest_id)
-                manifest = Manifest.read(manifest_id, self._blob_reader([address, *(a for a in order if a != address)]),
-                                         root=reply.data)
+                readers = self._blob_readers([address, *(a for a in order if a != address)])
+                manifest = Manifest.read(manifest_id, readers[0], get_parts=readers[1], root=reply.data)
             except grpc.RpcError as exc:
                 code = rpc_code(exc)
                 if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
@@ -442,14 +442,14 @@ class ClusterClient:
                 return [(e.chunk_index, e.count, e.first_access_order) for e in reply.entries]
         return None
 
-    def _blob_reader(self, order: Sequence[str]) -> Callable[[str], bytes]:
-        """``get_blob`` for ``Manifest.read``: a manifest part from the first of ``order`` that has it."""
+    def _blob_readers(self, order: Sequence[str]) -> tuple[Callable[[str], bytes], Callable[[Sequence[str]], dict[str, bytes]]]:
+        """``get_blob`` and ``get_parts`` for ``Manifest.read``: from the first of ``order`` that answers."""
 
-        def get_blob(blob_id: str) -> bytes:
+        def first(call: Callable[[ParamServerClient], T]) -> T:
             failure: grpc.RpcError | None = None
             for address in order:
                 try:
-                    return bytes(self.server(address).get_manifest(manifest_id=blob_id).data)
+                    return call(self.server(address))
                 except grpc.RpcError as exc:
                     if rpc_code(exc) in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                         raise
@@ -457,7 +457,13 @@ class ClusterClient:
             assert failure is not None
             raise failure
 
-        return get_blob
+        def get_blob(blob_id: str) -> bytes:
+            return bytes(first(lambda c: c.get_manifest(manifest_id=blob_id).data))
+
+        def get_parts(part_ids: Sequence[str]) -> dict[str, bytes]:
+            return first(lambda c: c.get_manifest_parts(part_ids))
+
+        return get_blob, get_parts
 
     def report_heat(self, model: str, version: int, entries: Sequence[tuple[int, int, int]]) -> int:
         """Send a heat report to every up member (each aggregates on its own). Best effort: a member

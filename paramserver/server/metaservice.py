@@ -32,6 +32,7 @@ from consensus.records import MemberRecord, ReadResult, TagRecord, VersionRecord
 
 from paramserver.server import codecs
 from paramserver.server.errors import InvalidChunkError, ParamServerError
+from paramserver.wire.limits import MAX_PART_IDS_PER_CALL, MAX_PARTS_REPLY_BYTES
 from paramserver.wire.proto import pb
 from paramserver.wire.ring import replication_and_quorum
 from paramserver.server.rpc_errors import MAPPED, PreconditionFailed, abort_with, invalid
@@ -294,6 +295,8 @@ class MetadataService:
 
     def GetManifest(self, request: pb.GetManifestRequest, context: grpc.ServicerContext) -> pb.GetManifestReply:
         reply = pb.GetManifestReply()
+        if request.part_ids:
+            return self._parts(request, context)
         try:
             manifest_id = request.manifest_id
             if not manifest_id:
@@ -311,6 +314,29 @@ class MetadataService:
                 invalid(context, f"manifest_id {manifest_id[:80]!r} is not a content id (64 lowercase hex digits)")
             reply.manifest_id = manifest_id
             reply.data = self.fetch_blob(manifest_id)
+        except MAPPED as exc:
+            abort_with(context, exc)
+        return reply
+
+    def _parts(self, request: pb.GetManifestRequest, context: grpc.ServicerContext) -> pb.GetManifestReply:
+        """A prefix of the asked parts, in order, within MAX_PARTS_REPLY_BYTES (at least one)."""
+        ids = request.part_ids
+        if request.manifest_id or request.model or request.version or request.tag:
+            invalid(context, "GetManifest takes part_ids alone, not with manifest_id, model, version or tag")
+        if len(ids) > MAX_PART_IDS_PER_CALL:
+            invalid(context, f"GetManifest names {len(ids)} part_ids; at most {MAX_PART_IDS_PER_CALL} per call")
+        bad = next((i for i in ids if not is_content_id(i)), None)
+        if bad is not None:
+            invalid(context, f"part id {bad[:80]!r} is not a content id (64 lowercase hex digits)")
+        reply = pb.GetManifestReply()
+        size = 0
+        try:
+            for part_id in ids:
+                if reply.parts and size >= MAX_PARTS_REPLY_BYTES:
+                    break
+                data = self.fetch_blob(part_id)
+                reply.parts.append(data)
+                size += len(data)
         except MAPPED as exc:
             abort_with(context, exc)
         return reply

@@ -11,7 +11,13 @@ DEFAULT_GET_MESSAGE_BYTES = 1 * MiB
 # Longest codec name a stored chunk or a bulk header carries.
 MAX_CODEC_LEN = 18
 
-__all__ = ["DEFAULT_GET_MESSAGE_BYTES", "DEFAULT_MAX_MESSAGE_BYTES", "MAX_CODEC_LEN", "MiB"]
+# GetManifest with part_ids: the most ids one request may name, and the bytes of parts one reply
+# carries (at least one part, whatever its size; a part is at most about 2.6 MB).
+MAX_PART_IDS_PER_CALL = 4096
+MAX_PARTS_REPLY_BYTES = 8 * MiB
+
+__all__ = ["DEFAULT_GET_MESSAGE_BYTES", "DEFAULT_MAX_MESSAGE_BYTES", "MAX_CODEC_LEN", "MAX_PARTS_REPLY_BYTES",
+           "MAX_PART_IDS_PER_CALL", "MiB"]
 
 # ReportHeat: entries in one call (and never more than the version's chunk count), and the
 # largest message a server parses (entries take 4-24 bytes each). Clients send at most

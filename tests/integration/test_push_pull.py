@@ -26,6 +26,7 @@ from chunking.pack import pack
 from chunking.synthetic import synthetic_state_dict
 from deploy.local import LocalCluster, LocalClusterConfig
 from paramserver.client.rpc import ChunkData, ParamServerClient, make_chunk
+from paramserver.wire.proto import pb
 from paramserver.client.pull import pull, pull_tensors
 from paramserver.client.push import push
 from paramserver.client.errors import ChunkUnavailable, NotFound, PushError, TransferError
@@ -102,7 +103,8 @@ def manifest_of(cluster: LocalCluster, model: str, version: int) -> Manifest:
     leader = admin(cluster.addresses[0]).cluster_info().leader_grpc_address or cluster.addresses[0]
     c = admin(leader)
     reply = c.get_manifest(model=model, version=version)
-    return Manifest.read(reply.manifest_id, lambda blob_id: bytes(c.get_manifest(manifest_id=blob_id).data), root=reply.data)
+    return Manifest.read(reply.manifest_id, lambda blob_id: bytes(c.get_manifest(manifest_id=blob_id).data),
+                         get_parts=c.get_manifest_parts, root=reply.data)
 
 
 # ------------------------------------------------------------------ happy paths
@@ -160,6 +162,21 @@ def test_a_split_manifest_commits_pulls_and_shares_its_parts_with_a_fine_tune(cl
     assert m1.format_version == SPLIT_FORMAT and len(m1.parts) > 10 and m1.id == first.manifest_id
     tensors, _ = pull_tensors(cluster.seed, "split:prod", token=READ)
     assert_bit_exact(tensors, base)
+    # Parts come many per call, in order; a bad request is refused with what is wrong.
+    c = admin(admin(cluster.addresses[0]).cluster_info().leader_grpc_address)
+    ids = [p.id for p in m1.parts]
+    assert c.get_manifest_parts(ids) == {p.id: p.data for p in m1.parts}
+    reply = c.stub.GetManifest(pb.GetManifestRequest(part_ids=ids), timeout=10)
+    assert list(reply.parts) == [p.data for p in m1.parts]  # all fit in one reply's budget
+    for request, code, words in (
+        (pb.GetManifestRequest(part_ids=ids[:1], manifest_id=m1.id), grpc.StatusCode.INVALID_ARGUMENT, "part_ids alone"),
+        (pb.GetManifestRequest(part_ids=["xyz"]), grpc.StatusCode.INVALID_ARGUMENT, "not a content id"),
+        (pb.GetManifestRequest(part_ids=ids[:1] * 5000), grpc.StatusCode.INVALID_ARGUMENT, "at most 4096"),
+        (pb.GetManifestRequest(part_ids=["ab" * 32]), grpc.StatusCode.NOT_FOUND, "ab" * 32),
+    ):
+        with pytest.raises(grpc.RpcError) as err:
+            c.stub.GetManifest(request, timeout=10)
+        assert err.value.code() == code and words in (err.value.details() or ""), err.value.details()
     # Every blob of the manifest (root and parts) reached its write quorum.
     for blob_id in m1.blobs():
         assert sum(admin(a).has_chunks([blob_id])[0] for a in cluster.addresses) >= 2, blob_id

@@ -204,3 +204,37 @@ def test_orphan_collection_keeps_the_parts_of_a_split_manifest() -> None:
     refs = References(_Plane({"m": [m.id]}), lambda blob_id: blobs[blob_id])()  # type: ignore[arg-type]
     assert refs is not None
     assert set(blobs) <= refs and set(m.chunk_ids()) <= refs
+
+
+class _Stub:
+    """GetManifest of a server that sends at most ``per_reply`` parts (or none: an older one)."""
+
+    def __init__(self, blobs: dict[str, bytes], per_reply: int) -> None:
+        self.blobs, self.per_reply, self.calls = blobs, per_reply, 0
+
+    def GetManifest(self, request: Any, timeout: float) -> SimpleNamespace:  # noqa: N802 - the gRPC method's name
+        self.calls += 1
+        if request.part_ids:
+            return SimpleNamespace(parts=[self.blobs[i] for i in request.part_ids[: self.per_reply]])
+        return SimpleNamespace(data=self.blobs[request.manifest_id], parts=[])
+
+
+@pytest.mark.parametrize("per_reply", [0, 1, 3, 1000])
+def test_parts_are_asked_for_in_bulk_until_every_one_came(per_reply: int) -> None:
+    from paramserver.client.rpc import ParamServerClient
+
+    m = _split()
+    blobs = m.blobs()
+    client = ParamServerClient("127.0.0.1:9")
+    stub = _Stub(blobs, per_reply)
+    client.stub = stub  # type: ignore[assignment]
+    try:
+        ids = [p.id for p in m.parts]
+        assert client.get_manifest_parts(ids + ids[:2]) == {p.id: p.data for p in m.parts}
+        want_calls = 2 * len(ids) if per_reply == 0 else -(-len(ids) // per_reply)
+        assert stub.calls == want_calls
+        stub.calls = 0
+        got = Manifest.read(m.id, lambda i: blobs[i], get_parts=client.get_manifest_parts, parallel=4)
+        assert got == m
+    finally:
+        client.close()

@@ -264,30 +264,34 @@ class CommitVersionRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., manifest_id: _Optional[str] = ..., parent: _Optional[int] = ..., publisher: _Optional[str] = ..., tag: _Optional[str] = ..., force: _Optional[bool] = ..., nbytes: _Optional[int] = ..., chunk_count: _Optional[int] = ...) -> None: ...
 
 class GetManifestRequest(_message.Message):
-    __slots__ = ("manifest_id", "model", "version", "tag", "linearizable")
+    __slots__ = ("manifest_id", "model", "version", "tag", "linearizable", "part_ids")
     MANIFEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
     LINEARIZABLE_FIELD_NUMBER: _ClassVar[int]
+    PART_IDS_FIELD_NUMBER: _ClassVar[int]
     manifest_id: str
     model: str
     version: int
     tag: str
     linearizable: bool
-    def __init__(self, manifest_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., tag: _Optional[str] = ..., linearizable: _Optional[bool] = ...) -> None: ...
+    part_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, manifest_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., tag: _Optional[str] = ..., linearizable: _Optional[bool] = ..., part_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetManifestReply(_message.Message):
-    __slots__ = ("manifest_id", "data", "version", "read")
+    __slots__ = ("manifest_id", "data", "version", "read", "parts")
     MANIFEST_ID_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     READ_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     manifest_id: str
     data: bytes
     version: Version
     read: ReadInfo
-    def __init__(self, manifest_id: _Optional[str] = ..., data: _Optional[bytes] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., read: _Optional[_Union[ReadInfo, _Mapping]] = ...) -> None: ...
+    parts: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, manifest_id: _Optional[str] = ..., data: _Optional[bytes] = ..., version: _Optional[_Union[Version, _Mapping]] = ..., read: _Optional[_Union[ReadInfo, _Mapping]] = ..., parts: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class ResolveTagRequest(_message.Message):
     __slots__ = ("model", "tag", "linearizable")
