@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Collection, Sequence
 
+from paramserver.wire.address import split_host_port
+
 if TYPE_CHECKING:
     from paramserver.client.config import ClientSettings
 
@@ -346,11 +348,10 @@ class LocalCluster:
                     f"{wanted[i].grpc}: leave out --base-port to restart it where it was, or {fresh}"
                 )
             for address in (slot.grpc, slot.raft):
-                host, _, port = address.rpartition(":")
                 with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
                     probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do: TIME_WAIT is no obstacle
                     try:
-                        probe.bind((host, int(port)))
+                        probe.bind(split_host_port(address))
                     except OSError:
                         raise LauncherError(
                             f"{slot.server_id} must come back on {address} (its peers know it there) but that port is in use; "

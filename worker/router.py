@@ -43,6 +43,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from paramserver.wire.address import split_host_port
 from paramserver.client.config import CLUSTER_ENV, CONFIG_ENV, ClientSettings, add_client_arguments, float_in, int_in, settings_from_args
 from paramserver.client.errors import ClientError, NotFound
 from paramserver.client.refs import BadModelRef, ModelRef
@@ -372,10 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        host, _, port = args.listen.rpartition(":")
-        port_no = int(port)
-        if not 0 <= port_no <= 65535:
-            raise ValueError
+        host, port_no = split_host_port(args.listen)
     except ValueError:
         print(f"paramrouter: error: --listen {args.listen!r} must be HOST:PORT", file=sys.stderr)
         return 2

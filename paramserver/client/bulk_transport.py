@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Callable, Iterator, NamedTuple, Sequence
 
+from paramserver.wire.address import split_host_port
 from paramserver.wire.bulk_frames import (
     BATCH,
     HEADER,
@@ -82,10 +83,10 @@ class BulkItem(NamedTuple):
 
 
 def split_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise BulkUnavailable(address, "address must be HOST:PORT")
-    return host.strip("[]"), int(port)
+    try:
+        return split_host_port(address)
+    except ValueError:
+        raise BulkUnavailable(address, "address must be HOST:PORT") from None
 
 
 class _Conn:

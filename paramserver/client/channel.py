@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 
 from paramserver.client.errors import ConfigError
+from paramserver.wire.address import split_host_port
 from paramserver.wire.auth import AUTH_HEADER, read_tls_file
 from paramserver.wire.grpc_options import channel_options
 from paramserver.wire.limits import DEFAULT_MAX_MESSAGE_BYTES
@@ -141,10 +142,9 @@ def diagnose_tls(
     the server's verdict on the client certificate, which comes after the handshake). A server
     that cannot be reached at all (refused, timed out) returns None: that is not a TLS problem.
     """
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]")
     try:
-        raw = socket.create_connection((host, int(port)), timeout=timeout_s)
+        host, port = split_host_port(address)
+        raw = socket.create_connection((host, port), timeout=timeout_s)
     except (OSError, ValueError):
         return None
     with raw:

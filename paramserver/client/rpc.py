@@ -15,6 +15,7 @@ import grpc
 from chunking.hashing import crc32c
 
 from paramserver.client.channel import open_channel
+from paramserver.wire.address import split_host_port
 from paramserver.wire.limits import DEFAULT_GET_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES, MAX_PART_IDS_PER_CALL
 from paramserver.client.errors import ConfigError
 from paramserver.wire.proto import SERVICE_NAME, pb, pb_grpc
@@ -42,9 +43,10 @@ class ClientConfig:
     stream_timeout_s: float | None = None  # streams: None = no deadline
 
     def validate(self) -> ClientConfig:
-        host, sep, port = self.address.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ConfigError(f"server address must be HOST:PORT, got {self.address!r}")
+        try:
+            split_host_port(self.address)
+        except ValueError:
+            raise ConfigError(f"server address must be HOST:PORT, got {self.address!r}") from None
         if self.timeout_s <= 0:
             raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
         if (self.client_cert is None) != (self.client_key is None):

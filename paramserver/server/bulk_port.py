@@ -45,6 +45,7 @@ from paramserver.server.errors import (
 )
 from paramserver.server.repair import RepairQueue
 from paramserver.server.store import ChunkStore
+from paramserver.wire.address import split_host_port
 from paramserver.wire.auth import ADMIN_TOKEN_ENV, READ_TOKEN_ENV
 from paramserver.wire.bulk_frames import (
     A_ACKS, ACK_HEAD, ALREADY_PRESENT, CORRUPT, CORRUPT_IN_TRANSIT, ERROR, FAILED, FULL, HELLO, ID_BYTES, INVALID,
@@ -200,10 +201,12 @@ class BulkServer:
         self.budget = _Budget(self.config.write_buffer_bytes)
         self.write_stats = {"sessions": 0, "puts": 0, "chunks": 0, "bytes": 0, "errors": 0, "forwarded": 0,
                             "buffers_reused": 0}
-        host, _, port = listen.rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigError(f"bulk listen address must be HOST:PORT (port 0 picks a free one), got {listen!r}")
-        self._sock = socket.create_server((host.strip("[]"), int(port)), backlog=128, reuse_port=False)
+        try:
+            bind_host, bind_port = split_host_port(listen)
+        except ValueError:
+            raise ConfigError(f"bulk listen address must be HOST:PORT (port 0 picks a free one), got {listen!r}") from None
+        host = listen.rpartition(":")[0]  # as given, brackets kept: it is put back into addresses
+        self._sock = socket.create_server((bind_host, bind_port), backlog=128, reuse_port=False)
         self.host = host
         self.port: int = self._sock.getsockname()[1]
         self._slots = threading.BoundedSemaphore(self.config.max_connections)
@@ -463,9 +466,8 @@ class _Forwarder:
     def __init__(self, address: str, token: str, io_timeout_s: float, ack_timeout_s: float) -> None:
         self.address = address
         self.ack_timeout_s = ack_timeout_s
-        host, _, port = address.rpartition(":")
         try:
-            self.sock = socket.create_connection((host.strip("[]"), int(port)), timeout=min(3.0, io_timeout_s))
+            self.sock = socket.create_connection(split_host_port(address), timeout=min(3.0, io_timeout_s))
         except (OSError, ValueError) as exc:
             raise _ForwardFailed(f"cannot connect to {address}: {exc}") from None
         try:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from paramserver.server.errors import ConfigError
+from paramserver.wire.address import host_of, split_host_port
 from paramserver.wire.ring import replication_and_quorum
 
 from paramserver.wire.limits import DEFAULT_GET_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES, MiB
@@ -57,9 +58,10 @@ def read_secret_file(key: str, path: str | Path) -> str:
 
 
 def _check_hostport(name: str, value: str) -> None:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"{name} must be HOST:PORT (for example 127.0.0.1:7000), got {value!r}")
+    try:
+        split_host_port(value)
+    except ValueError:
+        raise ConfigError(f"{name} must be HOST:PORT (for example 127.0.0.1:7000), got {value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -105,12 +107,12 @@ class ServerConfig:
     @property
     def raft_open(self) -> bool:
         """The Raft port is reachable from the network and has no cluster secret."""
-        return not is_loopback_host(self.raft.rpartition(":")[0]) and not self.cluster_secret
+        return not is_loopback_host(host_of(self.raft)) and not self.cluster_secret
 
     @property
     def grpc_open(self) -> bool:
         """The gRPC port is reachable from the network and has no admin token."""
-        return not is_loopback_host(self.listen.rpartition(":")[0]) and not self.admin_token
+        return not is_loopback_host(host_of(self.listen)) and not self.admin_token
 
     def open_to_network(self) -> list[str]:
         """What this config leaves open to anyone who can reach a non-loopback port ([] when nothing)."""
