@@ -298,8 +298,8 @@ class Manifest:
             wanted = manifest_split.part_ids(data)
         except ValueError as exc:
             raise _fail(f"format-3 root is damaged: {exc}") from None
-        if not wanted:
-            return cls.from_bytes(data, expected_id=manifest_id)
+        if not wanted:  # format 1 or 2, or a root of no chunks
+            return cls.from_bytes(data, expected_id=manifest_id, parts={})
         # The root's id is proven before any part is asked for: a forged root must not make us fetch.
         algorithm = manifest_split.root_doc(data).get("hash_algorithm")
         if algorithm not in HASH_ALGORITHMS:

@@ -84,6 +84,8 @@ def decode_part(data: bytes) -> tuple[list[str], manifest_binary.Columns]:
     doc, columns = manifest_binary.decode(data, canonical=True)
     if set(doc) != PART_KEYS or doc.get("kind") != PART_KIND:
         raise ValueError("it is not a manifest part (its header keys differ)")
+    if not all(isinstance(name, str) for name in doc["codecs"]):
+        raise ValueError("its codec table holds something other than names")
     return doc["codecs"], columns
 
 

@@ -222,9 +222,10 @@ class QuorumVersionCheck:
 
         # Each chunk is first asked of W of its replicas (this server's store first, then the others
         # in turn), a third fewer lookups than asking all R: the servers share two cores with the
-        # pushes and Raft. The other replicas are asked only for the chunks still short of W, once
-        # the first wave has answered or after HEDGE_S plus a share per id, so a replica that is down
-        # or cut off costs that wait, not its deadline. Batches of at most HAS_BATCH ids, several at
+        # pushes and Raft. The other replicas are asked only for the chunks still short of W: once
+        # the first wave has answered, or, for the chunks of a replica that has not answered a single
+        # batch after HEDGE_S plus a share per id, then; so a replica that is down or cut off costs
+        # that wait, not its deadline. Batches of at most HAS_BATCH ids, several at
         # once: half a million ids in one message would pass the message limit and the deadline, and
         # one lookup that long in the local store would hold the GIL from this server's Raft ticks.
         # A batch that fails counts as absent; the others still count.
@@ -240,18 +241,43 @@ class QuorumVersionCheck:
 
             submit(wave1)
             hedge_at = time.monotonic() + HEDGE_S + len(every) * HEDGE_S_PER_ID
-            hedged = not wave2
+            timer_spent = False
+            answered: set[str] = set()  # servers that gave at least one real answer
+            left = dict(wave2)  # rows not yet asked of each server
+
+            def hedge(rows_wanted: np.ndarray) -> None:
+                out = {}
+                for server, rows in list(left.items()):
+                    pick = rows_wanted[rows]
+                    if pick.any():
+                        out[server] = rows[pick]
+                        left[server] = rows[~pick]
+                        if not len(left[server]):
+                            del left[server]
+                submit(out)
+
             while (copies < w).any() and not wrong:
-                if not hedged and (not pending or time.monotonic() >= hedge_at):
-                    still = copies < w
-                    submit({server: rows[still[rows]] for server, rows in wave2.items() if still[rows].any()})
-                    hedged = True
+                if left and not pending:  # the asked replicas have all answered: the rest, for chunks still short
+                    hedge(copies < w)
+                elif left and not timer_spent and time.monotonic() >= hedge_at:
+                    # A replica that has not answered one batch by now is down or cut off: its chunks go
+                    # to the others at once; the ones it shares with replicas that answer wait for them.
+                    silent = np.zeros(len(every), dtype=bool)
+                    for server, rows in wave1.items():
+                        if server not in answered:
+                            silent[rows] = True
+                    hedge((copies < w) & silent)
+                    timer_spent = True
                 if not pending:
                     break
-                done, _ = wait(pending, timeout=None if hedged else max(0.0, hedge_at - time.monotonic()),
-                               return_when=FIRST_COMPLETED)
+                timeout = None if timer_spent or not left else max(0.0, hedge_at - time.monotonic())
+                done, _ = wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
                 for future in done:
-                    record(*pending.pop(future), future.result())
+                    server, rows = pending.pop(future)
+                    held = future.result()
+                    if held[1] is not None:
+                        answered.add(server)
+                    record(server, rows, held)
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
         if wrong:

@@ -238,3 +238,18 @@ def test_parts_are_asked_for_in_bulk_until_every_one_came(per_reply: int) -> Non
         assert got == m
     finally:
         client.close()
+
+
+def test_a_part_whose_codec_table_is_not_names_is_refused() -> None:
+    n = 2
+    cols = manifest_binary.Columns(np.zeros((n, 32), np.uint8), np.zeros(n, np.uint32), np.ones(n, np.uint32),
+                                   np.zeros(n, np.uint8), np.ones(n, np.int64), np.zeros(n, np.float64))
+    forged = manifest_binary.encode({"kind": "part", "codecs": [["raw"]]}, cols)
+    with pytest.raises(ValueError, match="other than names"):
+        manifest_split.decode_part(forged)
+
+
+def test_a_manifest_of_no_chunks_splits_into_a_root_alone() -> None:
+    m = pack({"empty": torch.empty(0, 4), "none": torch.zeros(0)}, model="m").manifest.in_format(SPLIT_FORMAT)
+    assert m.parts == () and list(m.blobs()) == [m.id]
+    assert Manifest.read(m.id, lambda blob_id: m.to_bytes()) == m
