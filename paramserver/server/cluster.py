@@ -245,9 +245,11 @@ class QuorumVersionCheck:
             answered: set[str] = set()  # servers that gave at least one real answer
             left = dict(wave2)  # rows not yet asked of each server
 
-            def hedge(rows_wanted: np.ndarray) -> None:
+            def hedge(rows_wanted: np.ndarray, only: set[str] | None = None) -> None:
                 out = {}
                 for server, rows in list(left.items()):
+                    if only is not None and server not in only:
+                        continue
                     pick = rows_wanted[rows]
                     if pick.any():
                         out[server] = rows[pick]
@@ -259,7 +261,11 @@ class QuorumVersionCheck:
             while (copies < w).any() and not wrong:
                 if left and not pending:  # the asked replicas have all answered: the rest, for chunks still short
                     hedge(copies < w)
-                elif left and not timer_spent and time.monotonic() >= hedge_at:
+                idle = {server for server in left if server in answered} - {server for server, _ in pending.values()}
+                if idle:
+                    # A replica that has answered all it was asked for helps with the chunks still short that it holds.
+                    hedge(copies < w, only=idle)
+                if left and not timer_spent and time.monotonic() >= hedge_at:
                     # A replica that has not answered one batch by now is down or cut off: its chunks go
                     # to the others at once; the ones it shares with replicas that answer wait for them.
                     silent = np.zeros(len(every), dtype=bool)
