@@ -230,11 +230,11 @@ class Manifest:
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview, expected_id: str | None = None,
-                   parts: manifest_split.PartSource | None = None) -> Manifest:
+                   parts: Mapping[str, bytes] | None = None) -> Manifest:
         """Parse and validate manifest bytes (any readable format); refuse unknown format versions and id mismatches.
 
-        A format-3 root needs its parts: ``parts`` maps part ids to their bytes, or is called with
-        the ids the root names (``manifest_split.part_ids(data)``) and returns that mapping."""
+        A format-3 root needs its parts: ``parts`` maps the part ids its root names
+        (``manifest_split.part_ids(data)``) to their bytes; ``Manifest.read`` fetches them."""
         raw = bytes(data)
         split, binary = manifest_split.is_root(raw), manifest_binary.is_binary(raw)
         columns: manifest_binary.Columns | None = None
@@ -294,18 +294,21 @@ class Manifest:
         a time: of ``get_parts(ids)`` (many per call) when given, else of ``get_blob``. What they
         raise passes through; so does ManifestError."""
         data = get_blob(manifest_id) if root is None else root
+        if not manifest_split.is_root(data):  # format 1 or 2: one blob
+            return cls.from_bytes(data, expected_id=manifest_id)
         try:
-            wanted = manifest_split.part_ids(data)
+            doc = manifest_split.root_doc(data)
+            wanted = tuple(dict.fromkeys(pid for pid, _count in manifest_split.root_parts(doc)))
         except ValueError as exc:
             raise _fail(f"format-3 root is damaged: {exc}") from None
-        if not wanted:  # format 1 or 2, or a root of no chunks
-            return cls.from_bytes(data, expected_id=manifest_id, parts={})
         # The root's id is proven before any part is asked for: a forged root must not make us fetch.
-        algorithm = manifest_split.root_doc(data).get("hash_algorithm")
+        algorithm = doc.get("hash_algorithm")
         if algorithm not in HASH_ALGORITHMS:
             raise _fail(f"hash_algorithm {algorithm!r} is unknown")
         if content_id(data, algorithm) != manifest_id:
             raise _mismatch(manifest_id)
+        if not wanted:  # a root of no chunks
+            return cls.from_bytes(data, expected_id=manifest_id, parts={})
         calls = max(1, min(parallel, len(wanted)))
         blobs: dict[str, bytes] = {}
         with ThreadPoolExecutor(max_workers=calls, thread_name_prefix="manifest-parts") as pool:
@@ -318,15 +321,14 @@ class Manifest:
         return cls.from_bytes(data, expected_id=manifest_id, parts=blobs)
 
     @classmethod
-    def _from_split(cls, doc: dict[str, Any], parts: manifest_split.PartSource) -> Manifest:
+    def _from_split(cls, doc: dict[str, Any], parts: Mapping[str, bytes]) -> Manifest:
         _check_keys(set(doc), SPLIT_KEYS)
         try:
             listed = manifest_split.root_parts(doc)
         except ValueError as exc:
             raise _fail(f"format-3 root is damaged: {exc}") from None
-        blobs = manifest_split.gather(parts, list(dict.fromkeys(pid for pid, _ in listed)))
         try:
-            codecs, columns, parts_read = manifest_split.join_parts(listed, blobs, doc["hash_algorithm"])
+            codecs, columns, parts_read = manifest_split.join_parts(listed, parts, doc["hash_algorithm"])
         except ValueError as exc:
             raise _fail(str(exc)) from None
         manifest = cls._from_columns(doc, columns, codecs, SPLIT_FORMAT)
@@ -345,8 +347,7 @@ class Manifest:
         _check_keys(set(doc), BINARY_KEYS)
         codecs = doc["codecs"]
         # Canonical: the table lists exactly the codecs used, in the order they first appear.
-        used, first_row = np.unique(columns.codec_index, return_index=True)
-        if used[np.argsort(first_row)].tolist() != list(range(len(codecs))):
+        if manifest_binary.first_use_order(columns.codec_index).tolist() != list(range(len(codecs))):
             raise _fail("its codec table is not the codecs used in order of first use")
         return cls._from_columns(doc, columns, tuple(codecs), BINARY_FORMAT)
 

@@ -51,6 +51,12 @@ def is_binary(data: bytes | bytearray | memoryview) -> bool:
     return bytes(data[: len(MAGIC)]) == MAGIC
 
 
+def first_use_order(values: np.ndarray) -> np.ndarray:
+    """The distinct ``values`` in the order they first appear (a canonical codec table's order)."""
+    used, first_row = np.unique(values, return_index=True)
+    return used[np.argsort(first_row)]
+
+
 def _pad(n: int) -> int:
     return -n % 8
 
@@ -139,8 +145,7 @@ def decode(data: bytes, *, canonical: bool = False) -> tuple[dict[str, Any], Col
     if canonical:
         if bool(np.signbit(t_vals[t_vals == 0]).any()):
             raise ValueError("a created_at time stamp is -0.0")
-        _, first = np.unique(c_vals, return_index=True)
-        if np.unique(c_vals)[np.argsort(first)].tolist() != list(range(len(codecs))):
+        if first_use_order(c_vals).tolist() != list(range(len(codecs))):
             raise ValueError("its codec table is not the codecs used in order of first use")
     columns = Columns(digests.reshape(n, DIGEST_BYTES), crc, stored, expanded[0], expanded[1].astype(np.int64),
                       expanded[2])

@@ -18,7 +18,7 @@ manifest are again unique: ``Manifest.from_bytes`` proves each part canonical as
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,9 +34,6 @@ PART_MIN_CHUNKS = 16  # a part of fewer rows would cost more as a blob than it s
 PART_MAX_CHUNKS = 1 << 16  # at most 2.6 MB of columns per part blob
 SPLIT_FROM_CHUNKS = 1024  # pack writes a split manifest from this many chunks up (256 MiB at 256 KiB)
 MAX_PARTS = 1 << 20
-
-PartSource = Mapping[str, bytes] | Callable[[Sequence[str]], Mapping[str, bytes]]
-
 
 @dataclass(frozen=True)
 class Part:
@@ -70,8 +67,7 @@ def part_bounds(ranges: Sequence[tuple[int, int]], chunk_size: int, count: int) 
 
 def encode_part(columns: manifest_binary.Columns, codecs: Sequence[str]) -> bytes:
     """A part's bytes; ``columns.codec_index`` indexes ``codecs`` (the part keeps only those it uses)."""
-    used, first_row = np.unique(columns.codec_index, return_index=True)
-    order = used[np.argsort(first_row)]
+    order = manifest_binary.first_use_order(columns.codec_index)
     remap = np.zeros(max(len(codecs), 1), np.uint8)
     remap[order] = np.arange(len(order), dtype=np.uint8)
     local = manifest_binary.Columns(columns.digests, columns.crc32c, columns.stored_size, remap[columns.codec_index],
@@ -188,9 +184,5 @@ def join_parts(listed: Sequence[tuple[str, int]], blobs: Mapping[str, bytes], al
     return tuple(codecs), joined, tuple(parts)
 
 
-def gather(source: PartSource, ids: Sequence[str]) -> Mapping[str, bytes]:
-    return source(ids) if callable(source) else source
-
-
-__all__ = ["Part", "PartSource", "ROOT_MAGIC", "SPLIT_FROM_CHUNKS", "PART_MAX_CHUNKS", "PART_MIN_CHUNKS",
+__all__ = ["Part", "ROOT_MAGIC", "SPLIT_FROM_CHUNKS", "PART_MAX_CHUNKS", "PART_MIN_CHUNKS",
            "is_root", "part_bounds", "part_ids"]
