@@ -211,9 +211,7 @@ def e2e_child(step: str, spec: dict[str, Any]) -> dict[str, Any]:
             t1 = time.perf_counter()
             reply = client.server(info.server).get_manifest(manifest_id=info.manifest_id)
             t2 = time.perf_counter()
-            server = client.server(info.server)
-            again = Manifest.read(info.manifest_id, lambda blob: bytes(server.get_manifest(manifest_id=blob).data),
-                                  get_parts=server.get_manifest_parts, root=reply.data)
+            again = client.server(info.server).read_manifest(reply)
             again.plan  # noqa: B018 - what ClusterClient.manifest does too
             t3 = time.perf_counter()
             out["parts"] = {"resolve": t1 - t0, "rpc": t2 - t1, "parts+decode": t3 - t2}

@@ -90,15 +90,12 @@ class ClusterProbe:
 
     def chunk_ids(self, model: str, version: int) -> list[str]:
         """The chunk ids a version names (from its manifest, read through the leader)."""
-        from chunking.manifest import Manifest
-
         leader = self.cluster.leader_id(timeout=self.config.timeout_s)
         if leader is None:
             raise RuntimeError("no leader answers: cannot read a manifest; is the cluster up?")
         with self._client(leader) as c:
             reply = c.get_manifest(model=model, version=version)
-            manifest = Manifest.read(reply.manifest_id, lambda blob_id: bytes(c.get_manifest(manifest_id=blob_id).data),
-                                     get_parts=c.get_manifest_parts, root=reply.data, parallel=1)
+            manifest = c.read_manifest(reply, parallel=1)
         return list(manifest.chunk_ids())
 
     # ---- chunk records on disk ----------------------------------------------------------------------

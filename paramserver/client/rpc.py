@@ -13,6 +13,7 @@ from typing import Any, Iterable, Iterator, NamedTuple, Sequence
 import grpc
 
 from chunking.hashing import crc32c
+from chunking.manifest import Manifest
 
 from paramserver.client.channel import open_channel
 from paramserver.wire.address import split_host_port
@@ -196,6 +197,12 @@ class ParamServerClient:
             timeout=self.config.timeout_s,
         )
 
+    def read_manifest(self, reply: pb.GetManifestReply, *, parallel: int = 8) -> Manifest:
+        """The manifest a GetManifest ``reply`` carries the root (or sole blob) of, its parts read
+        from this server, every blob proven by its id (``Manifest.read``)."""
+        return Manifest.read(reply.manifest_id, lambda blob_id: bytes(self.get_manifest(manifest_id=blob_id).data),
+                             get_parts=self.get_manifest_parts, root=reply.data, parallel=parallel)
+
     def get_manifest_parts(self, part_ids: Sequence[str]) -> dict[str, bytes]:
         """The bytes of split-manifest parts, many per call (each reply holds a prefix that fits;
         the rest is asked again). Each part is proven by its id where it is decoded (Manifest.read)."""
@@ -205,7 +212,7 @@ class ParamServerClient:
             reply = self.stub.GetManifest(pb.GetManifestRequest(part_ids=rest[:MAX_PART_IDS_PER_CALL]),
                                           timeout=self.config.timeout_s)
             got = list(reply.parts)
-            if not got:  # a server that sent no part (one from before part_ids): one id at a time
+            if not got:  # a reply without parts (a server sends at least one) must not loop: one id at a time
                 got = [self.get_manifest(manifest_id=rest[0]).data]
             out.update(zip(rest, got))
             rest = rest[len(got):]

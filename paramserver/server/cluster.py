@@ -222,13 +222,14 @@ class QuorumVersionCheck:
 
         # Each chunk is first asked of W of its replicas (this server's store first, then the others
         # in turn), a third fewer lookups than asking all R: the servers share two cores with the
-        # pushes and Raft. The other replicas are asked only for the chunks still short of W: once
-        # the first wave has answered, or, for the chunks of a replica that has not answered a single
-        # batch after HEDGE_S plus a share per id, then; so a replica that is down or cut off costs
-        # that wait, not its deadline. Batches of at most HAS_BATCH ids, several at
-        # once: half a million ids in one message would pass the message limit and the deadline, and
-        # one lookup that long in the local store would hold the GIL from this server's Raft ticks.
-        # A batch that fails counts as absent; the others still count.
+        # pushes and Raft. The other replicas are asked only for the chunks still short of W: a
+        # replica once it has answered all it was asked (every replica, once all have answered);
+        # and after HEDGE_S plus a share per id, the replicas sharing the chunks of one that has not
+        # answered a single batch, so a replica that is down or cut off costs that wait, not its
+        # deadline. Batches of at most HAS_BATCH ids, several at once: half a million ids in one
+        # message would pass the message limit and the deadline, and one lookup that long in the
+        # local store would hold the GIL from this server's Raft ticks. A batch that fails counts as
+        # absent; the others still count.
         pool = ThreadPoolExecutor(max_workers=self.max_parallel)
         try:
             pending: dict[Future[Held], tuple[str, np.ndarray]] = {}
@@ -259,12 +260,11 @@ class QuorumVersionCheck:
                 submit(out)
 
             while (copies < w).any() and not wrong:
-                if left and not pending:  # the asked replicas have all answered: the rest, for chunks still short
-                    hedge(copies < w)
-                idle = {server for server in left if server in answered} - {server for server, _ in pending.values()}
-                if idle:
-                    # A replica that has answered all it was asked for helps with the chunks still short that it holds.
-                    hedge(copies < w, only=idle)
+                if left:
+                    busy = {server for server, _ in pending.values()}
+                    ready = set(left) if not pending else {server for server in left if server in answered} - busy
+                    if ready:
+                        hedge(copies < w, only=ready)
                 if left and not timer_spent and time.monotonic() >= hedge_at:
                     # A replica that has not answered one batch by now is down or cut off: its chunks go
                     # to the others at once; the ones it shares with replicas that answer wait for them.
@@ -313,9 +313,9 @@ class QuorumVersionCheck:
             if len(others) < len(placed):
                 first.setdefault(me, []).append(group)
             turns = w - (len(placed) - len(others))  # copies still to ask of the others
-            step = np.arange(len(group))
+            row = np.arange(len(group))
             for i, server in enumerate(others):
-                mine = ((i - step) % len(others)) < turns
+                mine = ((i - row) % len(others)) < turns
                 first.setdefault(server, []).append(group[mine])
                 later.setdefault(server, []).append(group[~mine])
 

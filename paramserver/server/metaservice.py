@@ -294,9 +294,9 @@ class MetadataService:
         return pb.VersionReply(version=_version_pb(result.value), read=_read_pb(result))
 
     def GetManifest(self, request: pb.GetManifestRequest, context: grpc.ServicerContext) -> pb.GetManifestReply:
-        reply = pb.GetManifestReply()
         if request.part_ids:
             return self._parts(request, context)
+        reply = pb.GetManifestReply()
         try:
             manifest_id = request.manifest_id
             if not manifest_id:

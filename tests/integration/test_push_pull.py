@@ -102,9 +102,7 @@ def manifest_of(cluster: LocalCluster, model: str, version: int) -> Manifest:
     # Ask the leader: a follower may not have applied a commit that just returned.
     leader = admin(cluster.addresses[0]).cluster_info().leader_grpc_address or cluster.addresses[0]
     c = admin(leader)
-    reply = c.get_manifest(model=model, version=version)
-    return Manifest.read(reply.manifest_id, lambda blob_id: bytes(c.get_manifest(manifest_id=blob_id).data),
-                         get_parts=c.get_manifest_parts, root=reply.data)
+    return c.read_manifest(c.get_manifest(model=model, version=version))
 
 
 # ------------------------------------------------------------------ happy paths
