@@ -157,33 +157,15 @@ class LRUKCache:
         """
         nbytes = value_size(value) if size is None else size
         with self._lock:
+            return self._put(key, value, nbytes, self._clock())
+
+    def put_many(self, items: Iterable[tuple[Hashable, Any, int]]) -> None:
+        """``put(key, value, size)`` of each item under one acquisition of the lock (a batch of
+        chunks that landed together)."""
+        with self._lock:
             now = self._clock()
-            entry = self._entries.get(key)
-            if nbytes > self.capacity_bytes:
-                self._rejected += 1
-                if entry is not None:
-                    self._remove(key, entry, retain=True)
-                return False
-            if entry is not None:
-                self._bytes += nbytes - entry.size
-                entry.value, entry.size = value, nbytes
-                self._make_room(0, now, protect=key)
-                return True
-            self._make_room(nbytes, now, protect=None)
-            hist, last = self._retained.pop(key, (None, NEVER))
-            if hist is None or now - last > self.rip:
-                hist = [NEVER] * self.k
-            else:
-                # A miss is always an uncorrelated reference: shift the history by one.
-                hist = [now] + hist[: self.k - 1]
-            hist[0] = now
-            self._seq += 1
-            entry = _Entry(value, nbytes, hist, now, self._seq)
-            self._entries[key] = entry
-            self._bytes += nbytes
-            self._inserts += 1
-            self._index(key, entry)
-            return True
+            for key, value, nbytes in items:
+                self._put(key, value, nbytes, now)
 
     def pop(self, key: Hashable) -> Any | None:
         """Remove ``key`` and return its value (its history is retained as for an eviction)."""
@@ -240,6 +222,34 @@ class LRUKCache:
         return self._bytes
 
     # -- internals (called with the lock held) ------------------------------------------------
+
+    def _put(self, key: Hashable, value: Any, nbytes: int, now: float) -> bool:
+        entry = self._entries.get(key)
+        if nbytes > self.capacity_bytes:
+            self._rejected += 1
+            if entry is not None:
+                self._remove(key, entry, retain=True)
+            return False
+        if entry is not None:
+            self._bytes += nbytes - entry.size
+            entry.value, entry.size = value, nbytes
+            self._make_room(0, now, protect=key)
+            return True
+        self._make_room(nbytes, now, protect=None)
+        hist, last = self._retained.pop(key, (None, NEVER))
+        if hist is None or now - last > self.rip:
+            hist = [NEVER] * self.k
+        else:
+            # A miss is always an uncorrelated reference: shift the history by one.
+            hist = [now] + hist[: self.k - 1]
+        hist[0] = now
+        self._seq += 1
+        entry = _Entry(value, nbytes, hist, now, self._seq)
+        self._entries[key] = entry
+        self._bytes += nbytes
+        self._inserts += 1
+        self._index(key, entry)
+        return True
 
     def _reference(self, key: Hashable, entry: _Entry, now: float) -> None:
         if now - entry.last > self.crp:

@@ -36,7 +36,7 @@ from chunking.hashing import Buffer, crc32c
 from chunking.manifest import ChunkRef, Manifest
 from paramserver.client.hostmem import ArenaView
 from worker.config import PrefetchConfig
-from worker.heatmap import HeatmapRecorder, HeatReport, prefetch_order
+from worker.heatmap import HeatmapRecorder, HeatReport
 from worker.readiness import TensorReadiness
 from worker.staging import COMPLETED, Copier, StagingPool, byte_view
 from worker.tiered_cache import TieredCache
@@ -116,6 +116,17 @@ class ChunkWriter:
                 self._dev.append(u8)
         self.whole = self._whole_chunks()
         self._whole: list[int] = self.whole.tolist()  # region() reads one entry per chunk: a list is faster
+        # With an arena, each whole chunk's place in it, worked out for all chunks at once: region()
+        # is then one slice (it is asked for every chunk received, half a million of 4 KiB).
+        self._arena_at: list[int] | None = None
+        if arena is not None:
+            base = np.array([arena.offsets.get(e.name, -1) for e in manifest.tensors] or [-1], dtype=np.int64)
+            offsets = np.array([e.offset for e in manifest.tensors] or [0], dtype=np.int64)
+            t = np.maximum(self.whole, 0)
+            at = base[t] + np.arange(len(self.whole), dtype=np.int64) * manifest.chunk_size - offsets[t]
+            at[(self.whole < 0) | (base[t] < 0)] = -1
+            self._arena_at = at.tolist()
+            self._raw_sizes = list(self._plan.raw_sizes)
         self.pool = pool
         self.copier: Copier | None = None
         if cuda:
@@ -163,7 +174,13 @@ class ChunkWriter:
         return t, start, start + self._plan.raw_sizes[index]
 
     def region(self, index: int) -> memoryview | None:
-        """The CPU tensor bytes chunk ``index`` fills when they are one whole region, else None."""
+        """The CPU tensor bytes chunk ``index`` fills when they are one whole region, else None
+        (with an arena: as a slice of the arena's view, like ``arena_region``)."""
+        if self._arena_at is not None:
+            at = self._arena_at[index]
+            if at >= 0:
+                assert self.arena is not None
+                return self.arena.view[at : at + self._raw_sizes[index]]
         span = self._span(index)
         if span is None:
             return None
@@ -174,6 +191,10 @@ class ChunkWriter:
 
     def arena_region(self, index: int) -> memoryview | None:
         """``region(index)`` as a slice of the arena's own view (it outlives the tensors), or None."""
+        if self._arena_at is not None:
+            at = self._arena_at[index]
+            assert self.arena is not None
+            return self.arena.view[at : at + self._raw_sizes[index]] if at >= 0 else None
         span = self._span(index) if self.arena is not None else None
         if span is None:
             return None
@@ -213,20 +234,36 @@ class ChunkWriter:
             self.copier.synchronize()
 
 
+def _indices_by_id(manifest: Manifest) -> dict[str, list[int]]:
+    """Chunk id -> the rows that hold it, in row order."""
+    table = manifest.chunks
+    n = len(table)
+    if bool((table.first_of == np.arange(n, dtype=np.int64)).all()):
+        return dict(zip(table.ids, [[i] for i in range(n)]))  # no repeats: no per-row setdefault
+    indices: dict[str, list[int]] = {}
+    for index, cid in enumerate(table.ids):
+        indices.setdefault(cid, []).append(index)
+    return indices
+
+
 def unique_order(manifest: Manifest, heat: HeatReport | None) -> list[ChunkRef]:
-    """Distinct chunks in fetch order: the heatmap's first, then manifest order."""
+    """Distinct chunks in fetch order: the heatmap's first (earliest first access first), then
+    manifest order; each id once, at the row where the order first reaches it."""
     table = manifest.chunks
     if heat is None:
         return list(table.rows(table.first_rows))  # manifest order, each id once: no per-chunk loop
-    ids = table.ids
-    seen: set[str] = set()
-    rows: list[int] = []
-    for index in prefetch_order(heat, range(len(table))):
-        cid = ids[index]
-        if cid not in seen:
-            seen.add(cid)
-            rows.append(index)
-    return list(table.rows(rows))
+    n = len(table)
+    # Column work instead of a loop over half a million rows: the report's indices inside the
+    # manifest, each once, then the rows it did not see, then each id kept at its first position.
+    seen = np.fromiter(heat.indices, dtype=np.int64, count=len(heat.indices))
+    seen = seen[(seen >= 0) & (seen < n)]
+    _, first = np.unique(seen, return_index=True)
+    seen = seen[np.sort(first)]
+    unseen = np.ones(n, dtype=bool)
+    unseen[seen] = False
+    order = np.concatenate([seen, np.flatnonzero(unseen)])
+    _, first = np.unique(table.first_of[order], return_index=True)
+    return list(table.rows(order[np.sort(first)]))
 
 
 class Prefetcher:
@@ -265,10 +302,9 @@ class Prefetcher:
         self.private_targets = private_targets
         self.readiness = TensorReadiness({t.name: manifest.plan.tensor_chunks[i] for i, t in enumerate(manifest.tensors)})
         self.writer = ChunkWriter(manifest, targets, self.readiness, self.config, pool, arena)
+        self._writer_write = self.writer.write
         self.counters = LoadCounters()
-        self._indices: dict[str, list[int]] = {}
-        for index, cid in enumerate(manifest.chunks.ids):
-            self._indices.setdefault(cid, []).append(index)
+        self._indices = _indices_by_id(manifest)
         self._lock = threading.Lock()
         self._done: set[str] = set()
         self._disk_queue: queue.Queue[tuple[str, bytes] | None] | None = None
@@ -321,11 +357,53 @@ class Prefetcher:
             return None
         return self.writer.region(self._indices[ref.id][0])
 
-    def landed_in_place(self, ref: ChunkRef, region: memoryview) -> None:
-        self._land(ref, region, "network", written=self._indices[ref.id][0])
-        self._keep(ref, region, in_tensor=True)
+    def landed_in_place(self, chunks: Sequence[tuple[ChunkRef, memoryview]]) -> None:
+        # _land and _keep for a batch at once: one lock of each structure per batch, not per chunk.
+        indices_of, writer, done = self._indices, self._writer_write, self._done
+        marked: list[int] = []
+        seen: list[int] = []
+        raw = count = stored = 0
+        for ref, region in chunks:
+            indices = indices_of[ref.id]
+            done.add(ref.id)
+            marked.append(indices[0])
+            for index in indices[1:]:  # the same bytes used again elsewhere in the model
+                writer(index, region)
+            seen += indices
+            raw += ref.raw_size * len(indices)
+            count += len(indices)
+            stored += ref.stored_size
+        self.readiness.mark_landed_many(marked, COMPLETED)
+        self.recorder.record_many(seen)
         with self._lock:
-            self.counters.network_stored_bytes += ref.stored_size
+            self.counters.bytes["network"] += raw
+            self.counters.chunks["network"] += count
+            self.counters.network_stored_bytes += stored
+        if self.on_progress is not None:
+            self.on_progress(raw)
+        if self.cache is None:
+            return
+        if not self._views:
+            for ref, region in chunks:
+                self._keep(ref, region, in_tensor=True)
+            return
+        held: list[tuple[str, HeldChunk, int]] = []
+        arena_region = self.writer.arena_region
+        with self._lock:
+            group = self._group
+            for ref, region in chunks:
+                view = region if self.writer.arena is not None else (arena_region(indices_of[ref.id][0]) or region)
+                held.append((ref.id, HeldChunk(view, ref.crc32c, group), view.nbytes))  # in place: always raw
+                group.keys.add(ref.id)
+            if self._slack:
+                key, value, size = held[0]
+                held[0] = (key, value, size + self._slack)
+                self._slack = 0
+        self.cache.memory.put_many(held)
+        if self.cache.disk is not None:
+            queue_ = self._disk_writer()
+            for key, value, _ in held:
+                queue_.put((key, bytes(value.view)))
 
     def write(self, ref: ChunkRef, raw: Buffer) -> None:
         self._land(ref, raw, "network")
@@ -407,7 +485,10 @@ class Prefetcher:
         cache = self.cache
         # Chunks the cache does not hold go to the network at once, in a background thread, so
         # the streams run while this thread copies cache hits.
-        misses = [r for r in order if cache is None or not cache.contains(r.id)]
+        if cache is None:
+            misses = list(order)
+        else:
+            misses = [r for r, held in zip(order, cache.contains_many([r.id for r in order])) if not held]
         if self.local is not None:
             misses = [r for r in misses if not self._try_local(r)]
         net_error: list[BaseException] = []

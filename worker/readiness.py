@@ -11,6 +11,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 
+import numpy as np
+
 from worker.errors import ReadinessTimeout, TensorFailed, UnknownTensor
 from worker.staging import CopyFence
 
@@ -33,33 +35,73 @@ class TensorReadiness:
     def __init__(self, tensor_chunks: Mapping[str, Iterable[int]]) -> None:
         self._lock = threading.Lock()
         self._tensors: dict[str, _TensorState] = {}
-        self._feeds: dict[int, list[str]] = {}
         self._landed: set[int] = set()
         self._callbacks: dict[str, list[Callable[[str], None]]] = {}
+        # Which tensors each chunk feeds, without a list per chunk (a model of 4 KiB chunks has half
+        # a million): a tensor's chunks are a run of indices, so a chunk that feeds one tensor
+        # names it in ``_owner``; the few shared by several (-2 there) are listed in ``_shared``.
+        self._names: list[str] = []
+        sets: list[np.ndarray] = []
         for name, chunks in tensor_chunks.items():
-            indices = set(chunks)
+            indices = np.unique(np.fromiter(chunks, dtype=np.int64))
+            if len(indices) and indices[0] < 0:
+                raise ValueError(f"tensor {name!r} names a negative chunk index")
+            self._names.append(name)
             self._tensors[name] = _TensorState(len(indices))
-            for index in indices:
-                self._feeds.setdefault(index, []).append(name)
+            sets.append(indices)
+        n = max((int(ix[-1]) + 1 for ix in sets if len(ix)), default=0)
+        count = np.zeros(n, dtype=np.int32)
+        owner = np.full(n, -1, dtype=np.int64)
+        for k, ix in enumerate(sets):
+            if len(ix) and int(ix[-1]) - int(ix[0]) + 1 == len(ix):
+                count[ix[0] : ix[-1] + 1] += 1
+                owner[ix[0] : ix[-1] + 1] = k
+            else:
+                count[ix] += 1
+                owner[ix] = k
+        self._shared: dict[int, list[str]] = {}
+        if n and (count > 1).any():
+            shared = count > 1
+            owner[shared] = -2
+            for k, ix in enumerate(sets):
+                for index in ix[shared[ix]].tolist():
+                    self._shared.setdefault(index, []).append(self._names[k])
+        self._owner: list[int] = owner.tolist()
+
+    def _feeds(self, index: int) -> list[str] | tuple[str, ...]:
+        """The tensors chunk ``index`` feeds (called with the lock held)."""
+        if not 0 <= index < len(self._owner):
+            return ()
+        k = self._owner[index]
+        if k >= 0:
+            return (self._names[k],)
+        return self._shared.get(index, ()) if k == -2 else ()
 
     def mark_landed(self, index: int, fence: CopyFence | None = None) -> list[str]:
         """Record that chunk ``index`` is in place; returns the tensors that became ready."""
+        return self.mark_landed_many((index,), fence)
+
+    def mark_landed_many(self, indices: Iterable[int], fence: CopyFence | None = None) -> list[str]:
+        """``mark_landed`` of each index (a batch that landed together) under one acquisition of the lock."""
         ready: list[str] = []
         with self._lock:
-            if index in self._landed:
-                return ready  # a duplicate landing (retry, or a chunk id used twice) counts once
-            self._landed.add(index)
-            for name in self._feeds.get(index, ()):
-                state = self._tensors[name]
-                if fence is not None and fence.event is not None:
-                    state.fence = fence
-                state.remaining -= 1
-                if state.remaining == 0 and state.error is None:
-                    ready.append(name)
-            callbacks = [(name, cb) for name in ready for cb in self._callbacks.pop(name, ())]
+            landed, feeds, tensors = self._landed, self._feeds, self._tensors
+            fenced = fence is not None and fence.event is not None
+            for index in indices:
+                if index in landed:
+                    continue  # a duplicate landing (retry, or a chunk id used twice) counts once
+                landed.add(index)
+                for name in feeds(index):
+                    state = tensors[name]
+                    if fenced:
+                        state.fence = fence
+                    state.remaining -= 1
+                    if state.remaining == 0 and state.error is None:
+                        ready.append(name)
+            callbacks = [(name, cb) for name in ready for cb in self._callbacks.pop(name, ())] if ready else []
             # Set under the lock so on_ready cannot register a callback that is never run.
             for name in ready:
-                self._tensors[name].event.set()
+                tensors[name].event.set()
         for name, cb in callbacks:
             cb(name)
         return ready
@@ -67,7 +109,7 @@ class TensorReadiness:
     def mark_failed(self, index: int, error: BaseException) -> list[str]:
         """Chunk ``index`` cannot be delivered: every tensor it feeds fails with ``error``."""
         with self._lock:
-            names = [n for n in self._feeds.get(index, ()) if self._tensors[n].error is None]
+            names = [n for n in self._feeds(index) if self._tensors[n].error is None]
             for name in names:
                 self._tensors[name].error = error
                 self._callbacks.pop(name, None)

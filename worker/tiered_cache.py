@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 from worker.config import CacheConfig
@@ -117,6 +117,14 @@ class TieredCache:
         return self.memory.contains(key) or (self.disk is not None and self.disk.contains(key))
 
     __contains__ = contains
+
+    def contains_many(self, keys: Sequence[str]) -> list[bool]:
+        """``contains`` of each key, one lock acquisition per tier (a manifest's every chunk)."""
+        held = self.memory.contains_many(keys)
+        if self.disk is not None and not all(held):
+            on_disk = self.disk.contains_many(keys)
+            held = [m or d for m, d in zip(held, on_disk)]
+        return held
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Counters per tier, e.g. ``{"memory": {"hits": ..}, "disk": {..}, "total": {..}}``."""

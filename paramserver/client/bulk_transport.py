@@ -187,10 +187,16 @@ class BulkClient:
         item before asking for the next.
         Raises BulkError; a generator closed early closes its connection.
         """
+        for batch in self.fetch_batches(ids, into):
+            yield from batch
+
+    def fetch_batches(self, ids: Sequence[str], into: Into | None = None) -> Iterator[list[BulkItem]]:
+        """``fetch`` as the batches the server sent (up to MAX_BATCH_ITEMS items each, in order), so
+        a caller can handle each batch at once; a batch's scratch bytes are reused by the next."""
         for start in range(0, len(ids), MAX_IDS):
             yield from self._fetch_batch(ids[start : start + MAX_IDS], into)
 
-    def _fetch_batch(self, ids: Sequence[str], into: Into | None) -> Iterator[BulkItem]:
+    def _fetch_batch(self, ids: Sequence[str], into: Into | None) -> Iterator[list[BulkItem]]:
         if not ids:
             return
         try:
@@ -212,9 +218,9 @@ class BulkClient:
                     raise BulkUnavailable(self.address, f"send failed: {exc2} (after {exc})") from None
             done = 0
             while done < len(ids):
-                for item in self._read_batch(conn, ids, done, into):
-                    done += 1
-                    yield item
+                batch = self._read_batch(conn, ids, done, into)
+                done += len(batch)
+                yield batch
             finished = True
         except (OSError, EOFError) as exc:
             raise BulkUnavailable(self.address, f"connection failed: {exc}") from None

@@ -58,7 +58,7 @@ class FileSink:
     def region(self, ref: ChunkRef) -> memoryview | None:
         return None
 
-    def landed_in_place(self, ref: ChunkRef, region: memoryview) -> None:  # never: region() gives none
+    def landed_in_place(self, chunks: Sequence[tuple[ChunkRef, memoryview]]) -> None:  # never: region() gives none
         raise AssertionError("file chunks are never received in place")
 
     def write(self, ref: ChunkRef, raw: Buffer) -> None:

@@ -8,7 +8,7 @@ tensors reach the caller only once complete, so unverified bytes are never seen.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -30,9 +30,11 @@ class TensorSink:
     def region(self, ref: ChunkRef) -> memoryview | None:
         return self.assembler.direct_view(self.indices[ref.id][0])
 
-    def landed_in_place(self, ref: ChunkRef, region: memoryview) -> None:
-        self.assembler.commit_direct(self.indices[ref.id][0])
-        self._count(ref.raw_size)
+    def landed_in_place(self, chunks: Sequence[tuple[ChunkRef, memoryview]]) -> None:
+        indices = self.indices
+        for ref, _region in chunks:
+            self.assembler.commit_direct(indices[ref.id][0])
+        self._count(sum(ref.raw_size for ref, _ in chunks))
 
     def write(self, ref: ChunkRef, raw: Buffer) -> None:
         for index in self.indices[ref.id]:

@@ -1,7 +1,8 @@
 """Chunk transports behind one interface: the bulk TCP port and gRPC GetChunks.
 
-``ChunkTransport.read(server, ids, into, timeout_s)`` yields one :class:`Arrival` per id it
-answers, in order, and raises :class:`ReadBroken` when the read cannot go on (the ids not yet
+``ChunkTransport.read(server, ids, into, timeout_s)`` yields lists of :class:`Arrival`, one per
+id it answers, in order, each list what arrived together (one bulk batch, one GetChunks message:
+the engine handles a list in one step), and raises :class:`ReadBroken` when the read cannot go on (the ids not yet
 answered then go to another replica). ``into(id, codec, stored_size)`` may offer the final
 destination of a raw chunk so its bytes are received straight there.
 
@@ -38,7 +39,7 @@ class ReadBroken(Exception):
 
 
 class ChunkTransport(Protocol):
-    def read(self, server: str, ids: Sequence[str], into: Into | None, timeout_s: float) -> Iterator[Arrival]: ...
+    def read(self, server: str, ids: Sequence[str], into: Into | None, timeout_s: float) -> Iterator[list[Arrival]]: ...
 
 
 @dataclass
@@ -78,7 +79,7 @@ class ClusterTransport:
         return (self.bulk is not None and member is not None and bool(member.bulk_address)
                 and self.bulk.client(member.bulk_address) is not None)
 
-    def read(self, server: str, ids: Sequence[str], into: Into | None, timeout_s: float) -> Iterator[Arrival]:
+    def read(self, server: str, ids: Sequence[str], into: Into | None, timeout_s: float) -> Iterator[list[Arrival]]:
         member = self._members().get(server)
         if member is None:
             raise ReadBroken(f"{server} is no longer a member")
@@ -89,7 +90,7 @@ class ClusterTransport:
                 return
         yield from self._grpc(member.grpc_address, owed, timeout_s)
 
-    def _bulk(self, address: str, ids: list[str], into: Into | None) -> Generator[Arrival, None, list[str]]:
+    def _bulk(self, address: str, ids: list[str], into: Into | None) -> Generator[list[Arrival], None, list[str]]:
         """Generator returning the ids the bulk port did not answer (they go over gRPC)."""
         assert self.bulk is not None
         client = self.bulk.client(address)
@@ -98,14 +99,19 @@ class ClusterTransport:
         answered = 0
         got = 0
         try:
-            for item in client.fetch(ids, into):
-                answered += 1
-                if item.status == bulk_frames.OK:
-                    got += len(item.data)
-                    yield Arrival(item.id, True, False, item.codec, item.crc32c, item.data)
-                else:
-                    yield Arrival(item.id, False, item.status == bulk_frames.CORRUPT, "", 0, b"",
-                                  f"{item.status_name} {item.message}")
+            ok = bulk_frames.OK
+            for batch in client.fetch_batches(ids, into):
+                arrivals = []
+                for item in batch:
+                    if item.status == ok:
+                        got += len(item.data)
+                        arrivals.append(Arrival(item.id, True, False, item.codec, item.crc32c, item.data))
+                    else:
+                        arrivals.append(Arrival(item.id, False, item.status == bulk_frames.CORRUPT, "", 0, b"",
+                                                f"{item.status_name} {item.message}"))
+                # Counted as answered only once handed over: a batch the engine never took is owed still.
+                yield arrivals
+                answered += len(batch)
         except BulkUnauthenticated as exc:
             raise AuthFailed(str(exc)) from None
         except BulkError:
@@ -117,7 +123,7 @@ class ClusterTransport:
                 self.stats.bulk_bytes += got
         return ids[answered:]
 
-    def _grpc(self, address: str, ids: list[str], timeout_s: float) -> Iterator[Arrival]:
+    def _grpc(self, address: str, ids: list[str], timeout_s: float) -> Iterator[list[Arrival]]:
         ca, cert, key = self._tls_files
         # A channel per read: parallel reads then use separate connections (and HTTP/2 windows).
         channel = open_channel(address, token=self._token, max_message_bytes=self._max_message_bytes, tls=self._tls,
@@ -125,12 +131,14 @@ class ClusterTransport:
         got = 0
         try:
             for chunks, errors in get_chunks_raw(channel, ids, max_message_bytes=self._get_message_bytes, timeout=timeout_s):
+                arrivals = []
                 for chunk in chunks:
                     got += len(chunk.data)
-                    yield Arrival(chunk.id, True, False, chunk.codec, chunk.crc32c, chunk.data)
+                    arrivals.append(Arrival(chunk.id, True, False, chunk.codec, chunk.crc32c, chunk.data))
                 for ack in errors:
-                    yield Arrival(ack.id, False, ack.status == pb.CORRUPT, "", 0, b"",
-                                  f"{pb.ChunkStatus.Name(ack.status)} {ack.message}")
+                    arrivals.append(Arrival(ack.id, False, ack.status == pb.CORRUPT, "", 0, b"",
+                                            f"{pb.ChunkStatus.Name(ack.status)} {ack.message}"))
+                yield arrivals
         except grpc.RpcError as exc:
             code = rpc_code(exc)
             if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
@@ -160,8 +168,24 @@ class MemoryTransport:
     corrupt: dict[str, set[str]] = field(default_factory=dict)
     calls: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    batch: int = 3  # arrivals per yielded list (a bulk batch holds up to 64)
 
-    def read(self, server: str, ids: Sequence[str], into: Into | None, timeout_s: float) -> Iterator[Arrival]:
+    def read(self, server: str, ids: Sequence[str], into: Into | None, timeout_s: float) -> Iterator[list[Arrival]]:
+        batch: list[Arrival] = []
+        try:
+            for arrival in self._arrivals(server, ids, into, timeout_s):
+                batch.append(arrival)
+                if len(batch) >= self.batch:
+                    yield batch
+                    batch = []
+        except ReadBroken:
+            if batch:
+                yield batch  # what arrived before the break still counts
+            raise
+        if batch:
+            yield batch
+
+    def _arrivals(self, server: str, ids: Sequence[str], into: Into | None, timeout_s: float) -> Iterator[Arrival]:
         with self.lock:
             self.calls.append((server, tuple(ids)))
         if server in self.dead:

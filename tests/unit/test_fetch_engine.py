@@ -70,7 +70,7 @@ def test_planner_spreads_chunks_and_finishes_when_all_land() -> None:
     assert sorted({r.server for r in reads}) == SERVERS
     for r in reads:
         for cid in r.ids:
-            assert p.step(Landed(r.read, cid)) == []
+            assert p.step(Landed(r.read, (cid,))) == []
     assert p.done and p.landed_all
 
 
@@ -78,15 +78,15 @@ def test_planner_replica_dying_mid_stream_moves_the_rest_once() -> None:
     p = FetchPlanner(wants(9), SERVERS)
     reads = {r.server: r for r in p.start() if isinstance(r, Read)}
     dying = reads["ps1"]
-    p.step(Landed(dying.read, dying.ids[0]))
+    p.step(Landed(dying.read, (dying.ids[0],)))
     again = [d for d in p.step(ReadFailed(dying.read, "connection reset")) if isinstance(d, Read)]
     moved = [cid for r in again for cid in r.ids]
     assert sorted(moved) == sorted(dying.ids[1:])  # the landed one is not asked again
     assert all(r.server != "ps1" for r in again) and "ps1" in p.down()
-    assert p.step(Landed(dying.read, dying.ids[1])) == []  # a late event from the dead read is ignored
+    assert p.step(Landed(dying.read, (dying.ids[1],))) == []  # a late event from the dead read is ignored
     for r in [*again, *(reads[s] for s in ("ps2", "ps3"))]:
         for cid in r.ids:
-            p.step(Landed(r.read, cid))
+            p.step(Landed(r.read, (cid,)))
     assert p.done and p.landed_all
 
 

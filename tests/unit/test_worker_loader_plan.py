@@ -88,6 +88,29 @@ def test_disk_tier_serves_after_memory_is_gone(tmp_path: Path) -> None:
     assert counters.bytes["disk"] == packed.manifest.raw_bytes and client.asked == []
 
 
+def test_heatmap_order_with_repeated_ids_matches_the_row_by_row_rule() -> None:
+    # Zero tensors repeat one chunk id; the report names rows out of order, twice, and past the end.
+    from chunking.config import ChunkingConfig
+    from worker.heatmap import prefetch_order
+
+    sd = {f"z{i}": torch.zeros(3000 + i, dtype=torch.float32) for i in range(4)}
+    sd |= {f"r{i}": torch.arange(1200 * (i + 1), dtype=torch.float32) for i in range(3)}
+    manifest = pack(sd, model="m", config=ChunkingConfig(chunk_size=4096)).manifest
+    table = manifest.chunks
+    n = len(table)
+    assert len(table.first_rows) < n  # there are repeats
+    rng = np.random.default_rng(3)
+    picked = [int(i) for i in rng.permutation(n)[: n // 2]]
+    heat = HeatReport.from_entries("m", 1, [(i, 1, rank) for rank, i in enumerate(picked + [n + 5])])
+    want, seen = [], set()
+    for index in prefetch_order(heat, range(n)):
+        if table.ids[index] not in seen:
+            seen.add(table.ids[index])
+            want.append(index)
+    assert [r.index for r in unique_order(manifest, heat)] == want
+    assert [r.index for r in unique_order(manifest, None)] == table.first_rows.tolist()
+
+
 def test_heatmap_order_is_the_fetch_order() -> None:
     packed = pack(model(), model="m")
     n = len(packed.manifest.chunks)
