@@ -40,7 +40,7 @@ import numpy as np
 from paramserver.server.auth import AuthConfig
 from paramserver.server.dataplane import RateLimitedLog
 from paramserver.server.errors import (
-    ChunkCorruptError, ChunkError, ChunkNotFoundError, ChunkTransferCorruptError, ConfigError, InvalidChunkError, ParamServerError,
+    ChunkCorruptError, ChunkError, ChunkTransferCorruptError, ConfigError, ParamServerError,
     StoreFullError,
 )
 from paramserver.server.repair import RepairQueue
@@ -411,34 +411,35 @@ class BulkServer:
             self._answer(conn, [raw_ids[i : i + ID_BYTES].hex() for i in range(0, len(raw_ids), ID_BYTES)])
 
     def _answer(self, conn: socket.socket, ids: list[str]) -> None:
-        headers: list[bytes] = []
-        payloads: list[bytes | memoryview] = []
-        batch_bytes = 0
-        for chunk_id in ids:
-            try:
-                chunk = self.store.get(chunk_id)
-            except ChunkNotFoundError as exc:
-                payload = encode_message(str(exc))
-                head = encode_header(MISSING, stored_size=len(payload))
-            except ChunkCorruptError as exc:  # the store quarantined it and queued a repair
-                payload = encode_message(str(exc))
-                head = encode_header(CORRUPT, stored_size=len(payload))
-            except InvalidChunkError as exc:
-                payload = encode_message(str(exc))
-                head = encode_header(MISSING, stored_size=len(payload))
-            else:
-                payload = chunk.data
-                head = encode_header(OK, chunk.codec, chunk.raw_size, len(payload), chunk.crc32c)
-                if self.on_read is not None:
-                    self.on_read(chunk_id)
-            headers.append(head)
-            payloads.append(payload)
-            batch_bytes += len(payload)
-            if batch_bytes >= SEND_BATCH_BYTES or len(headers) >= MAX_BATCH_ITEMS:
-                send_all(conn, encode_batch(headers, payloads))
-                headers, payloads, batch_bytes = [], [], 0
-        if headers:
+        # Each batch is read from the store in one call (adjacent small records in one pread), so
+        # it is cut first, by the records' sizes: at most MAX_BATCH_ITEMS, closed once it holds
+        # SEND_BATCH_BYTES, as a batch of chunks read one by one would be.
+        sizes = self.store.record_sizes(ids)
+        start = 0
+        while start < len(ids):
+            stop, nbytes = start, 0
+            while stop < len(ids) and stop - start < MAX_BATCH_ITEMS and nbytes < SEND_BATCH_BYTES:
+                nbytes += sizes[stop]
+                stop += 1
+            block = ids[start:stop]
+            headers: list[bytes] = []
+            payloads: list[bytes | memoryview] = []
+            for chunk_id, chunk in zip(block, self.store.get_many(block)):
+                if isinstance(chunk, ChunkCorruptError):  # the store quarantined it and queued a repair
+                    payload = encode_message(str(chunk))
+                    head = encode_header(CORRUPT, stored_size=len(payload))
+                elif isinstance(chunk, ChunkError):  # not stored here, or not a content id
+                    payload = encode_message(str(chunk))
+                    head = encode_header(MISSING, stored_size=len(payload))
+                else:
+                    payload = chunk.data
+                    head = encode_header(OK, chunk.codec, chunk.raw_size, len(payload), chunk.crc32c)
+                    if self.on_read is not None:
+                        self.on_read(chunk_id)
+                headers.append(head)
+                payloads.append(payload)
             send_all(conn, encode_batch(headers, payloads))
+            start = stop
 
 
 # ------------------------------------------------------------------ write sessions

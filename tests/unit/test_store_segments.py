@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from chunking.hashing import content_id, crc32c
-from paramserver.server.errors import ChunkCorruptError, ChunkNotFoundError, ConfigError, StoreFullError
+from paramserver.server.errors import ChunkCorruptError, ChunkNotFoundError, ConfigError, InvalidChunkError, StoreFullError
 from paramserver.server.records import (
     HEADER_SIZE,
     SEG_HEADER_SIZE,
@@ -481,3 +481,63 @@ def test_store_config_validates_and_reads_a_config_file() -> None:
     assert got.segment_bytes == 64 * MiB and got.compact_bytes_per_s == 1 << 20 and not got.verify_index_on_open
     with pytest.raises(ConfigError, match="store_segment_bytes must be an integer"):
         StoreConfig.from_extra({"store_segment_bytes": "big"})
+
+
+# ------------------------------------------------------------------ batched reads
+
+
+def test_get_many_reads_adjacent_records_together_and_answers_like_get(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    lost: list[str] = []
+    store = ChunkStore(tmp_path, cache_bytes=1 << 20, on_corrupt=lambda cid, why: lost.append(cid))
+    chunks = [raw_chunk(4 * KiB, seed=i) for i in range(40)] + [raw_chunk(200 * KiB, seed=99)]
+    store.put_many(chunks)
+    bad = store.locate(chunks[7][0])
+    assert bad is not None
+    write_in_place(bad.path, bad.offset + 10, b"\xff\xfe")  # one record's bytes damaged inside a run
+    store.get(chunks[3][0])  # a cache hit among the reads
+    reads: list[int] = []
+    real_pread = os.pread
+
+    def counting_pread(fd: int, n: int, off: int) -> bytes:
+        reads.append(n)
+        return real_pread(fd, n, off)
+
+    monkeypatch.setattr(os, "pread", counting_pread)
+    missing, malformed = "ab" * 32, "not-an-id"
+    asked = [c[0] for c in reversed(chunks)] + [missing, malformed, chunks[0][0]]
+    got = store.get_many(asked)
+    assert len(got) == len(asked)
+    for cid, answer in zip(asked, got):
+        if cid == chunks[7][0]:
+            assert isinstance(answer, ChunkCorruptError)  # read again alone, and quarantined like get()
+        elif cid == missing:
+            assert isinstance(answer, ChunkNotFoundError)
+        elif cid == malformed:
+            assert isinstance(answer, InvalidChunkError)
+        else:
+            assert not isinstance(answer, Exception) and answer.data == next(c[1] for c in chunks if c[0] == cid)
+    assert lost == [chunks[7][0]]
+    # The 4 KiB records were read in a few runs (asked in reverse order, read in disk order; the
+    # cache hit and the id asked twice cut runs), the large one alone (header and bytes apart), the
+    # damaged one once more alone: about ten reads where get() of each would make eighty.
+    assert len(reads) <= 10, reads
+    assert max(reads) >= 30 * (4 * KiB)  # one run held most of the small records
+    store.close()
+
+
+def test_get_many_releases_every_pin_when_a_read_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = ChunkStore(tmp_path, cache_bytes=0)
+    chunks = [raw_chunk(4 * KiB, seed=i) for i in range(8)]
+    store.put_many(chunks)
+
+    def failing_pread(fd: int, n: int, off: int) -> bytes:
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(os, "pread", failing_pread)
+    with pytest.raises(OSError):
+        store.get_many([c[0] for c in chunks])
+    monkeypatch.undo()
+    assert all(seg.refs == 0 for seg in store._segs.values())  # nothing left pinned
+    assert [c.data for c in store.get_many([c[0] for c in chunks])] == [c[1] for c in chunks]  # type: ignore[union-attr]
+    store.close()
