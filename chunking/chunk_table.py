@@ -28,8 +28,16 @@ _paused_was_enabled = False
 
 
 @contextmanager
-def _collector_paused() -> Iterator[None]:
-    """The garbage collector off while making a block of acyclic objects; threads may nest it."""
+def collector_paused(enabled: bool = True) -> Iterator[None]:
+    """The cyclic garbage collector off while making many acyclic objects (``enabled=False``: a
+    no-op); threads may nest it, and it is back on once the last one leaves.
+
+    Its full passes scan every object the process holds, and they are set off by the growth of
+    the heap, so making half a million small objects in a heap of millions costs several passes
+    of seconds in all. Cycles made meanwhile (by any thread) are collected once it resumes."""
+    if not enabled:
+        yield
+        return
     global _paused_depth, _paused_was_enabled
     with _paused_lock:
         if _paused_depth == 0:
@@ -185,7 +193,7 @@ class ChunkTable(Sequence[ChunkRef]):
         new, set_dict = object.__new__, object.__setattr__
         out: list[ChunkRef] = []
         append = out.append
-        with _collector_paused():
+        with collector_paused():
             for i, raw, stored, codec, crc, intro, created in zip(
                 picked.tolist(), self.raw_size[picked].tolist(), self.stored_size[picked].tolist(),
                 self.codec_index[picked].tolist(), self.crc32c[picked].tolist(), self.introduced_in[picked].tolist(),

@@ -68,6 +68,9 @@ class PrefetchConfig:
     chunks_per_stream: int = 64
     acquire_timeout_s: float = 60.0
     use_heatmap: bool = True
+    # Pause the cyclic garbage collector while a load plans and fetches (see
+    # chunking.chunk_table.collector_paused): a load makes several acyclic objects per chunk.
+    pause_collector: bool = True
 
     def validate(self) -> PrefetchConfig:
         if self.staging_buffer_bytes < 4 * KIB:

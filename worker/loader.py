@@ -20,6 +20,7 @@ from typing import Any, cast
 
 import torch
 
+from chunking.chunk_table import collector_paused
 from chunking.dtypes import torch_dtype
 from chunking.manifest import Manifest
 from paramserver.client.cluster_view import in_thread, start_background
@@ -224,35 +225,37 @@ def start_load(
     """Resolve ``ref``, fetch its manifest and start filling tensors in the background."""
     client, owned = client_for(cluster, token)
     try:
-        mref = ModelRef.parse(ref) if isinstance(ref, str) else ref
-        dev = resolve_device(device)
-        info = info or resolve_ref(client, mref)
-        # What the fetch needs besides the manifest is asked for while the manifest arrives and the
-        # targets are allocated: the heatmap, and the servers' hot chunks (which also connects to
-        # every member), so the first read does not wait on either.
-        client.prepare_fetch()
-        asked = in_thread(partial(_heat_of, client, info), "paramworker-heat-ask") if config.use_heatmap else None
-        manifest = manifest or client.manifest(info.manifest_id)
-        # Fresh CPU targets come from recycled host arenas (no page zeroing), and only this load
-        # writes them until it is done: chunks may be received straight into them. When the
-        # memory tier holds this manifest's arena and nothing else uses it, the load gets that.
-        tiered = make_cache(cache)
-        host: Targets | None = None
-        adopted: HeldGroup | None = None
-        if targets is None and dev.type == "cpu":
-            taken = tiered.adopt(manifest.id, partial(_adopt, manifest)) if tiered is not None else None
-            host, adopted = taken if taken is not None else (allocate_targets(manifest), None)
-        if host is not None:
-            tensors = dict(host.tensors)
-        else:
-            tensors = dict(targets) if targets is not None else empty_targets(manifest, dev)
-        heat = asked.result() if asked is not None else None
-        prefetcher = Prefetcher(
-            manifest, tensors, client=client, cache=tiered, config=config, version=info.number, heat=heat,
-            local=local, recorder=HeatmapRecorder(info.model, info.number), on_progress=on_progress,
-            private_targets=host is not None, arena=host.arena if host is not None else None,
-            adopted=adopted,
-        )
+        # The manifest's decode and the load's per-chunk tables make many acyclic objects.
+        with collector_paused(config.pause_collector):
+            mref = ModelRef.parse(ref) if isinstance(ref, str) else ref
+            dev = resolve_device(device)
+            info = info or resolve_ref(client, mref)
+            # What the fetch needs besides the manifest is asked for while the manifest arrives and the
+            # targets are allocated: the heatmap, and the servers' hot chunks (which also connects to
+            # every member), so the first read does not wait on either.
+            client.prepare_fetch()
+            asked = in_thread(partial(_heat_of, client, info), "paramworker-heat-ask") if config.use_heatmap else None
+            manifest = manifest or client.manifest(info.manifest_id)
+            # Fresh CPU targets come from recycled host arenas (no page zeroing), and only this load
+            # writes them until it is done: chunks may be received straight into them. When the
+            # memory tier holds this manifest's arena and nothing else uses it, the load gets that.
+            tiered = make_cache(cache)
+            host: Targets | None = None
+            adopted: HeldGroup | None = None
+            if targets is None and dev.type == "cpu":
+                taken = tiered.adopt(manifest.id, partial(_adopt, manifest)) if tiered is not None else None
+                host, adopted = taken if taken is not None else (allocate_targets(manifest), None)
+            if host is not None:
+                tensors = dict(host.tensors)
+            else:
+                tensors = dict(targets) if targets is not None else empty_targets(manifest, dev)
+            heat = asked.result() if asked is not None else None
+            prefetcher = Prefetcher(
+                manifest, tensors, client=client, cache=tiered, config=config, version=info.number, heat=heat,
+                local=local, recorder=HeatmapRecorder(info.model, info.number), on_progress=on_progress,
+                private_targets=host is not None, arena=host.arena if host is not None else None,
+                adopted=adopted,
+            )
     except BaseException:
         if owned:
             client.close()

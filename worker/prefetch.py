@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from chunking.chunk_table import collector_paused
 from chunking.codec import as_u8
 from chunking.hashing import Buffer, crc32c
 from chunking.manifest import ChunkRef, Manifest
@@ -467,9 +468,10 @@ class Prefetcher:
 
     def run(self) -> LoadCounters:
         self._t0 = time.perf_counter()
-        order = unique_order(self.manifest, self.heat if self.config.use_heatmap else None)
         try:
-            self._run(order)
+            with collector_paused(self.config.pause_collector):
+                order = unique_order(self.manifest, self.heat if self.config.use_heatmap else None)
+                self._run(order)
         except BaseException as exc:
             for ref in self.manifest.chunks:
                 self.readiness.mark_failed(ref.index, exc)

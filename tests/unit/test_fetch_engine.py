@@ -189,3 +189,65 @@ def test_crc_mode_hashes_nothing_and_content_mode_hashes_each_chunk_once(codec: 
         counts[mode] = c1.calls + c2.calls
     assert counts["crc"] == 0
     assert counts["content"] == len(chunks)
+
+
+# ------------------------------------------------------------------ batches and the collector
+
+
+def test_batches_of_every_size_land_each_chunk_once_bit_exact() -> None:
+    state, packed = model()
+    for batch in (1, 2, 64):
+        transport = MemoryTransport({s: held(packed) for s in SERVERS}, batch=batch)
+        got, stats, _ = fetch(packed, transport)
+        same(got, state)
+        assert stats.chunks == len(packed.manifest.unique_chunks())
+
+
+def test_a_fetch_pauses_the_collector_and_restores_it() -> None:
+    import gc
+    import threading
+
+    from chunking.chunk_table import collector_paused
+    from paramserver.client.fetch import EngineOptions
+
+    _state, packed = model()
+    seen: list[bool] = []
+
+    class Watching(TensorSink):
+        def write(self, ref, raw):  # type: ignore[no-untyped-def]
+            seen.append(gc.isenabled())
+            super().write(ref, raw)
+
+        def region(self, ref):  # type: ignore[no-untyped-def]
+            return None  # every chunk through write()
+
+    assert gc.isenabled()
+    for pause in (True, False):
+        seen.clear()
+        engine = FetchEngine(MemoryTransport({s: held(packed) for s in SERVERS}), Verifier("crc"),
+                             options=EngineOptions(pause_collector=pause))
+        sink = Watching(packed.manifest, allocate_targets(packed.manifest).tensors)
+        engine.fetch(packed.manifest.unique_chunks(), ring, SERVERS, sink)
+        assert seen and set(seen) == {not pause}
+        assert gc.isenabled()
+    # Nested from several threads: back on only when the last one leaves; a fetch that fails too.
+    inside = threading.Barrier(3)
+    leave = threading.Event()
+
+    def hold() -> None:
+        with collector_paused():
+            inside.wait()
+            leave.wait()
+
+    threads = [threading.Thread(target=hold) for _ in range(2)]
+    for t in threads:
+        t.start()
+    inside.wait()
+    assert not gc.isenabled()
+    leave.set()
+    for t in threads:
+        t.join()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), collector_paused():
+        raise RuntimeError("boom")
+    assert gc.isenabled()
