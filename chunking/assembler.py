@@ -70,7 +70,7 @@ class Assembler:
         self._lock = threading.Lock()
         self._written = bytearray(self._plan.count)
         self._remaining = [len(c) for c in self._plan.tensor_chunks]
-        self._by_id: dict[str, tuple[int, ...]] = _indices_by_id(manifest)
+        self._by_id: dict[str, tuple[int, ...]] = manifest.chunks.indices_by_id()
         self._missing = self._plan.count
         self._ready: list[str] = []
         for i, left in enumerate(self._remaining):
@@ -181,7 +181,7 @@ class Assembler:
         s = self._direct_segment(index)
         if s is None:
             raise ValueError(f"chunk #{index} has no direct view (written already, or not one whole CPU region)")
-        ids = self._by_id[self.manifest.chunks[index].id]
+        ids = self._by_id[self.manifest.chunks.ids[index]]
         if len(ids) > 1:
             dst = self._cpu[s.tensor]
             assert dst is not None
@@ -205,12 +205,3 @@ class Assembler:
         if not indices:
             raise InvalidInput(f"chunk {ref.id} is not part of manifest {self.manifest.model} v{self.manifest.version}")
         return self.manifest.chunks[indices[0]]
-
-
-def _indices_by_id(manifest: Manifest) -> dict[str, tuple[int, ...]]:
-    """Chunk id -> the indices it fills. Tuples of ints, not lists: the collector untracks them,
-    so thousands of them per load do not trigger full garbage collections (~80 ms each here)."""
-    by_id: dict[str, list[int]] = {}
-    for ref in manifest.chunks:
-        by_id.setdefault(ref.id, []).append(ref.index)
-    return {cid: tuple(ix) for cid, ix in by_id.items()}

@@ -149,6 +149,18 @@ class ChunkTable(Sequence[ChunkRef]):
             first[row] = seen.setdefault(self.digests[row].tobytes(), row)
         return first
 
+    def indices_by_id(self) -> dict[str, tuple[int, ...]]:
+        """Chunk id -> every row that holds it, in row order. Tuples, not lists: the collector
+        untracks tuples of ints, so half a million of them do not set off its full passes."""
+        n = len(self)
+        first = self.first_of
+        if bool((first == np.arange(n, dtype=np.int64)).all()):
+            return dict(zip(self.ids, [(i,) for i in range(n)]))  # no repeats: no per-row lists
+        rows: dict[str, list[int]] = {}
+        for index, cid in enumerate(self.ids):
+            rows.setdefault(cid, []).append(index)
+        return {cid: tuple(ix) for cid, ix in rows.items()}
+
     def restamped(self, old: int, new: int) -> ChunkTable:
         """A copy in which rows introduced in version ``old`` say ``new``."""
         introduced = np.where(self.introduced_in == old, new, self.introduced_in)

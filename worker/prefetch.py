@@ -235,18 +235,6 @@ class ChunkWriter:
             self.copier.synchronize()
 
 
-def _indices_by_id(manifest: Manifest) -> dict[str, list[int]]:
-    """Chunk id -> the rows that hold it, in row order."""
-    table = manifest.chunks
-    n = len(table)
-    if bool((table.first_of == np.arange(n, dtype=np.int64)).all()):
-        return dict(zip(table.ids, [[i] for i in range(n)]))  # no repeats: no per-row setdefault
-    indices: dict[str, list[int]] = {}
-    for index, cid in enumerate(table.ids):
-        indices.setdefault(cid, []).append(index)
-    return indices
-
-
 def unique_order(manifest: Manifest, heat: HeatReport | None) -> list[ChunkRef]:
     """Distinct chunks in fetch order: the heatmap's first (earliest first access first), then
     manifest order; each id once, at the row where the order first reaches it."""
@@ -305,7 +293,7 @@ class Prefetcher:
         self.writer = ChunkWriter(manifest, targets, self.readiness, self.config, pool, arena)
         self._writer_write = self.writer.write
         self.counters = LoadCounters()
-        self._indices = _indices_by_id(manifest)
+        self._indices = manifest.chunks.indices_by_id()
         self._lock = threading.Lock()
         self._done: set[str] = set()
         self._disk_queue: queue.Queue[tuple[str, bytes] | None] | None = None
