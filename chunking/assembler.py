@@ -87,7 +87,7 @@ class Assembler:
             return tuple(self._ready)
 
     def missing_chunks(self) -> tuple[ChunkRef, ...]:
-        return tuple(ref for ref in self.manifest.chunks if not self._written[ref.index])
+        return tuple(self.manifest.chunks.rows(np.flatnonzero(np.frombuffer(self._written, dtype=np.uint8) == 0)))
 
     def incomplete_tensors(self) -> tuple[str, ...]:
         return tuple(t.name for t, left in zip(self.manifest.tensors, self._remaining) if left)
@@ -199,7 +199,7 @@ class Assembler:
 
     def _own_ref(self, ref: ChunkRef) -> ChunkRef:
         # Trust only the manifest's sizes and checksums, never the source's copy of the ref.
-        if 0 <= ref.index < len(self.manifest.chunks) and self.manifest.chunks[ref.index].id == ref.id:
+        if 0 <= ref.index < len(self.manifest.chunks) and self.manifest.chunks.ids[ref.index] == ref.id:
             return self.manifest.chunks[ref.index]
         indices = self._by_id.get(ref.id)
         if not indices:

@@ -461,8 +461,8 @@ class Prefetcher:
                 order = unique_order(self.manifest, self.heat if self.config.use_heatmap else None)
                 self._run(order)
         except BaseException as exc:
-            for ref in self.manifest.chunks:
-                self.readiness.mark_failed(ref.index, exc)
+            for index in range(len(self.manifest.chunks)):
+                self.readiness.mark_failed(index, exc)
             raise
         finally:
             self._finish_disk()

@@ -34,9 +34,7 @@ def _only(ids: set[str], source: LocalSource) -> LocalSource:
 
 def tensor_source(manifest: Manifest, tensors: Mapping[str, torch.Tensor]) -> LocalSource:
     """Raw chunk bytes rebuilt from loaded tensors, returned only when they still match the chunk id."""
-    by_id: dict[str, int] = {}
-    for ref in manifest.chunks:
-        by_id.setdefault(ref.id, ref.index)
+    by_id = {cid: rows[0] for cid, rows in manifest.chunks.indices_by_id().items()}
     plan = manifest.plan
     names = [t.name for t in manifest.tensors]
 
