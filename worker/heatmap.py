@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+import numpy as np
+
 from worker.errors import HeatmapMismatch
 
 FORMAT = 1
@@ -163,9 +165,17 @@ def merge(reports: Sequence[HeatReport]) -> HeatReport:
 def prefetch_order(report: HeatReport | None, all_indices: Iterable[int], by: str = "rank") -> list[int]:
     """Chunk indices to fetch: those the report saw first (``by="rank"``: earliest first;
     ``by="count"``: hottest first), then every other index in manifest order."""
-    all_list = list(all_indices)
     if report is None:
-        return all_list
+        return list(all_indices)
+    if by == "rank" and isinstance(all_indices, range) and all_indices.step == 1:
+        # A whole manifest's rows (half a million of 4 KiB chunks): the same rule on arrays.
+        seen_rows = np.fromiter(report.indices, dtype=np.int64, count=len(report.indices))
+        seen_rows = seen_rows[(seen_rows >= all_indices.start) & (seen_rows < all_indices.stop)]
+        rest = np.ones(len(all_indices), dtype=bool)
+        rest[seen_rows - all_indices.start] = False
+        order: list[int] = np.concatenate([seen_rows, np.flatnonzero(rest) + all_indices.start]).tolist()
+        return order
+    all_list = list(all_indices)
     wanted = set(all_list)
     if by == "rank":
         seen = [i for i in report.indices if i in wanted]

@@ -37,7 +37,7 @@ from chunking.hashing import Buffer, crc32c
 from chunking.manifest import ChunkRef, Manifest
 from paramserver.client.hostmem import ArenaView
 from worker.config import PrefetchConfig
-from worker.heatmap import HeatmapRecorder, HeatReport
+from worker.heatmap import HeatmapRecorder, HeatReport, prefetch_order
 from worker.readiness import TensorReadiness
 from worker.staging import COMPLETED, Copier, StagingPool, byte_view
 from worker.tiered_cache import TieredCache
@@ -177,11 +177,9 @@ class ChunkWriter:
     def region(self, index: int) -> memoryview | None:
         """The CPU tensor bytes chunk ``index`` fills when they are one whole region, else None
         (with an arena: as a slice of the arena's view, like ``arena_region``)."""
-        if self._arena_at is not None:
-            at = self._arena_at[index]
-            if at >= 0:
-                assert self.arena is not None
-                return self.arena.view[at : at + self._raw_sizes[index]]
+        view = self.arena_region(index)
+        if view is not None:
+            return view
         span = self._span(index)
         if span is None:
             return None
@@ -192,17 +190,11 @@ class ChunkWriter:
 
     def arena_region(self, index: int) -> memoryview | None:
         """``region(index)`` as a slice of the arena's own view (it outlives the tensors), or None."""
-        if self._arena_at is not None:
-            at = self._arena_at[index]
-            assert self.arena is not None
-            return self.arena.view[at : at + self._raw_sizes[index]] if at >= 0 else None
-        span = self._span(index) if self.arena is not None else None
-        if span is None:
-            return None
-        t, start, stop = span
+        if self._arena_at is None:
+            return None  # no arena
+        at = self._arena_at[index]
         assert self.arena is not None
-        base = self.arena.offsets.get(self.manifest.tensors[t].name)
-        return None if base is None else self.arena.view[base + start : base + stop]
+        return self.arena.view[at : at + self._raw_sizes[index]] if at >= 0 else None
 
     def _whole_chunks(self) -> np.ndarray:
         """Per chunk: the CPU tensor whose bytes it is exactly (its one segment, from the chunk's
@@ -241,17 +233,8 @@ def unique_order(manifest: Manifest, heat: HeatReport | None) -> list[ChunkRef]:
     table = manifest.chunks
     if heat is None:
         return list(table.rows(table.first_rows))  # manifest order, each id once: no per-chunk loop
-    n = len(table)
-    # Column work instead of a loop over half a million rows: the report's indices inside the
-    # manifest, each once, then the rows it did not see, then each id kept at its first position.
-    seen = np.fromiter(heat.indices, dtype=np.int64, count=len(heat.indices))
-    seen = seen[(seen >= 0) & (seen < n)]
-    _, first = np.unique(seen, return_index=True)
-    seen = seen[np.sort(first)]
-    unseen = np.ones(n, dtype=bool)
-    unseen[seen] = False
-    order = np.concatenate([seen, np.flatnonzero(unseen)])
-    _, first = np.unique(table.first_of[order], return_index=True)
+    order = np.asarray(prefetch_order(heat, range(len(table))), dtype=np.int64)
+    _, first = np.unique(table.first_of[order], return_index=True)  # each id at its first position
     return list(table.rows(order[np.sort(first)]))
 
 
@@ -291,7 +274,6 @@ class Prefetcher:
         self.private_targets = private_targets
         self.readiness = TensorReadiness({t.name: manifest.plan.tensor_chunks[i] for i, t in enumerate(manifest.tensors)})
         self.writer = ChunkWriter(manifest, targets, self.readiness, self.config, pool, arena)
-        self._writer_write = self.writer.write
         self.counters = LoadCounters()
         self._indices = manifest.chunks.indices_by_id()
         self._lock = threading.Lock()
@@ -322,22 +304,31 @@ class Prefetcher:
             if self.counters.first_tensor_s is None:
                 self.counters.first_tensor_s = time.perf_counter() - self._t0
 
-    def _land(self, ref: ChunkRef, raw: Buffer, tier: str, *, written: int | None = None) -> None:
-        """Write verified ``raw`` wherever the manifest uses ``ref`` (``written``: an index that
-        already holds the bytes, received there in place)."""
-        indices = self._indices[ref.id]
-        self._done.add(ref.id)
-        for index in indices:
-            if index == written:
-                self.readiness.mark_landed(index, COMPLETED)
-            else:
-                self.writer.write(index, raw)
-            self.recorder.record(index)
+    def _land(self, chunks: Sequence[tuple[ChunkRef, Buffer]], tier: str, *, in_place: bool = False) -> None:
+        """Write verified raw bytes wherever the manifest uses each chunk (``in_place``: the first
+        of its indices already holds them, received there); one lock of each structure per batch."""
+        indices_of, write = self._indices, self.writer.write
+        marked: list[int] = []
+        seen: list[int] = []
+        raw_bytes = count = 0
+        for ref, raw in chunks:
+            indices = indices_of[ref.id]
+            self._done.add(ref.id)
+            for index in indices[1:] if in_place else indices:  # the same bytes used again elsewhere
+                write(index, raw)
+            if in_place:
+                marked.append(indices[0])
+            seen += indices
+            raw_bytes += ref.raw_size * len(indices)
+            count += len(indices)
+        if marked:
+            self.readiness.mark_landed_many(marked, COMPLETED)
+        self.recorder.record_many(seen)
         with self._lock:
-            self.counters.bytes[tier] += ref.raw_size * len(indices)
-            self.counters.chunks[tier] += len(indices)
+            self.counters.bytes[tier] += raw_bytes
+            self.counters.chunks[tier] += count
         if self.on_progress is not None:
-            self.on_progress(ref.raw_size * len(indices))
+            self.on_progress(raw_bytes)
 
     # -------------------------------------------------------------- the engine's sink
 
@@ -347,85 +338,54 @@ class Prefetcher:
         return self.writer.region(self._indices[ref.id][0])
 
     def landed_in_place(self, chunks: Sequence[tuple[ChunkRef, memoryview]]) -> None:
-        # _land and _keep for a batch at once: one lock of each structure per batch, not per chunk.
-        indices_of, writer, done = self._indices, self._writer_write, self._done
-        marked: list[int] = []
-        seen: list[int] = []
-        raw = count = stored = 0
-        for ref, region in chunks:
-            indices = indices_of[ref.id]
-            done.add(ref.id)
-            marked.append(indices[0])
-            for index in indices[1:]:  # the same bytes used again elsewhere in the model
-                writer(index, region)
-            seen += indices
-            raw += ref.raw_size * len(indices)
-            count += len(indices)
-            stored += ref.stored_size
-        self.readiness.mark_landed_many(marked, COMPLETED)
-        self.recorder.record_many(seen)
+        self._land(chunks, "network", in_place=True)
+        self._keep(chunks, in_tensor=True)
         with self._lock:
-            self.counters.bytes["network"] += raw
-            self.counters.chunks["network"] += count
-            self.counters.network_stored_bytes += stored
-        if self.on_progress is not None:
-            self.on_progress(raw)
-        if self.cache is None:
-            return
-        if not self._views:
-            for ref, region in chunks:
-                self._keep(ref, region, in_tensor=True)
-            return
-        held: list[tuple[str, HeldChunk, int]] = []
-        arena_region = self.writer.arena_region
-        with self._lock:
-            group = self._group
-            for ref, region in chunks:
-                view = region if self.writer.arena is not None else (arena_region(indices_of[ref.id][0]) or region)
-                held.append((ref.id, HeldChunk(view, ref.crc32c, group), view.nbytes))  # in place: always raw
-                group.keys.add(ref.id)
-            if self._slack:
-                key, value, size = held[0]
-                held[0] = (key, value, size + self._slack)
-                self._slack = 0
-        self.cache.memory.put_many(held)
-        if self.cache.disk is not None:
-            queue_ = self._disk_writer()
-            for key, value, _ in held:
-                queue_.put((key, bytes(value.view)))
+            self.counters.network_stored_bytes += sum(ref.stored_size for ref, _ in chunks)
 
     def write(self, ref: ChunkRef, raw: Buffer) -> None:
-        self._land(ref, raw, "network")
+        self._land([(ref, raw)], "network")
         view = self.writer.region(self._indices[ref.id][0])
         if view is not None:
-            self._keep(ref, view, in_tensor=True)
+            self._keep([(ref, view)], in_tensor=True)
         else:
-            self._keep(ref, as_u8(raw).data, in_tensor=False)
+            self._keep([(ref, as_u8(raw).data)], in_tensor=False)
         with self._lock:
             self.counters.network_stored_bytes += ref.stored_size
 
-    def _keep(self, ref: ChunkRef, view: memoryview, *, in_tensor: bool) -> None:
-        """Put a fetched chunk in the tiers: on CPU a view of the tensor bytes it landed in."""
+    def _keep(self, chunks: Sequence[tuple[ChunkRef, memoryview]], *, in_tensor: bool) -> None:
+        """Put fetched chunks in the tiers: on CPU views of the tensor bytes they landed in."""
         if self.cache is None:
             return
+        disk: list[tuple[str, bytes]] = []
         if in_tensor and self._views:
-            # A slice of the arena rather than of the tensor: the tier must not keep the tensor
+            # Slices of the arena rather than of the tensors: the tier must not keep the tensor
             # objects alive, or the arena could never be handed to a later load.
-            view = self.writer.arena_region(self._indices[ref.id][0]) or view
-            crc = ref.crc32c if ref.codec == "raw" else crc32c(view)
+            held: list[tuple[str, HeldChunk, int]] = []
+            for ref, view in chunks:
+                view = self.writer.arena_region(self._indices[ref.id][0]) or view
+                crc = ref.crc32c if ref.codec == "raw" else crc32c(view)
+                held.append((ref.id, HeldChunk(view, crc, self._group), view.nbytes))
             with self._lock:
-                charge = view.nbytes + self._slack
-                self._slack = 0
-                self._group.keys.add(ref.id)
-            self.cache.memory.put(ref.id, HeldChunk(view, crc, self._group), size=charge)
-            disk_value: Buffer = view
+                self._group.keys.update(key for key, _, _ in held)
+                if held and self._slack:
+                    key, kept, size = held[0]
+                    held[0] = (key, kept, size + self._slack)
+                    self._slack = 0
+            self.cache.memory.put_many(held)
+            if self.cache.disk is not None:
+                disk = [(key, bytes(kept.view)) for key, kept, _ in held]
         else:
             # A received buffer is reused after this call (or a CUDA staging copy): keep one copy.
-            disk_value = bytes(view)
-            if not self._bypass_memory:
-                self.cache.memory.put(ref.id, disk_value)
+            for ref, view in chunks:
+                copy = bytes(view)
+                if not self._bypass_memory:
+                    self.cache.memory.put(ref.id, copy)
+                disk.append((ref.id, copy))
         if self.cache.disk is not None:
-            self._disk_writer().put((ref.id, disk_value if isinstance(disk_value, bytes) else bytes(disk_value)))
+            queue_ = self._disk_writer()
+            for item in disk:
+                queue_.put(item)
 
     def _disk_writer(self) -> queue.Queue[tuple[str, bytes] | None]:
         # Disk-tier writes happen behind the fetch (write-behind) so file I/O overlaps the streams;
@@ -522,20 +482,19 @@ class Prefetcher:
                     for ref in hits[start : start + HIT_BLOCK]:
                         hit = cache.get(ref.id)
                         value = hit.value
-                        written: int | None = None
+                        in_place = False
                         if isinstance(value, HeldChunk):
                             if not value.intact():  # the tensor it views was changed in place
                                 cache.memory.pop(ref.id)
                                 value = None
                             else:
-                                if value.group is self._adopted:  # already where it belongs
-                                    written = self._indices[ref.id][0]
+                                in_place = value.group is self._adopted  # already where it belongs
                                 value = value.view
                         if value is None:
                             with lock:  # evicted meanwhile, or dropped by the disk tier's verification
                                 late.append(ref)
                             continue
-                        self._land(ref, value, hit.tier or "memory", written=written)
+                        self._land([(ref, value)], hit.tier or "memory", in_place=in_place)
             except BaseException as exc:  # noqa: BLE001 - handed to the loading thread, which re-raises it
                 errors.append(exc)
 
@@ -556,7 +515,7 @@ class Prefetcher:
         raw = self.local(ref)
         if raw is None:
             return False
-        self._land(ref, raw, "local")
+        self._land([(ref, raw)], "local")
         if self.cache is not None and not self.cache.contains(ref.id):
             self.cache.put(ref.id, raw if isinstance(raw, bytes) else as_u8(raw).tobytes())
         return True

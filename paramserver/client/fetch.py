@@ -91,10 +91,8 @@ class _Fetch:
         self.sink = sink
         self.tensors_of = tensors_of
         self.refs = {r.id: r for r in refs}
-        if extras is None:
-            wants = [Want(r.id, r.stored_size, tuple(placement(r.id))) for r in refs]
-        else:
-            wants = [Want(r.id, r.stored_size, tuple(placement(r.id)), tuple(extras(r.id))) for r in refs]
+        wants = [Want(r.id, r.stored_size, tuple(placement(r.id)), tuple(extras(r.id)) if extras is not None else ())
+                 for r in refs]
         self.extras = {w.id: frozenset(w.extras) - frozenset(w.replicas) for w in wants if w.extras}
         self.planner = FetchPlanner(wants, list(members), engine.reads_per_server, engine.options.max_read_bytes, salt)
         self.lock = threading.Lock()
@@ -221,7 +219,8 @@ class _Fetch:
         landed: list[str] = []
         in_place: list[tuple[ChunkRef, memoryview]] = []
         refused: list[Refused] = []
-        nbytes = 0
+        nbytes = extra_bytes = 0
+        extras = self.extras
         for arrival in arrivals:
             ref = refs.get(arrival.id)
             if ref is None or arrival.id not in asked:
@@ -242,7 +241,10 @@ class _Fetch:
                 continue
             landed.append(arrival.id)
             data = arrival.data
-            nbytes += len(data) if isinstance(data, bytes) else len(memoryview(bytes_like(data)))
+            size = len(data) if isinstance(data, bytes) else len(memoryview(bytes_like(data)))
+            nbytes += size
+            if extras and read.server in extras.get(arrival.id, ()):
+                extra_bytes += size
         if in_place:
             sink.landed_in_place(in_place)
         with self.lock:
@@ -252,11 +254,7 @@ class _Fetch:
                 stats.in_place += len(in_place)
                 stats.stored_bytes += nbytes
                 stats.by_server[read.server] = stats.by_server.get(read.server, 0) + nbytes
-                extras = self.extras
-                if extras:
-                    for cid in landed:
-                        if read.server in extras.get(cid, ()):
-                            stats.extra_bytes += refs[cid].stored_size
+                stats.extra_bytes += extra_bytes
                 self._apply(self.planner.step(Landed(read.read, tuple(landed))))
             for event in refused:
                 self._apply(self.planner.step(event))

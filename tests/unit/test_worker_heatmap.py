@@ -95,3 +95,11 @@ def test_wire_entries_roundtrip() -> None:
     back = HeatReport.from_entries("m", 1, [(2, 1, 2), (4, 2, 0), (1, 1, 1)], sources=3)
     assert back.indices == (4, 1, 2) and back.count(4) == 2 and back.sources == 3
     assert prefetch_order(back, range(5)) == [4, 1, 2, 0, 3]
+
+
+def test_prefetch_order_of_a_whole_range_matches_the_general_rule() -> None:
+    # The array path (a range of rows) and the general one give the same order: report rows
+    # first, repeats and rows outside the range as the general rule treats them, then the rest.
+    r = report_of([7, 2, 5, 2, 40, -1])
+    for rows in (range(10), range(3, 9), range(0)):
+        assert prefetch_order(r, rows) == prefetch_order(r, list(rows))
