@@ -6,6 +6,11 @@ chunk indices of those tensors, so the aggregated heatmap tells the next worker 
 chunks its first layers need first. Reports go to the servers at most every
 ``report_every_s`` seconds, from whoever calls ``report_if_due`` (the serve loop), never
 from inside a forward pass.
+
+A swap retires the old version's heat, but requests that took the old module may still be
+queued or running on it: they ``hold`` the heat for the whole request, and a retired heat is
+reported once the last holder ``release``s it (whoever sees ``retire``/``release`` return True
+sends the final report), so no pass that ran on a version is lost to the swap.
 """
 from __future__ import annotations
 
@@ -44,6 +49,8 @@ class ForwardHeat:
         self._clock = clock
         self._last_report = clock()
         self._lock = threading.Lock()
+        self._holders = 0
+        self._retired = False
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         known = manifest.tensor_index
         for prefix, sub in module.named_modules():
@@ -64,6 +71,27 @@ class ForwardHeat:
     @property
     def hooked_modules(self) -> int:
         return len(self._handles)
+
+    def hold(self) -> None:
+        """A request took the module this heat records; until ``release`` its passes still count."""
+        with self._lock:
+            self._holders += 1
+
+    def release(self) -> bool:
+        """The request is done; True when this heat is retired and nobody holds it: report it now."""
+        with self._lock:
+            self._holders -= 1
+            return self._retired and self._holders == 0
+
+    def retire(self) -> bool:
+        """A newer version took over; True when nobody holds this heat: report it now."""
+        with self._lock:
+            self._retired = True
+            return self._holders == 0
+
+    @property
+    def retired(self) -> bool:
+        return self._retired
 
     def report_if_due(self, force: bool = False) -> bool:
         """Send what was recorded since the last report; True when a report went out."""

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from socket import socket
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -93,6 +93,14 @@ class Misdirected(WorkerError):
 
 
 MAX_PREWARMED = 16  # versions a worker keeps track of pre-warming (the oldest finished one is forgotten first)
+
+
+class Serving(NamedTuple):
+    """What one request runs on: the module, its version, and the heat its passes record (None: none)."""
+
+    module: torch.nn.Module
+    loaded: LoadedModel
+    heat: ForwardHeat | None
 
 
 @dataclass
@@ -163,7 +171,9 @@ class ModelServer:
         self.hf = hf
         self.factory_name = hf.name if hf is not None else factory_name or getattr(factory, "__qualname__", repr(factory))
         self.heat_report_s = heat_report_s
-        self._heat: ForwardHeat | None = None
+        self._heat: ForwardHeat | None = None  # the heat of self._module; requests hold it (forward_heat)
+        self._heat_due: list[ForwardHeat] = []  # retired heats whose last holder is done: the heat loop reports them
+        self._heat_wake = threading.Event()
         self._lock = threading.Lock()
         self._module: torch.nn.Module | None = None
         self._loaded: LoadedModel | None = None
@@ -184,7 +194,7 @@ class ModelServer:
         if not 0 <= other_versions <= 64:
             raise ConfigError(f"other_versions must be 0..64, got {other_versions}")
         self.other_versions = other_versions
-        self._others: OrderedDict[tuple[str, int], tuple[torch.nn.Module, LoadedModel]] = OrderedDict()
+        self._others: OrderedDict[tuple[str, int], Serving] = OrderedDict()
         self._others_lock = threading.Lock()
         self._others_loading: dict[tuple[str, int], threading.Lock] = {}
         self._prewarms: OrderedDict[tuple[str, int], _Prewarm] = OrderedDict()
@@ -220,9 +230,8 @@ class ModelServer:
             self.last_swap = r
         self.metrics.loaded(r.bytes_memory, r.bytes_disk, r.bytes_network)
         self.metrics.version.labels(new.info.model).set(new.info.number)
-        if old_heat is not None:
-            old_heat.detach()
-            self._report_heat(old_heat, force=True)
+        if old_heat is not None and old_heat.retire():  # else the last request still on the old module reports it
+            self._report_final(old_heat)
 
     def _report_heat(self, heat: ForwardHeat | None, force: bool = False) -> None:
         if heat is None:
@@ -232,17 +241,44 @@ class ModelServer:
         except Exception:  # noqa: BLE001 - heat is advisory; serving must not suffer from a failed report
             pass
 
+    def _report_final(self, heat: ForwardHeat) -> None:
+        heat.detach()
+        self._report_heat(heat, force=True)
+
+    def _release(self, heat: ForwardHeat | None) -> None:
+        if heat is not None and heat.release():  # reported by the heat loop, not on this request's time
+            with self._lock:
+                self._heat_due.append(heat)
+            self._heat_wake.set()
+
+    def _report_due(self) -> None:
+        with self._lock:
+            due, self._heat_due = self._heat_due, []
+        for heat in due:
+            self._report_final(heat)
+
     def _heat_loop(self) -> None:
-        while not self._stop.wait(min(5.0, self.heat_report_s)):
+        while not self._stop.is_set():
+            self._heat_wake.wait(min(5.0, self.heat_report_s))
+            self._heat_wake.clear()
+            self._report_due()
             self._report_heat(self._heat)
 
     def snapshot(self) -> tuple[torch.nn.Module, LoadedModel]:
+        served = self._serving(hold=False)
+        return served.module, served.loaded
+
+    def _serving(self, hold: bool = True) -> Serving:
+        """The module served now, its version and (held, when ``hold``: release it with ``_release``) its heat."""
         with self._lock:
             if self._module is None or self._loaded is None:
                 if self.load_error is not None:
                     raise WorkerError(f"the model could not be loaded: {self.load_error}")
                 raise WorkerError("no model loaded yet")
-            return self._module, self._loaded
+            heat = self._heat if hold else None
+            if heat is not None:
+                heat.hold()
+            return Serving(self._module, self._loaded, heat)
 
     def _start_cold(self) -> None:
         """Serve the first version while it arrives: requests run on a module whose layers each wait
@@ -297,15 +333,19 @@ class ModelServer:
             return Computed(400, canonical_json({"error": f"the model cannot run this input: {str(exc)[:500]}"}))
 
     def infer(self, data: Any, use_cache: bool = True, request: dict[str, Any] | None = None,
-              target: tuple[torch.nn.Module, LoadedModel] | None = None) -> tuple[Answer, LoadedModel]:
-        """Answer one request on the version loaded now (or on ``target``, from ``target_for``). ``request``:
-        every field that may change the output (the key's request part; default ``{"input": data}``)."""
-        module, loaded = target if target is not None else self.snapshot()
-        key = None
-        if use_cache and self.results.config.enabled:
-            params = {"dtype": str(self._dtype(module)), "device": self.swapper.device.type, "factory": self.factory_name}
-            key = result_key(loaded.manifest.fingerprint, request if request is not None else {"input": data}, params)
-        return self.results.answer(key, lambda: self._forward(module, data, request)), loaded
+              target: Serving | None = None) -> tuple[Answer, LoadedModel]:
+        """Answer one request on the version loaded now (or on ``target``, from ``target_for``, whose heat
+        this releases). ``request``: every field that may change the output (the key's request part;
+        default ``{"input": data}``)."""
+        module, loaded, heat = target if target is not None else self._serving()
+        try:
+            key = None
+            if use_cache and self.results.config.enabled:
+                params = {"dtype": str(self._dtype(module)), "device": self.swapper.device.type, "factory": self.factory_name}
+                key = result_key(loaded.manifest.fingerprint, request if request is not None else {"input": data}, params)
+            return self.results.answer(key, lambda: self._forward(module, data, request)), loaded
+        finally:
+            self._release(heat)
 
     def handle_infer(self, raw: bytes, want: str | None = None, exact: bool = False) -> tuple[int, bytes, dict[str, str]]:
         """HTTP status, body and extra headers for one ``POST /infer`` body; counts it in the metrics.
@@ -369,18 +409,21 @@ class ModelServer:
         with self._prewarm_lock:
             return list(self._prewarms.values())
 
-    def target_for(self, want: str, exact: bool) -> tuple[torch.nn.Module, LoadedModel]:
-        """The module to answer a request for ``want`` (``MODEL@N``): the one served, a version loaded on
-        demand (``other_versions`` > 0, least recently used dropped first), else Misdirected."""
+    def target_for(self, want: str, exact: bool) -> Serving:
+        """The module to answer a request for ``want`` (``MODEL@N``): the one served (its heat held for
+        ``infer``), a version loaded on demand (``other_versions`` > 0, least recently used dropped
+        first), else Misdirected."""
         try:
             ref = ModelRef.parse(want)
         except ClientError:
             raise BadRequest(f"{WANT_HEADER} {want!r} is not MODEL@N") from None
         if ref.version is None:
             raise BadRequest(f"{WANT_HEADER} {want!r} is not MODEL@N")
-        module, loaded = self.snapshot()
+        served = self._serving()
+        loaded = served.loaded
         if loaded.info.model == ref.model and (not exact or loaded.info.number == ref.version):
-            return module, loaded
+            return served
+        self._release(served.heat)
         key = (ref.model, ref.version)
         with self._others_lock:
             hit = self._others.get(key)
@@ -398,7 +441,7 @@ class ModelServer:
                 return hit
             new = load(self.swapper.client, ref, self.swapper.device, self.swapper.cache, config=self.swapper.config,
                        report_heat=False)
-            built = (self._build(new), new)
+            built = Serving(self._build(new), new, None)  # versions on demand record no heat
             r = new.report
             self.metrics.loaded(r.bytes_memory, r.bytes_disk, r.bytes_network)
             with self._others_lock:
@@ -469,7 +512,7 @@ class ModelServer:
         with self._lock:
             loaded = self._loaded
         with self._others_lock:
-            others = [lm for _m, lm in self._others.values()]
+            others = [served.loaded for served in self._others.values()]
         held = ([loaded] if loaded is not None else []) + others
         manifests: dict[tuple[str, int], Manifest] = {(lm.info.model, lm.info.number): lm.manifest for lm in held}
         for p in self._prewarm_list():
@@ -550,6 +593,8 @@ class ModelServer:
                 self._post_router(url, "/leave", {"worker_id": self.worker_id}, timeout=1.0)
             except (OSError, urllib.error.URLError, ValueError):
                 pass  # the router drops us when the lease runs out
+        self._heat_wake.set()
+        self._report_due()
         self._report_heat(self._heat, force=True)
         if self._http is not None:
             self._http.shutdown()

@@ -409,6 +409,50 @@ def test_serve_answers_and_follows_tag(cluster: Cluster) -> None:
         stop_process(proc)
 
 
+def test_a_request_taken_before_a_swap_still_counts_in_the_old_versions_heat(cluster: Cluster) -> None:
+    """A request holds the module it took; the swap's heat report waits for it (forward_heat)."""
+    from worker.serve import ModelServer
+
+    torch.manual_seed(2)
+    a, b = small_net(), small_net()
+    v1 = cluster.push(a.state_dict(), "heat-net", tag="prod").version.number
+    x = [[1.0, 2.0, 3.0, 4.0]]
+    with ClusterClient(cluster.seed) as client:
+        server = ModelServer(client, "heat-net:prod", small_net, heat_report_s=600.0)
+        try:
+            server.start("127.0.0.1:0", poll_s=0.2)
+            assert server.wait_loaded(30)
+
+            def heat_of_v1() -> dict[int, int]:
+                return {index: count for index, count, _rank in client.get_heat("heat-net", v1) or []}
+
+            deadline = time.monotonic() + 20
+            while not heat_of_v1() and time.monotonic() < deadline:  # the load's own report
+                time.sleep(0.1)
+            loaded = heat_of_v1()
+            assert loaded, "the load reported no heat"
+            taken = server.target_for(f"heat-net@{v1}", exact=True)  # a request that took v1, not yet run
+            cluster.push(b.state_dict(), "heat-net", parent=v1, tag="prod")
+            deadline = time.monotonic() + 30
+            while server.swapper.swaps < 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert server.swapper.swaps == 1
+            time.sleep(0.5)
+            assert heat_of_v1() == loaded  # the swap did not report v1's heat yet: a request holds it
+            answer, served = server.infer(x, use_cache=False, target=taken)
+            assert answer.status == 200 and served.info.number == v1
+            with torch.no_grad():
+                assert json.loads(answer.body)["output"] == a(torch.tensor(x)).tolist()
+            deadline = time.monotonic() + 20
+            heat = heat_of_v1()
+            while time.monotonic() < deadline and not all(heat.get(i, 0) > loaded[i] for i in loaded):
+                time.sleep(0.1)
+                heat = heat_of_v1()
+            assert all(heat.get(i, 0) > loaded[i] for i in loaded), (loaded, heat)
+        finally:
+            server.stop()
+
+
 def test_help_documents_options() -> None:
     out = subprocess.run([sys.executable, "-m", "worker", "serve", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0

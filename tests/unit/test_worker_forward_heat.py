@@ -52,3 +52,22 @@ def test_forward_passes_record_chunks_in_the_order_layers_run() -> None:
         module(torch.randn(2, 64))
     assert not heat.report_if_due(force=True)  # detached: the pass was not recorded
     assert len(sink.reports) == 1
+
+
+def test_a_retired_heat_is_due_when_its_last_holder_releases_it() -> None:
+    module = _model().eval()
+    manifest = pack(module.state_dict(), model="m", config=ChunkingConfig(chunk_size=4096)).manifest
+    sink = FakeSink()
+    heat = ForwardHeat(module, manifest, version=1, sink=sink)
+    heat.hold()
+    heat.hold()
+    assert not heat.retire() and heat.retired  # two requests still run on this version
+    with torch.no_grad():
+        module(torch.randn(2, 64))  # a held request's pass after the swap still records
+    assert not heat.release()
+    assert heat.release()  # the last holder: the caller sends the final report
+    assert heat.report_if_due(force=True)
+    assert {index for index, _count, _rank in sink.reports[0][2]} == set(range(len(manifest.chunks)))
+
+    idle = ForwardHeat(module, manifest, version=2, sink=sink)
+    assert idle.retire()  # nobody holds it: report at once
