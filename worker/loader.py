@@ -31,8 +31,8 @@ from paramserver.client.session import ClusterClient, VersionInfo, client_for
 from worker.config import CacheConfig, PrefetchConfig
 from worker.errors import WorkerError
 from worker.heatmap import HeatmapRecorder, HeatReport
-from worker.prefetch import HeldGroup, LoadCounters, LocalSource, Prefetcher
-from worker.tiered_cache import TieredCache
+from worker.prefetch import LoadCounters, LocalSource, Prefetcher
+from worker.tiered_cache import HeldGroup, TieredCache
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,8 @@ sink. When the load owns fresh CPU targets (``private_targets``), a raw chunk th
 tensor region whole is received straight into it and verified there. On CPU the memory tier
 then holds a view of the loaded tensor's bytes, not a copy (a loaded model is never in memory
 twice), with the chunk's CRC32C: a later hit is re-verified before it is copied, so a tensor
-the user changed in place never leaks into another load. On CUDA the tier holds one host copy.
+the user changed in place never leaks into another load; those views are one entry of the tier
+(``worker.tiered_cache.HeldGroup``), made when the load ends. On CUDA the tier holds one host copy.
 
 When those views are of a host arena (``paramserver.client.hostmem``) and every tensor of that
 load is gone, a later load of the same manifest is given the arena itself (``TieredCache.adopt``,
@@ -40,7 +41,7 @@ from worker.config import PrefetchConfig
 from worker.heatmap import HeatmapRecorder, HeatReport, prefetch_order
 from worker.readiness import TensorReadiness
 from worker.staging import COMPLETED, Copier, StagingPool, byte_view
-from worker.tiered_cache import TieredCache
+from worker.tiered_cache import HeldChunk, HeldGroup, Locate, TieredCache
 
 # A local source of raw chunk bytes (e.g. the tensors of the version being replaced); it must
 # return only bytes it has verified against the chunk id, or None.
@@ -62,34 +63,6 @@ class LoadCounters:
     failovers: int = 0
     corrupt_reports: int = 0
     first_tensor_s: float | None = None
-
-
-class HeldGroup:
-    """The memory-tier entries that view one load's tensors: evicting one evicts them all.
-
-    ``arena``: the host arena those views slice, when they do (then a later load of
-    ``manifest_id`` may be given that memory once nothing else uses it)."""
-
-    __slots__ = ("arena", "keys", "manifest_id")
-
-    def __init__(self, manifest_id: str = "", arena: ArenaView | None = None) -> None:
-        self.keys: set[str] = set()
-        self.manifest_id = manifest_id
-        self.arena = arena
-
-
-class HeldChunk:
-    """A memory-tier entry that is a view of a loaded tensor's bytes, with their CRC32C."""
-
-    __slots__ = ("crc", "group", "view")
-
-    def __init__(self, view: memoryview, crc: int, group: HeldGroup) -> None:
-        self.view = view
-        self.crc = crc
-        self.group = group
-
-    def intact(self) -> bool:
-        return crc32c(self.view) == self.crc
 
 
 class ChunkWriter:
@@ -188,6 +161,19 @@ class ChunkWriter:
         assert cpu is not None
         return cpu[start:stop].data
 
+    def arena_locator(self) -> Locate | None:
+        """``arena_region`` as a function that holds the arena and the offsets, not this writer
+        (and so not the tensors), or None without an arena."""
+        if self._arena_at is None or self.arena is None:
+            return None
+        view, offsets, sizes = self.arena.view, self._arena_at, self._raw_sizes
+
+        def locate(index: int) -> memoryview | None:
+            at = offsets[index]
+            return view[at : at + sizes[index]] if at >= 0 else None
+
+        return locate
+
     def arena_region(self, index: int) -> memoryview | None:
         """``region(index)`` as a slice of the arena's own view (it outlives the tensors), or None."""
         if self._arena_at is None:
@@ -281,16 +267,14 @@ class Prefetcher:
         self._disk_queue: queue.Queue[tuple[str, bytes] | None] | None = None
         self._disk_thread: threading.Thread | None = None
         self._t0 = time.perf_counter()
-        # The memory tier holds views of these tensors when all of them fit its budget (a view
-        # keeps the whole load's memory alive); the first view is charged the bytes that no
-        # view covers (small tensors packed together, padding), so the charge is what is held.
+        # The memory tier holds this load's tensors (views of their bytes, one entry charged the
+        # whole model: a view keeps all of that memory alive) when they fit its budget.
         self._adopted = adopted
-        self._group = adopted or HeldGroup(manifest.id, arena)
-        first = manifest.chunks.first_rows
-        in_place = first[self.writer.whole[first] >= 0]
-        # An adopted group's uncovered bytes are charged already.
-        self._slack = 0 if adopted else max(0, manifest.raw_bytes - int(manifest.chunks.raw_size[in_place].sum()))
-        self._views = cache is not None and cache.memory.capacity_bytes >= manifest.raw_bytes + self._slack
+        # Where a chunk received in place goes: one slice of the arena, when there is one.
+        self._region: Locate = self.writer.arena_locator() or self.writer.region
+        self._group = adopted or HeldGroup(manifest.id, arena, rows=self._indices, locate=self._region,
+                                           crcs=manifest.chunks.crc32c)
+        self._views = cache is not None and cache.memory.capacity_bytes >= manifest.raw_bytes
         # A model larger than the memory tier goes around it (a scan): copies of its chunks would
         # take the tier's whole budget on top of the loaded model, and a load reads a model in
         # order, so the next load of it would evict each copy before reaching it.
@@ -335,7 +319,7 @@ class Prefetcher:
     def region(self, ref: ChunkRef) -> memoryview | None:
         if not self.private_targets or ref.id in self._done:
             return None
-        return self.writer.region(self._indices[ref.id][0])
+        return self._region(self._indices[ref.id][0])
 
     def landed_in_place(self, chunks: Sequence[tuple[ChunkRef, memoryview]]) -> None:
         self._land(chunks, "network", in_place=True)
@@ -359,22 +343,16 @@ class Prefetcher:
             return
         disk: list[tuple[str, bytes]] = []
         if in_tensor and self._views:
-            # Slices of the arena rather than of the tensors: the tier must not keep the tensor
-            # objects alive, or the arena could never be handed to a later load.
-            held: list[tuple[str, HeldChunk, int]] = []
-            for ref, view in chunks:
-                view = self.writer.arena_region(self._indices[ref.id][0]) or view
-                crc = ref.crc32c if ref.codec == "raw" else crc32c(view)
-                held.append((ref.id, HeldChunk(view, crc, self._group), view.nbytes))
+            # Only the ids: the group (one tier entry, held once the load is done) finds their
+            # bytes in the arena, never through the tensors, which the tier must not keep alive.
+            group = self._group
             with self._lock:
-                self._group.keys.update(key for key, _, _ in held)
-                if held and self._slack:
-                    key, kept, size = held[0]
-                    held[0] = (key, kept, size + self._slack)
-                    self._slack = 0
-            self.cache.memory.put_many(held)
+                for ref, view in chunks:
+                    if ref.codec != "raw":
+                        group.crc_of[ref.id] = crc32c(view)
+                group.keys.update([ref.id for ref, _ in chunks])
             if self.cache.disk is not None:
-                disk = [(key, bytes(kept.view)) for key, kept, _ in held]
+                disk = [(ref.id, bytes(view)) for ref, view in chunks]
         else:
             # A received buffer is reused after this call (or a CUDA staging copy): keep one copy.
             for ref, view in chunks:
@@ -426,9 +404,10 @@ class Prefetcher:
             raise
         finally:
             self._finish_disk()
+            # Also after a failure: what landed is verified, and a retry is given it.
+            if self.cache is not None and self._views and self._group.keys:
+                self.cache.hold_group(self._group, self.manifest.raw_bytes)
         self.writer.synchronize()
-        if self.cache is not None and self._group.arena is not None and self._group.keys and self._adopted is None:
-            self.cache.hold_group(self._group.manifest_id, self._group)
         return self.counters
 
     def _run(self, order: Sequence[ChunkRef]) -> None:
@@ -485,7 +464,7 @@ class Prefetcher:
                         in_place = False
                         if isinstance(value, HeldChunk):
                             if not value.intact():  # the tensor it views was changed in place
-                                cache.memory.pop(ref.id)
+                                cache.forget(ref.id, value)
                                 value = None
                             else:
                                 in_place = value.group is self._adopted  # already where it belongs
@@ -537,4 +516,4 @@ class Prefetcher:
             errors.append(exc)
 
 
-__all__ = ["ChunkWriter", "HeldChunk", "HeldGroup", "LoadCounters", "LocalSource", "Prefetcher", "TIERS", "unique_order"]
+__all__ = ["ChunkWriter", "LoadCounters", "LocalSource", "Prefetcher", "TIERS", "unique_order"]

@@ -498,7 +498,7 @@ class ModelServer:
         if cache is not None:
             all_ids = table.ids
             ids = [all_ids[k] for k in rows.tolist()]
-            in_memory = np.asarray(cache.memory.contains_many(ids), dtype=bool)
+            in_memory = np.asarray(cache.in_memory_many(ids), dtype=bool)
             on_disk = (np.asarray(cache.disk.contains_many(ids), dtype=bool) if cache.disk is not None
                        else np.zeros(len(ids), dtype=bool))
             memory, disk = int(sizes[in_memory].sum()), int(sizes[on_disk].sum())

@@ -1,16 +1,86 @@
-"""Memory tier (LRU-K) over an optional disk tier, with per-tier counters."""
+"""Memory tier (LRU-K) over an optional disk tier, with per-tier counters.
+
+Besides copies of chunks, the memory tier holds whole loads: a :class:`HeldGroup` is the bytes
+of one completed load's tensors (views of them, not copies), and it is *one* entry of the LRU-K
+tier, charged every byte it keeps alive, referenced by every hit on one of its chunks, and
+evicted whole. One entry per load rather than one per chunk: a load of half a million 4 KiB
+chunks would otherwise pay an LRU-K insertion and an object per chunk on its critical path.
+"""
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Literal, NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
+import numpy as np
+
+from chunking.hashing import crc32c
 from worker.config import CacheConfig
 from worker.disk_cache import DiskCache
 from worker.lru_k import LRUKCache
 
+if TYPE_CHECKING:
+    from paramserver.client.hostmem import ArenaView
+
 Tier = Literal["memory", "disk"]
+
+Locate = Callable[[int], "memoryview | None"]  # manifest row -> the tensor bytes that chunk fills
+
+
+class HeldGroup:
+    """The chunks of one load that lie in its tensors: the memory tier keeps them as one entry.
+
+    ``keys``: the chunk ids whose bytes are in place (a hit re-verifies them first); ``rows``: id
+    -> its manifest rows (the first is where its bytes lie); ``locate(row)``: those bytes, as a
+    slice of the host arena when there is one (``arena``: then a later load of ``manifest_id``
+    may be given that memory once nothing else uses it, ``TieredCache.adopt``) -- never through
+    the tensors, which the tier must not keep alive; ``crcs``: each row's CRC32C of its raw
+    bytes (the manifest's, for raw chunks), with ``crc_of`` for the others."""
+
+    __slots__ = ("arena", "crc_of", "crcs", "keys", "locate", "manifest_id", "rows")
+
+    def __init__(self, manifest_id: str = "", arena: ArenaView | None = None, *, rows: Mapping[str, Sequence[int]] | None = None,
+                 locate: Locate | None = None, crcs: Sequence[int] | np.ndarray | None = None) -> None:
+        self.keys: set[str] = set()
+        self.manifest_id = manifest_id
+        self.arena = arena
+        self.rows: Mapping[str, Sequence[int]] = rows or {}
+        self.locate = locate
+        self.crcs = crcs
+        self.crc_of: dict[str, int] = {}  # a compressed chunk's CRC32C of its raw bytes
+
+    @property
+    def tier_key(self) -> tuple[str, str, int]:
+        return ("held", self.manifest_id, id(self))
+
+    def chunk(self, key: str) -> HeldChunk | None:
+        """The held bytes of chunk ``key`` (not yet re-verified), or None when this group lacks it."""
+        if key not in self.keys or self.locate is None:
+            return None
+        row = self.rows[key][0]
+        view = self.locate(row)
+        if view is None:
+            return None
+        crc = self.crc_of.get(key)
+        if crc is None:
+            assert self.crcs is not None
+            crc = int(self.crcs[row])
+        return HeldChunk(view, crc, self)
+
+
+class HeldChunk:
+    """A chunk of a held group: a view of a loaded tensor's bytes, with their CRC32C."""
+
+    __slots__ = ("crc", "group", "view")
+
+    def __init__(self, view: memoryview, crc: int, group: HeldGroup) -> None:
+        self.view = view
+        self.crc = crc
+        self.group = group
+
+    def intact(self) -> bool:
+        return crc32c(self.view) == self.crc
 
 
 class Lookup(NamedTuple):
@@ -31,9 +101,10 @@ class TieredCache:
         self.disk = disk
         memory.on_evict = self._evicted
         self._lock = threading.Lock()
-        # Held groups (worker.prefetch.HeldGroup) by manifest id: the memory tier's views of one
-        # load's host arena, which a later load of that manifest may be given (``adopt``).
-        self._groups: dict[str, Any] = {}
+        # Held groups in the memory tier, newest first; and those on a host arena by manifest id,
+        # which a later load of that manifest may be given (``adopt``).
+        self._held: tuple[HeldGroup, ...] = ()
+        self._groups: dict[str, HeldGroup] = {}
         self._adopt_lock = threading.Lock()
         self._lookups = 0
         self._full_misses = 0
@@ -61,6 +132,10 @@ class TieredCache:
         return cls(memory, disk)
 
     def get(self, key: str) -> Lookup:
+        held = self._held_chunk(key)
+        if held is not None:
+            self._count(miss=False)
+            return Lookup(held, "memory")
         value = self.memory.get(key)
         if value is not None:
             self._count(miss=False)
@@ -80,12 +155,53 @@ class TieredCache:
         if self.disk is not None:
             self.disk.put(key, value)
 
-    def hold_group(self, manifest_id: str, group: Any) -> None:
-        """Remember a completed load's held group (its entries are in the memory tier already)."""
+    def held(self, key: str) -> HeldChunk | None:
+        """Chunk ``key`` of a held group (not re-verified), without counting a reference; or None."""
         with self._lock:
-            self._groups[manifest_id] = group
+            groups = self._held
+        for group in groups:
+            chunk = group.chunk(key)
+            if chunk is not None:
+                return chunk
+        return None
 
-    def adopt(self, manifest_id: str, take: Callable[[Any], Any | None]) -> Any | None:
+    def _held_chunk(self, key: str) -> HeldChunk | None:
+        chunk = self.held(key)
+        if chunk is not None:
+            self.memory.get(chunk.group.tier_key)  # a reference to the whole group
+        return chunk
+
+    def hold_group(self, group: HeldGroup, nbytes: int) -> bool:
+        """Keep a completed load's chunks (``group``) as one memory-tier entry charged ``nbytes``
+        (what it keeps alive); a group held already stays as it is. False when it does not fit."""
+        with self._lock:
+            if any(g is group for g in self._held):
+                return True
+            self._held = (group, *self._held)  # newest first; replaced, never changed: lookups take it unlocked
+            if group.arena is not None:
+                self._groups[group.manifest_id] = group
+        # Outside the lock: making room evicts other entries, and _evicted takes it.
+        if self.memory.put(group.tier_key, group, nbytes):
+            return True
+        self._drop_group(group)
+        return False
+
+    def forget(self, key: str, value: Any) -> None:
+        """Drop ``key``: a held chunk that failed its re-verification, or a stale copy."""
+        if isinstance(value, HeldChunk):
+            with self._lock:
+                value.group.keys.discard(key)
+        else:
+            self.memory.pop(key)
+
+    def _drop_group(self, group: HeldGroup) -> None:
+        with self._lock:
+            self._held = tuple(g for g in self._held if g is not group)
+            if self._groups.get(group.manifest_id) is group:
+                del self._groups[group.manifest_id]
+            group.keys.clear()
+
+    def adopt(self, manifest_id: str, take: Callable[[HeldGroup], Any | None]) -> Any | None:
         """``take(group)`` for the held group of ``manifest_id``, one caller at a time: it returns
         what it made of the group's memory (new tensors on it), or None when that memory is still
         in use. Returns None when no group is held, or when ``take`` declined."""
@@ -97,30 +213,32 @@ class TieredCache:
             return take(group)
 
     def _evicted(self, key: object, value: Any) -> None:
-        # Entries that view one load's tensors keep all of that memory alive: they live and die
-        # together, so the budget they are charged is what they really hold.
-        group: Any = getattr(value, "group", None)
-        if group is None:
-            return
-        manifest_id: str = group.manifest_id
+        if isinstance(value, HeldGroup):
+            self._drop_group(value)
+
+    def in_memory(self, key: str) -> bool:
         with self._lock:
-            if self._groups.get(manifest_id) is group:
-                del self._groups[manifest_id]
-        keys = group.keys
-        for other in list(keys):
-            held = self.memory.peek(other)
-            if getattr(held, "group", None) is group:
-                self.memory.pop(other)
-        keys.clear()
+            groups = self._held
+        return any(key in g.keys for g in groups) or self.memory.contains(key)
 
     def contains(self, key: str) -> bool:
-        return self.memory.contains(key) or (self.disk is not None and self.disk.contains(key))
+        return self.in_memory(key) or (self.disk is not None and self.disk.contains(key))
 
     __contains__ = contains
 
+    def in_memory_many(self, keys: Sequence[str]) -> list[bool]:
+        """``in_memory`` of each key (held groups, then copies) under one acquisition of each lock."""
+        held = self.memory.contains_many(keys)
+        with self._lock:
+            groups = self._held
+        for group in groups:
+            have = group.keys
+            held = [h or k in have for k, h in zip(keys, held)]
+        return held
+
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         """``contains`` of each key, one lock acquisition per tier (a manifest's every chunk)."""
-        held = self.memory.contains_many(keys)
+        held = self.in_memory_many(keys)
         if self.disk is not None and not all(held):
             on_disk = self.disk.contains_many(keys)
             held = [m or d for m, d in zip(held, on_disk)]
@@ -134,6 +252,7 @@ class TieredCache:
         with self._lock:
             out["total"] = {"lookups": self._lookups, "hits": self._lookups - self._full_misses,
                             "misses": self._full_misses}
+            out["memory"]["held_chunks"] = sum(len(g.keys) for g in self._held)
         return out
 
     def _count(self, miss: bool) -> None:

@@ -12,7 +12,7 @@ import select
 import socket
 import threading
 import time
-from typing import Callable, Iterator, NamedTuple, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence, cast
 
 from paramserver.wire.address import split_host_port
 from paramserver.wire.bulk_frames import (
@@ -32,7 +32,7 @@ from paramserver.wire.bulk_frames import (
     W_UNAUTHENTICATED,
     WELCOME,
     ProtocolError,
-    decode_header,
+    decode_headers,
     encode_hello,
     encode_request,
     recv_exact,
@@ -244,44 +244,44 @@ class BulkClient:
             raise BulkProtocolFailure(self.address, f"a batch declares {payload_bytes} payload bytes, over {MAX_BATCH_BYTES}")
         raw_headers = bytearray(count * HEADER.size)
         recv_exact(conn.sock, memoryview(raw_headers))
-        parsed = []
+        try:
+            headers = decode_headers(raw_headers)
+        except ProtocolError as exc:
+            raise BulkProtocolFailure(self.address, str(exc)) from None
         total = 0
-        for k in range(count):
-            try:
-                status, codec, raw_size, stored_size, crc = decode_header(memoryview(raw_headers)[k * HEADER.size : (k + 1) * HEADER.size])
-            except ProtocolError as exc:
-                raise BulkProtocolFailure(self.address, str(exc)) from None
+        for k, (status, _codec, _raw, stored_size, _crc) in enumerate(headers):
             limit = MAX_PAYLOAD_BYTES if status == OK else MAX_MESSAGE_BYTES
             if stored_size > limit:
                 what = f"chunk {ids[first + k]}" if status == OK else f"a {STATUS_NAMES[status]} message"
                 raise BulkProtocolFailure(self.address, f"{what} declares {stored_size} bytes, over {limit}")
             total += stored_size
-            parsed.append((status, codec, raw_size, stored_size, crc))
         if total != payload_bytes:
             raise BulkProtocolFailure(self.address, f"batch declares {payload_bytes} payload bytes, its headers {total}")
         # Where each payload goes: the caller's buffer (into) or a slice of the reused scratch.
-        scratch_need = 0
         views: list[memoryview | None] = []
-        for k, (status, codec, _raw, stored_size, _crc) in enumerate(parsed):
+        scratch_need = bounced = 0
+        for k, (status, codec, _raw, stored_size, _crc) in enumerate(headers):
             view = into(ids[first + k], codec, stored_size) if into is not None and status == OK else None
-            if view is not None and len(view) != stored_size:
+            if view is None:
+                scratch_need += stored_size
+                bounced += 1
+            elif len(view) != stored_size:
                 # The caller expected another size: the server's copy differs from what it asked for.
                 raise BulkProtocolFailure(self.address,
                                           f"into() gave {len(view)} bytes for chunk {ids[first + k]}, which has {stored_size}")
-            if view is None:
-                scratch_need += stored_size
             views.append(view)
-        scratch = conn.buffer(scratch_need)
-        at = 0
-        for k, view in enumerate(views):
-            if view is None:
-                n = parsed[k][3]
-                views[k] = scratch[at : at + n]
-                at += n
-        filled = [v for v in views if v is not None]
+        if bounced:
+            scratch = conn.buffer(scratch_need)
+            at = 0
+            for k, view in enumerate(views):
+                if view is None:
+                    n = headers[k][3]
+                    views[k] = scratch[at : at + n]
+                    at += n
+        filled = cast("list[memoryview]", views)
         recv_into_all(conn.sock, filled)
         items: list[BulkItem] = []
-        for k, (status, codec, raw_size, _stored, crc) in enumerate(parsed):
+        for k, (status, codec, raw_size, _stored, crc) in enumerate(headers):
             data = filled[k]
             if status == ERROR:
                 raise BulkProtocolFailure(self.address, "server refused the request: " + bytes(data).decode("utf-8", "replace"))

@@ -15,6 +15,7 @@ tensors, pinned staging and cache.
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -90,9 +91,14 @@ class _Fetch:
         self.verifier = verifier
         self.sink = sink
         self.tensors_of = tensors_of
-        self.refs = {r.id: r for r in refs}
-        wants = [Want(r.id, r.stored_size, tuple(placement(r.id)), tuple(extras(r.id)) if extras is not None else ())
-                 for r in refs]
+        ids = [r.id for r in refs]
+        self.refs = dict(zip(ids, refs))
+        replicas = [tuple(placement(cid)) for cid in ids]
+        sizes = [r.stored_size for r in refs]
+        if extras is None:
+            wants = list(map(Want._make, zip(ids, sizes, replicas, itertools.repeat(()))))
+        else:
+            wants = [Want(cid, size, reps, tuple(extras(cid))) for cid, size, reps in zip(ids, sizes, replicas)]
         self.extras = {w.id: frozenset(w.extras) - frozenset(w.replicas) for w in wants if w.extras}
         self.planner = FetchPlanner(wants, list(members), engine.reads_per_server, engine.options.max_read_bytes, salt)
         self.lock = threading.Lock()
@@ -241,7 +247,7 @@ class _Fetch:
                 continue
             landed.append(arrival.id)
             data = arrival.data
-            size = len(data) if isinstance(data, bytes) else len(memoryview(bytes_like(data)))
+            size = data.nbytes if type(data) is memoryview else len(memoryview(bytes_like(data)))
             nbytes += size
             if extras and read.server in extras.get(arrival.id, ()):
                 extra_bytes += size

@@ -8,7 +8,9 @@ up naming the chunk. Every chunk lands once, from a replica whose bytes verified
 gives up naming it.
 
 Placement: each chunk goes to the least-loaded (by bytes assigned) of its ring replicas not yet
-tried; when every ring replica has failed, to any other member not yet tried (repair or a
+tried -- or to the replica the previous chunk went to while that one is at most ``STICKY_BYTES``
+(and a sixteenth of a member's share) ahead, so each server is asked for runs of neighbouring
+chunks, which it reads with one pread; when every ring replica has failed, to any other member not yet tried (repair or a
 rebalance may have moved a copy there). A hot chunk (``Want.extras``: servers that advertised an
 extra copy, paramserver.server.hot_chunks) has those holders as candidates too, and its ties go
 to a per-fetch ``salt``-ed order instead of the primary, so that clients which do not know of
@@ -19,7 +21,9 @@ is asked again only for a chunk no other replica could serve.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -94,6 +98,9 @@ class GiveUp:
 Decision = Read | ReportCorrupt | GiveUp
 
 
+STICKY_BYTES = 1 << 20  # how far ahead a replica may get while it keeps taking the next chunks
+
+
 class Want(NamedTuple):
     """A chunk to fetch: its id, its stored size, its ring replicas (primary first) and the servers
     that advertised an extra copy of it (a hot chunk; candidates as good as the replicas). A named
@@ -143,7 +150,8 @@ class FetchPlanner:
     max_read_bytes: int = 64 << 20
     salt: int = 0  # orders the holders of hot chunks (Want.extras) on ties; vary it per fetch
     _want: dict[str, Want] = field(init=False)
-    _order: dict[str, int] = field(init=False)
+    _order: dict[str, int] | None = field(init=False)  # id -> its place in the fetch order
+    _pending_order: list[str] = field(init=False)
     _pending: dict[str, None] = field(init=False)  # not landed, not given up
     _attempts: dict[str, dict[str, str]] = field(init=False)
     _corrupt: dict[str, set[str]] = field(init=False)
@@ -156,9 +164,11 @@ class FetchPlanner:
     given_up: list[GiveUp] = field(init=False)
 
     def __post_init__(self) -> None:
-        self._want = {w.id: w for w in self.wants}
-        self._order = {w.id: i for i, w in enumerate(self.wants)}
-        self._pending = dict.fromkeys(self._want)
+        ids = [w.id for w in self.wants]
+        self._want = dict(zip(ids, self.wants))
+        self._pending_order = ids
+        self._order = None
+        self._pending = dict.fromkeys(ids)
         self._attempts = {}
         self._corrupt = {}
         self._reads = {}
@@ -193,7 +203,7 @@ class FetchPlanner:
     # ------------------------------------------------------------------ transitions
 
     def start(self) -> list[Decision]:
-        return self._plan(list(self._pending))
+        return self._plan(list(self._pending), in_order=True)
 
     def step(self, event: Event) -> list[Decision]:
         state = self._reads.get(event.read)
@@ -266,29 +276,55 @@ class FetchPlanner:
             del self._attempts[cid][s]
         return retry[:1]
 
-    def _plan(self, ids: Iterable[str]) -> list[Decision]:
-        todo = sorted((cid for cid in ids if cid in self._pending), key=self._order.__getitem__)
+    def _plan(self, ids: Iterable[str], in_order: bool = False) -> list[Decision]:
+        """``in_order``: ``ids`` are pending and in fetch order already (the first plan)."""
+        if in_order:
+            todo = list(ids)
+        else:
+            todo = sorted((cid for cid in ids if cid in self._pending), key=self._position)
         if not todo:
             return []
-        if todo and any(cid in self._attempts for cid in todo):
-            self.failovers += sum(1 for cid in todo if cid in self._attempts)
+        tried, down, wants = self._attempts, self._down, self._want
+        if tried and any(cid in tried for cid in todo):
+            self.failovers += sum(1 for cid in todo if cid in tried)
         load: dict[str, int] = {}
-        by_server: dict[str, list[str]] = {}
-        out: list[Decision] = []
+        # server -> (ids, their sizes, their positions in ``todo``): what it is asked for, in order
+        picked: dict[str, tuple[list[str], list[int], list[int]]] = {}
+        gave_up: list[Decision] = []
         fresh: dict[tuple[str, ...], list[str]] = {}  # replicas -> the ones not down, for chunks never tried
-        tried, down = self._attempts, self._down
-        for cid in todo:
-            want = self._want[cid]
+        # A chunk stays on the replica the previous one went to while that replica is at most
+        # ``slack`` bytes ahead of the least loaded: each server is then asked for runs of
+        # neighbouring chunks (records it stored together: read with one pread; bytes received
+        # next to each other), and the plan stays balanced to within ``slack``.
+        slack = min(STICKY_BYTES, sum(wants[cid].size for cid in todo) // (16 * max(1, len(self.members))))
+        prev: str | None = None
+        for position, cid in enumerate(todo):
+            want = wants[cid]
             if not want.extras and cid not in tried:
                 # The common case (a first plan of half a million chunks): the replicas in ring
-                # order, least loaded first; worked out once per replica set.
+                # order, the least loaded by bytes, ties to the earliest (the primary); the
+                # replica list is worked out once per replica set.
                 ring = fresh.get(want.replicas)
                 if ring is None:
                     ring = fresh[want.replicas] = [s for s in want.replicas if s not in down]
+                    for s in ring:
+                        load.setdefault(s, 0)
                 if ring:
-                    best = _least_loaded(ring, load)
-                    load[best] = load.get(best, 0) + want.size
-                    by_server.setdefault(best, []).append(cid)
+                    best = ring[0]
+                    best_load = load[best]
+                    for s in ring[1:]:
+                        if load[s] < best_load:
+                            best, best_load = s, load[s]
+                    if prev is not None and prev != best and prev in ring and load[prev] - best_load <= slack:
+                        best, best_load = prev, load[prev]
+                    prev = best
+                    load[best] = best_load + want.size
+                    lists = picked.get(best)
+                    if lists is None:
+                        lists = picked[best] = ([], [], [])
+                    lists[0].append(cid)
+                    lists[1].append(want.size)
+                    lists[2].append(position)
                     continue
             candidates = self._candidates(cid)
             if not candidates:
@@ -297,41 +333,50 @@ class FetchPlanner:
                 give_up = GiveUp(cid, dict(attempts), bool(attempts) and set(attempts) <= bad)
                 self.given_up.append(give_up)
                 del self._pending[cid]
-                out.append(give_up)
+                gave_up.append(give_up)
                 continue
             # Least loaded; ties go to the earliest in ring order (the primary), or for a hot chunk to
             # this fetch's salted order of its holders.
-            if self._want[cid].extras:
+            if want.extras:
                 best = min(candidates, key=lambda s: (load.get(s, 0), spread_rank(self.salt, cid, s)))
             else:
                 best = _least_loaded(candidates, load)
             self._down.discard(best)  # a last-resort pick gets its chance
-            load[best] = load.get(best, 0) + self._want[cid].size
-            by_server.setdefault(best, []).append(cid)
+            load[best] = load.get(best, 0) + want.size
+            lists = picked.get(best)
+            if lists is None:
+                lists = picked[best] = ([], [], [])
+            lists[0].append(cid)
+            lists[1].append(want.size)
+            lists[2].append(position)
         if self.given_up:
-            return out  # the fetch has failed: start nothing new
-        for server, sids in by_server.items():
-            out += self._reads_for(server, sids)
-        out.sort(key=lambda d: self._order[d.ids[0]] if isinstance(d, Read) else -1)
-        return out
+            return gave_up  # the fetch has failed: start nothing new
+        reads: list[tuple[int, Read]] = []
+        for server, (sids, sizes, positions) in picked.items():
+            reads += self._reads_for(server, sids, sizes, positions)
+        reads.sort(key=lambda pr: pr[0])  # the earliest-wanted chunks first
+        return [*gave_up, *(read for _, read in reads)]
 
-    def _reads_for(self, server: str, ids: list[str]) -> list[Read]:
+    def _position(self, cid: str) -> int:
+        if self._order is None:  # only a re-plan needs it: made on the first
+            self._order = dict(zip(self._pending_order, range(len(self._pending_order))))
+        return self._order[cid]
+
+    def _reads_for(self, server: str, ids: list[str], sizes: list[int], positions: list[int]) -> list[tuple[int, Read]]:
+        """(position of its first chunk, read) of the reads that ask ``server`` for ``ids``."""
         streams = max(1, self.reads_per_server(server))
-        total = sum(self._want[c].size for c in ids)
-        # Split in ``streams`` contiguous runs, each cut again at max_read_bytes.
+        ends = list(itertools.accumulate(sizes))
+        total = ends[-1] if ends else 0
+        # Split in ``streams`` contiguous runs, each cut again at max_read_bytes: a read closes at
+        # the first chunk that brings it to ``cap`` bytes.
         per_stream = max(1, -(-total // streams))
         cap = max(1, min(per_stream, self.max_read_bytes))
-        reads: list[Read] = []
-        run: list[str] = []
-        size = 0
-        for cid in ids:
-            run.append(cid)
-            size += self._want[cid].size
-            if size >= cap:
-                reads.append(self._open(server, run, size))
-                run, size = [], 0
-        if run:
-            reads.append(self._open(server, run, size))
+        reads: list[tuple[int, Read]] = []
+        start, before = 0, 0
+        while start < len(ids):
+            stop = min(bisect.bisect_left(ends, before + cap, lo=start) + 1, len(ids))
+            reads.append((positions[start], self._open(server, ids[start:stop], ends[stop - 1] - before)))
+            start, before = stop, ends[stop - 1]
         return reads
 
     def _open(self, server: str, ids: list[str], nbytes: int) -> Read:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Generic, Hashable, TypeVar
+from typing import Generic, Hashable, Iterable, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -70,6 +70,11 @@ class ByteLRU(Generic[K, V]):
     def __contains__(self, key: object) -> bool:
         with self._lock:
             return key in self._items
+
+    def contains_many(self, keys: Iterable[object]) -> list[bool]:
+        with self._lock:
+            items = self._items
+            return [key in items for key in keys]
 
     def __len__(self) -> int:
         return len(self._items)

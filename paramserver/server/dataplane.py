@@ -406,8 +406,7 @@ class ChunkService:
             if request.renew_hot and not has_admin_token(context.invocation_metadata(), self.auth):
                 context.abort(grpc.StatusCode.UNAUTHENTICATED,
                               "HasChunks with renew_hot keeps hot copies alive, a write: it needs the admin token")
-            has = self.store.has
-            present = [has(chunk_id) for chunk_id in ids]
+            present = self.store.has_many(ids)
             if request.renew_hot and self.hot is not None:
                 self.hot.renew(cid for cid, ok in zip(ids, present) if ok)
         headers: list[tuple[int, str] | None] = []

@@ -43,10 +43,13 @@ class References:
         self.metadata = metadata
         self.fetch_blob = fetch_blob
         self._chunks_of: dict[str, frozenset[str]] = {}  # manifests are immutable: parse each once
+        # The last answer and the manifests it was made of: asked every few seconds by the
+        # background tasks, the union of half a million ids is made again only when they change.
+        self._last: tuple[tuple[str, ...], frozenset[str]] | None = None
 
-    def __call__(self) -> set[str] | None:
+    def __call__(self) -> frozenset[str] | None:
         """The referenced ids, or None when some manifest cannot be read right now."""
-        refs: set[str] = set()
+        manifests: list[str] = []
         for model in self.metadata.list_models().value:
             for version in self.metadata.list_versions(model).value:
                 mid = version.manifest_id
@@ -57,9 +60,17 @@ class References:
                         log.warning("orphan collection skipped: manifest %s of %s v%d unreadable (%s)", mid, model, version.number, exc)
                         return None
                     self._chunks_of[mid] = manifest.all_chunk_ids()  # tensor, file and manifest-part blobs
-                refs.add(mid)
-                refs |= self._chunks_of[mid]
-        return refs
+                manifests.append(mid)
+        key = tuple(manifests)
+        last = self._last
+        if last is not None and last[0] == key:
+            return last[1]
+        refs: set[str] = set(manifests)
+        for mid in manifests:
+            refs |= self._chunks_of[mid]
+        frozen = frozenset(refs)
+        self._last = (key, frozen)
+        return frozen
 
 
 class OrphanCollector:

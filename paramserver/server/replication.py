@@ -33,7 +33,7 @@ from consensus.records import MemberRecord
 
 from paramserver.server.cluster import ChunkData, PeerSet
 from paramserver.server.errors import ParamServerError
-from paramserver.wire.ring import Ring
+from paramserver.wire.ring import Ring, points_of
 from paramserver.server.store import ChunkStore
 
 log = logging.getLogger(__name__)
@@ -79,8 +79,8 @@ class ReReplicator:
         peers: PeerSet,
         store: ChunkStore,
         *,
-        references: Callable[[], set[str] | None] | None = None,
-        batch: int = 1024,
+        references: Callable[[], frozenset[str] | set[str] | None] | None = None,
+        batch: int = 4096,
         push_batch_bytes: int = 4 << 20,
         full_pass_every: int = 10,
         full_backoff_s: float = 30.0,
@@ -117,17 +117,20 @@ class ReReplicator:
         return report
 
     def _pass(self, report: ReplicationReport, ring: Ring, r: int, members: dict[str, MemberRecord],
-              refs: set[str] | None) -> ReplicationReport:
-        ids: list[str] = []
-        for chunk_id in self.store.iter_ids():
-            report.scanned += 1
-            if refs is None or chunk_id in refs:
-                ids.append(chunk_id)
-        # Placed in one pass over the ids (replicas_many), then grouped by replica set: a walk
-        # of one ring per chunk cost seconds a pass on a store of half a million chunks.
-        by_placement: dict[tuple[str, ...], list[str]] = {}
-        for chunk_id, placed in zip(ids, ring.replicas_many(ids, r)):
-            by_placement.setdefault(placed, []).append(chunk_id)
+              refs: frozenset[str] | set[str] | None) -> ReplicationReport:
+        stored = list(self.store.iter_ids())
+        report.scanned = len(stored)
+        ids = stored if refs is None else [cid for cid in stored if cid in refs]
+        # Placed and grouped by replica set as arrays (a walk of the ring, or a tuple, per chunk
+        # cost seconds a pass on a store of half a million chunks, every pass).
+        points = points_of(ids)
+        if points is not None:
+            by_placement = {placed: [ids[k] for k in rows.tolist()]
+                            for placed, rows in ring.placement_groups_by_point(points, r).items()}
+        else:
+            by_placement = {}
+            for chunk_id, placed in zip(ids, ring.replicas_many(ids, r)):
+                by_placement.setdefault(placed, []).append(chunk_id)
         wanted: dict[str, list[str]] = {}
         for placed, group in by_placement.items():
             for server in placed:

@@ -125,7 +125,11 @@ _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
 _MIGRATE_BATCH_BYTES = 32 * MiB
 _MAX_READ_RUN = 8 * MiB  # get_many reads adjacent records with one pread up to about this many bytes ...
-_COALESCE_MAX = 64 * 1024  # ... of chunks up to this size (larger ones are read alone, without a copy)
+_COALESCE_MAX = 64 * 1024  # ... of chunks up to this size (larger ones are read alone, without a copy),
+# skipping over up to this many bytes of other records between two: a reader that spreads a model
+# over its replicas asks each for every second or third record, and two preads per small chunk
+# cost more than copying the records between them out of the page cache.
+_COALESCE_GAP = 32 * 1024
 
 
 @dataclass(frozen=True)
@@ -504,6 +508,11 @@ class ChunkStore:
     def has(self, chunk_id: str) -> bool:
         return chunk_id in self.cache or chunk_id in self._index
 
+    def has_many(self, chunk_ids: Sequence[str]) -> list[bool]:
+        """``has`` of each id, one lock of the cache for all (a HasChunks call of thousands)."""
+        index = self._index
+        return [c or cid in index for cid, c in zip(chunk_ids, self.cache.contains_many(chunk_ids))]
+
     @property
     def generation(self) -> int:
         """Changes whenever a chunk is stored, deleted or quarantined (not on reads, claims or compaction)."""
@@ -589,9 +598,10 @@ class ChunkStore:
                 end = first.off + HEADER_SIZE + first.size
                 j = i + 1
                 if first.size <= _COALESCE_MAX:
-                    while (j < len(pinned) and pinned[j][1].seg == first.seg and pinned[j][1].off == end
+                    while (j < len(pinned) and pinned[j][1].seg == first.seg
+                           and end <= pinned[j][1].off <= end + _COALESCE_GAP
                            and pinned[j][1].size <= _COALESCE_MAX and end - first.off < _MAX_READ_RUN):
-                        end += HEADER_SIZE + pinned[j][1].size
+                        end = pinned[j][1].off + HEADER_SIZE + pinned[j][1].size
                         j += 1
                 run = pinned[i:j]
                 unread = j

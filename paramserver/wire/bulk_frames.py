@@ -178,10 +178,28 @@ def encode_header(status: int, codec: str = "", raw_size: int = 0, stored_size: 
 
 def decode_header(buf: bytes | memoryview) -> tuple[int, str, int, int, int]:
     """(status, codec, raw_size, stored_size, crc32c); ProtocolError when it cannot be a header."""
-    status, codec_len, codec, raw_size, stored_size, crc = HEADER.unpack(buf)
-    if status not in STATUS_NAMES or codec_len > MAX_CODEC_LEN:
-        raise ProtocolError(f"bad chunk header (status {status}, codec length {codec_len})")
-    return status, bytes(codec[:codec_len]).decode("ascii", "replace"), raw_size, stored_size, crc
+    if len(buf) != HEADER.size:
+        raise ProtocolError(f"a chunk header is {HEADER.size} bytes, got {len(buf)}")
+    return decode_headers(buf)[0]
+
+
+def decode_headers(buf: bytes | bytearray | memoryview) -> list[tuple[int, str, int, int, int]]:
+    """``decode_header`` of each header packed in ``buf`` (a batch's), in one C-level unpack:
+    per header this costs less than the bytes of a 4 KiB chunk."""
+    out = []
+    for status, codec_len, codec, raw_size, stored_size, crc in HEADER.iter_unpack(buf):
+        if status not in STATUS_NAMES or codec_len > MAX_CODEC_LEN:
+            raise ProtocolError(f"bad chunk header (status {status}, codec length {codec_len})")
+        name = _CODEC_NAMES.get((codec_len, codec))
+        if name is None:
+            name = bytes(codec[:codec_len]).decode("ascii", "replace")
+            if len(_CODEC_NAMES) < 64:  # a handful of distinct values: remembered
+                _CODEC_NAMES[(codec_len, codec)] = name
+        out.append((status, name, raw_size, stored_size, crc))
+    return out
+
+
+_CODEC_NAMES: dict[tuple[int, bytes], str] = {}
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -424,7 +442,8 @@ __all__ = [
     "AckFrame", "recv_ack_frame",
     "BATCH", "CORRUPT", "ERROR", "HEADER", "HELLO", "MAGIC", "MAX_BATCH_BYTES", "MAX_BATCH_ITEMS", "MAX_CHUNK_BYTES", "MAX_IDS",
     "MAX_MESSAGE_BYTES", "MISSING", "OK", "REQUEST", "STATUS_NAMES", "VERSION", "WELCOME", "W_BAD_HELLO", "W_OK",
-    "W_UNAUTHENTICATED", "ProtocolError", "decode_header", "encode_batch", "encode_header", "encode_hello", "encode_message",
+    "W_UNAUTHENTICATED", "ProtocolError", "decode_header",
+    "decode_headers", "encode_batch", "encode_header", "encode_hello", "encode_message",
     "encode_request",
     "encode_welcome", "recv_bytes", "recv_exact", "recv_into_all", "send_all",
     "A_ACKS", "A_ERROR", "ACK_HEAD", "ACK_ITEM", "ACK_ITEM_DTYPE", "ACK_NAMES", "ACK_OK", "ALREADY_PRESENT", "CORRUPT_IN_TRANSIT",

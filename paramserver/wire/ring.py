@@ -36,6 +36,22 @@ def key_point(chunk_id: str) -> int:
     return _point(chunk_id.encode())
 
 
+def points_of(chunk_ids: Sequence[str]) -> np.ndarray | None:
+    """``key_point`` of every id as one uint64 array, or None unless all are hex content ids of one
+    length (then the first 16 hex digits of each are cut out of the joined ids in one pass)."""
+    if not chunk_ids:
+        return np.zeros(0, dtype=np.uint64)
+    width = len(chunk_ids[0])
+    if width < 16 or any(len(cid) != width for cid in chunk_ids):
+        return None
+    try:
+        joined = "".join(chunk_ids).encode("ascii")
+        heads = np.frombuffer(joined, dtype=np.uint8).reshape(len(chunk_ids), width)[:, :16].tobytes()
+        return np.frombuffer(bytes.fromhex(heads.decode("ascii")), dtype=">u8").astype(np.uint64)
+    except (UnicodeError, ValueError):
+        return None
+
+
 @dataclass(frozen=True)
 class RingConfig:
     vnodes: int = DEFAULT_VNODES
@@ -150,13 +166,11 @@ class Ring:
         if not self.zones:
             raise ValueError("the ring has no servers; add members before placing chunks")
         n = len(self._points)
-        try:
-            keys = np.frombuffer(bytes.fromhex("".join(cid[:16] for cid in chunk_ids)), dtype=">u8")
-            if len(keys) != len(chunk_ids):
-                raise ValueError("an id shorter than 16 hex digits")
-            return np.searchsorted(self._points_u64, keys.astype(np.uint64), side="right") % n
-        except ValueError:  # not all content ids: one at a time, exactly as replicas() does
-            return np.array([bisect.bisect_right(self._points, key_point(cid)) % n for cid in chunk_ids], dtype=np.int64)
+        keys = points_of(chunk_ids)
+        if keys is not None:
+            return np.searchsorted(self._points_u64, keys, side="right") % n
+        # not all content ids: one at a time, exactly as replicas() does
+        return np.array([bisect.bisect_right(self._points, key_point(cid)) % n for cid in chunk_ids], dtype=np.int64)
 
     def replicas_many(self, chunk_ids: Sequence[str], r: int) -> list[tuple[str, ...]]:
         """``replicas(id, r)`` of every id, as tuples, in one pass: the ring positions of content ids
@@ -178,4 +192,4 @@ def replication_and_quorum(replication_factor: int, write_quorum: int | None, cl
     return r, min(w, r)
 
 
-__all__ = ["Ring", "RingConfig", "DEFAULT_VNODES", "key_point", "replication_and_quorum"]
+__all__ = ["Ring", "RingConfig", "DEFAULT_VNODES", "key_point", "points_of", "replication_and_quorum"]

@@ -27,6 +27,8 @@ from paramserver.wire.bulk_frames import (
     W_OK,
     WELCOME,
     decode_header,
+    ProtocolError,
+    decode_headers,
     encode_header,
     encode_hello,
 )
@@ -84,6 +86,17 @@ def read_all(sock: socket.socket) -> bytes:
         if not part:
             return out
         out += part
+
+
+def test_a_batch_of_headers_decodes_at_once_and_a_bad_one_is_refused() -> None:
+    heads = [(OK, "raw", 4096, 4096, 1), (OK, "zstd", 262144, 999, 2), (MISSING, "", 0, 17, 0)]
+    packed = b"".join(encode_header(*h) for h in heads)
+    assert decode_headers(packed) == heads
+    assert decode_headers(b"") == []
+    with pytest.raises(ProtocolError, match="bad chunk header"):
+        decode_headers(packed + bytes([77]) + packed[1:HEADER.size])
+    with pytest.raises(ProtocolError, match="40 bytes"):
+        decode_header(packed[:-1][: HEADER.size - 1])
 
 
 def test_header_round_trip() -> None:

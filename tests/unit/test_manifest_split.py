@@ -206,6 +206,20 @@ def test_orphan_collection_keeps_the_parts_of_a_split_manifest() -> None:
     assert set(blobs) <= refs and set(m.chunk_ids()) <= refs
 
 
+def test_references_are_made_again_only_when_the_committed_versions_change() -> None:
+    m = _split()
+    blobs = m.blobs()
+    plane = _Plane({"m": [m.id]})
+    references = References(plane, lambda blob_id: blobs[blob_id])  # type: ignore[arg-type]
+    first = references()
+    assert first is not None and references() is first  # asked every few seconds: the same answer, not a new union
+    plane.versions["m"] = []  # the version was deleted
+    assert references() == frozenset()
+    plane.versions["m"] = [m.id]
+    again = references()
+    assert again == first and again is not first
+
+
 class _Stub:
     """GetManifest of a server that sends at most ``per_reply`` parts (or none: an older one)."""
 

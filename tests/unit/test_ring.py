@@ -6,7 +6,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from paramserver.wire.ring import Ring, RingConfig, key_point
+from paramserver.wire.ring import Ring, RingConfig, key_point, points_of
 
 N_KEYS = 20_000
 
@@ -107,3 +107,15 @@ def test_placement_groups_are_the_rows_of_each_replica_set(keys: list[str], zone
                 assert list(group) == sorted(group)
                 assert all(ring.replicas(ids[int(i)], r) == list(placed) for i in group)
     assert ring.placement_groups_by_point(np.zeros(0, np.uint64), 3) == {}
+
+
+def test_points_of_content_ids_are_their_key_points_and_other_ids_fall_back() -> None:
+    ids = [f"{random.Random(i).getrandbits(256):064x}" for i in range(500)]
+    points = points_of(ids)
+    assert points is not None and points.dtype == np.uint64
+    assert [int(p) for p in points] == [key_point(cid) for cid in ids]
+    assert points_of([]) is not None and len(points_of([])) == 0  # type: ignore[arg-type]
+    for odd in (["short"], [ids[0], ids[1][:40]], ["zz" * 32], ["é" * 64]):
+        assert points_of(odd) is None
+    ring = Ring(["ps1", "ps2", "ps3"])
+    assert ring.replicas_many(["not-hex-" * 3, *ids[:3]], 2) == [tuple(ring.replicas(c, 2)) for c in ["not-hex-" * 3, *ids[:3]]]

@@ -526,6 +526,26 @@ def test_get_many_reads_adjacent_records_together_and_answers_like_get(tmp_path:
     store.close()
 
 
+def test_get_many_reads_every_third_record_in_runs_over_the_gaps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A reader spreading a model over three replicas asks each for every third record.
+    store = ChunkStore(tmp_path, cache_bytes=0)
+    chunks = [raw_chunk(4 * KiB, seed=i) for i in range(60)]
+    store.put_many(chunks)
+    reads: list[int] = []
+    real_pread = os.pread
+
+    def counting_pread(fd: int, n: int, off: int) -> bytes:
+        reads.append(n)
+        return real_pread(fd, n, off)
+
+    monkeypatch.setattr(os, "pread", counting_pread)
+    asked = chunks[1::3]
+    got = store.get_many([c[0] for c in asked])
+    assert [g.data for g in got] == [c[1] for c in asked]  # type: ignore[union-attr]
+    assert len(reads) <= 2, reads  # one run over the records between, not two preads per chunk
+    store.close()
+
+
 def test_get_many_releases_every_pin_when_a_read_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = ChunkStore(tmp_path, cache_bytes=0)
     chunks = [raw_chunk(4 * KiB, seed=i) for i in range(8)]

@@ -203,14 +203,14 @@ def private_run(packed, cache, client=None):  # type: ignore[no-untyped-def]
 
 
 def test_memory_tier_holds_views_of_the_loaded_tensors_not_copies() -> None:
-    from worker.prefetch import HeldChunk
+    from worker.tiered_cache import HeldChunk
 
     sd = model()
     packed = pack(sd, model="m")
     cache = TieredCache.from_config(CacheConfig(memory_bytes=64 << 20))
     targets, _, _ = private_run(packed, cache)
     assert all(same(targets[k], v) for k, v in sd.items())
-    held = [cache.memory.peek(r.id) for r in packed.manifest.unique_chunks()]
+    held = [cache.held(r.id) for r in packed.manifest.unique_chunks()]
     views = [h for h in held if isinstance(h, HeldChunk)]
     assert views, "no chunk was kept as a view"
     # Each view points into the loaded tensors' memory: no second copy of those bytes.
@@ -219,6 +219,23 @@ def test_memory_tier_holds_views_of_the_loaded_tensors_not_copies() -> None:
     assert all(base <= np.frombuffer(h.view, np.uint8).ctypes.data < base + (1 << 30) for h in views)
     # What the tier is charged covers the whole load it keeps alive.
     assert cache.memory.bytes >= packed.manifest.raw_bytes
+
+
+def test_a_load_is_one_entry_of_the_memory_tier_referenced_by_its_hits() -> None:
+    from worker.tiered_cache import HeldChunk
+
+    sd = model()
+    packed = pack(sd, model="m")
+    cache = TieredCache.from_config(CacheConfig(memory_bytes=64 << 20))
+    private_run(packed, cache)
+    unique = packed.manifest.unique_chunks()
+    held = [r for r in unique if isinstance(cache.held(r.id), HeldChunk)]
+    assert held and cache.stats()["memory"]["held_chunks"] == len(held)
+    # One entry for every chunk that lies in the tensors, plus a copy of each one that does not.
+    assert cache.memory.stats().entries == 1 + (len(unique) - len(held))
+    hits = cache.memory.stats().hits
+    assert cache.get(held[0].id).tier == "memory" and cache.memory.stats().hits == hits + 1
+    assert cache.in_memory_many([held[0].id, "ff" * 32]) == [True, False]
 
 
 def test_a_tensor_changed_in_place_never_leaks_into_the_next_load() -> None:
@@ -234,17 +251,17 @@ def test_a_tensor_changed_in_place_never_leaks_into_the_next_load() -> None:
 
 
 def test_views_of_one_load_are_evicted_together() -> None:
-    from worker.prefetch import HeldChunk
+    from worker.tiered_cache import HeldChunk
 
     sd = model()
     packed = pack(sd, model="m")
     cache = TieredCache.from_config(CacheConfig(memory_bytes=packed.manifest.raw_bytes + (1 << 20)))
     private_run(packed, cache)
-    assert any(isinstance(cache.memory.peek(r.id), HeldChunk) for r in packed.manifest.unique_chunks())
+    assert any(isinstance(cache.held(r.id), HeldChunk) for r in packed.manifest.unique_chunks())
     for i in range(3):  # other data pushes the load's chunks out: all of its views go at once
         cache.memory.put(f"{i:064x}", bytes(packed.manifest.raw_bytes // 2))
         cache.memory.put(f"{i:064x}", bytes(packed.manifest.raw_bytes // 2))
-    assert not any(isinstance(cache.memory.peek(r.id), HeldChunk) for r in packed.manifest.unique_chunks())
+    assert not any(isinstance(cache.held(r.id), HeldChunk) for r in packed.manifest.unique_chunks())
 
 
 def test_a_model_larger_than_the_memory_tier_goes_around_it() -> None:
