@@ -70,7 +70,7 @@ class ChunkWriter:
 
     def __init__(self, manifest: Manifest, targets: Mapping[str, torch.Tensor], readiness: TensorReadiness,
                  config: PrefetchConfig, pool: StagingPool | None = None, arena: ArenaView | None = None) -> None:
-        """``arena``: where the CPU targets lie in one host arena (``arena_region`` then slices it)."""
+        """``arena``: where the CPU targets lie in one host arena (``arena_locate`` then slices it)."""
         self.manifest = manifest
         self.arena = arena
         self.readiness = readiness
@@ -92,15 +92,16 @@ class ChunkWriter:
         self._whole: list[int] = self.whole.tolist()  # region() reads one entry per chunk: a list is faster
         # With an arena, each whole chunk's place in it, worked out for all chunks at once: region()
         # is then one slice (it is asked for every chunk received, half a million of 4 KiB).
-        self._arena_at: list[int] | None = None
+        # ``arena_locate(index)``: that slice, or None. A function holding the arena's view and the
+        # offsets, not this writer (so not the tensors): the memory tier keeps it after the load.
+        self.arena_locate: Locate | None = None
         if arena is not None:
             base = np.array([arena.offsets.get(e.name, -1) for e in manifest.tensors] or [-1], dtype=np.int64)
             offsets = np.array([e.offset for e in manifest.tensors] or [0], dtype=np.int64)
             t = np.maximum(self.whole, 0)
             at = base[t] + np.arange(len(self.whole), dtype=np.int64) * manifest.chunk_size - offsets[t]
             at[(self.whole < 0) | (base[t] < 0)] = -1
-            self._arena_at = at.tolist()
-            self._raw_sizes = list(self._plan.raw_sizes)
+            self.arena_locate = _slicer(arena.view, at.tolist(), list(self._plan.raw_sizes))
         self.pool = pool
         self.copier: Copier | None = None
         if cuda:
@@ -149,10 +150,11 @@ class ChunkWriter:
 
     def region(self, index: int) -> memoryview | None:
         """The CPU tensor bytes chunk ``index`` fills when they are one whole region, else None
-        (with an arena: as a slice of the arena's view, like ``arena_region``)."""
-        view = self.arena_region(index)
-        if view is not None:
-            return view
+        (with an arena: as a slice of the arena's view, ``arena_locate``)."""
+        if self.arena_locate is not None:
+            view = self.arena_locate(index)
+            if view is not None:
+                return view
         span = self._span(index)
         if span is None:
             return None
@@ -160,27 +162,6 @@ class ChunkWriter:
         cpu = self._cpu[t]
         assert cpu is not None
         return cpu[start:stop].data
-
-    def arena_locator(self) -> Locate | None:
-        """``arena_region`` as a function that holds the arena and the offsets, not this writer
-        (and so not the tensors), or None without an arena."""
-        if self._arena_at is None or self.arena is None:
-            return None
-        view, offsets, sizes = self.arena.view, self._arena_at, self._raw_sizes
-
-        def locate(index: int) -> memoryview | None:
-            at = offsets[index]
-            return view[at : at + sizes[index]] if at >= 0 else None
-
-        return locate
-
-    def arena_region(self, index: int) -> memoryview | None:
-        """``region(index)`` as a slice of the arena's own view (it outlives the tensors), or None."""
-        if self._arena_at is None:
-            return None  # no arena
-        at = self._arena_at[index]
-        assert self.arena is not None
-        return self.arena.view[at : at + self._raw_sizes[index]] if at >= 0 else None
 
     def _whole_chunks(self) -> np.ndarray:
         """Per chunk: the CPU tensor whose bytes it is exactly (its one segment, from the chunk's
@@ -211,6 +192,14 @@ class ChunkWriter:
     def synchronize(self) -> None:
         if self.copier is not None:
             self.copier.synchronize()
+
+
+def _slicer(view: memoryview, offsets: list[int], sizes: list[int]) -> Locate:
+    def locate(index: int) -> memoryview | None:
+        at = offsets[index]
+        return view[at : at + sizes[index]] if at >= 0 else None
+
+    return locate
 
 
 def unique_order(manifest: Manifest, heat: HeatReport | None) -> list[ChunkRef]:
@@ -271,14 +260,13 @@ class Prefetcher:
         # whole model: a view keeps all of that memory alive) when they fit its budget.
         self._adopted = adopted
         # Where a chunk received in place goes: one slice of the arena, when there is one.
-        self._region: Locate = self.writer.arena_locator() or self.writer.region
+        self._region: Locate = self.writer.arena_locate or self.writer.region
         self._group = adopted or HeldGroup(manifest.id, arena, rows=self._indices, locate=self._region,
                                            crcs=manifest.chunks.crc32c)
-        self._views = cache is not None and cache.memory.capacity_bytes >= manifest.raw_bytes
         # A model larger than the memory tier goes around it (a scan): copies of its chunks would
         # take the tier's whole budget on top of the loaded model, and a load reads a model in
         # order, so the next load of it would evict each copy before reaching it.
-        self._bypass_memory = cache is not None and cache.memory.capacity_bytes < manifest.raw_bytes
+        self._views = cache is not None and cache.memory.capacity_bytes >= manifest.raw_bytes
         for i, t in enumerate(manifest.tensors):
             if manifest.plan.tensor_chunks[i]:
                 self.readiness.on_ready(t.name, self._first_ready)
@@ -357,7 +345,7 @@ class Prefetcher:
             # A received buffer is reused after this call (or a CUDA staging copy): keep one copy.
             for ref, view in chunks:
                 copy = bytes(view)
-                if not self._bypass_memory:
+                if self._views:
                     self.cache.memory.put(ref.id, copy)
                 disk.append((ref.id, copy))
         if self.cache.disk is not None:

@@ -15,7 +15,6 @@ tensors, pinned staging and cache.
 from __future__ import annotations
 
 import collections
-import itertools
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -91,14 +90,9 @@ class _Fetch:
         self.verifier = verifier
         self.sink = sink
         self.tensors_of = tensors_of
-        ids = [r.id for r in refs]
-        self.refs = dict(zip(ids, refs))
-        replicas = [tuple(placement(cid)) for cid in ids]
-        sizes = [r.stored_size for r in refs]
-        if extras is None:
-            wants = list(map(Want._make, zip(ids, sizes, replicas, itertools.repeat(()))))
-        else:
-            wants = [Want(cid, size, reps, tuple(extras(cid))) for cid, size, reps in zip(ids, sizes, replicas)]
+        self.refs = {r.id: r for r in refs}
+        wants = [Want(r.id, r.stored_size, tuple(placement(r.id)), tuple(extras(r.id)) if extras is not None else ())
+                 for r in refs]
         self.extras = {w.id: frozenset(w.extras) - frozenset(w.replicas) for w in wants if w.extras}
         self.planner = FetchPlanner(wants, list(members), engine.reads_per_server, engine.options.max_read_bytes, salt)
         self.lock = threading.Lock()

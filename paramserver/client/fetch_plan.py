@@ -300,6 +300,7 @@ class FetchPlanner:
         prev: str | None = None
         for position, cid in enumerate(todo):
             want = wants[cid]
+            best: str | None = None
             if not want.extras and cid not in tried:
                 # The common case (a first plan of half a million chunks): the replicas in ring
                 # order, the least loaded by bytes, ties to the earliest (the primary); the
@@ -319,30 +320,24 @@ class FetchPlanner:
                         best, best_load = prev, load[prev]
                     prev = best
                     load[best] = best_load + want.size
-                    lists = picked.get(best)
-                    if lists is None:
-                        lists = picked[best] = ([], [], [])
-                    lists[0].append(cid)
-                    lists[1].append(want.size)
-                    lists[2].append(position)
+            if best is None:
+                candidates = self._candidates(cid)
+                if not candidates:
+                    attempts = self._attempts.get(cid, {})
+                    bad = self._corrupt.get(cid, set())
+                    give_up = GiveUp(cid, dict(attempts), bool(attempts) and set(attempts) <= bad)
+                    self.given_up.append(give_up)
+                    del self._pending[cid]
+                    gave_up.append(give_up)
                     continue
-            candidates = self._candidates(cid)
-            if not candidates:
-                attempts = self._attempts.get(cid, {})
-                bad = self._corrupt.get(cid, set())
-                give_up = GiveUp(cid, dict(attempts), bool(attempts) and set(attempts) <= bad)
-                self.given_up.append(give_up)
-                del self._pending[cid]
-                gave_up.append(give_up)
-                continue
-            # Least loaded; ties go to the earliest in ring order (the primary), or for a hot chunk to
-            # this fetch's salted order of its holders.
-            if want.extras:
-                best = min(candidates, key=lambda s: (load.get(s, 0), spread_rank(self.salt, cid, s)))
-            else:
-                best = _least_loaded(candidates, load)
-            self._down.discard(best)  # a last-resort pick gets its chance
-            load[best] = load.get(best, 0) + want.size
+                # Least loaded; ties go to the earliest in ring order (the primary), or for a hot chunk
+                # to this fetch's salted order of its holders.
+                if want.extras:
+                    best = min(candidates, key=lambda s: (load.get(s, 0), spread_rank(self.salt, cid, s)))
+                else:
+                    best = _least_loaded(candidates, load)
+                self._down.discard(best)  # a last-resort pick gets its chance
+                load[best] = load.get(best, 0) + want.size
             lists = picked.get(best)
             if lists is None:
                 lists = picked[best] = ([], [], [])

@@ -486,6 +486,19 @@ def test_store_config_validates_and_reads_a_config_file() -> None:
 # ------------------------------------------------------------------ batched reads
 
 
+def count_preads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the preads made from now on, in order."""
+    reads: list[int] = []
+    real_pread = os.pread
+
+    def counting_pread(fd: int, n: int, off: int) -> bytes:
+        reads.append(n)
+        return real_pread(fd, n, off)
+
+    monkeypatch.setattr(os, "pread", counting_pread)
+    return reads
+
+
 def test_get_many_reads_adjacent_records_together_and_answers_like_get(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     lost: list[str] = []
@@ -496,14 +509,7 @@ def test_get_many_reads_adjacent_records_together_and_answers_like_get(tmp_path:
     assert bad is not None
     write_in_place(bad.path, bad.offset + 10, b"\xff\xfe")  # one record's bytes damaged inside a run
     store.get(chunks[3][0])  # a cache hit among the reads
-    reads: list[int] = []
-    real_pread = os.pread
-
-    def counting_pread(fd: int, n: int, off: int) -> bytes:
-        reads.append(n)
-        return real_pread(fd, n, off)
-
-    monkeypatch.setattr(os, "pread", counting_pread)
+    reads = count_preads(monkeypatch)
     missing, malformed = "ab" * 32, "not-an-id"
     asked = [c[0] for c in reversed(chunks)] + [missing, malformed, chunks[0][0]]
     got = store.get_many(asked)
@@ -531,14 +537,7 @@ def test_get_many_reads_every_third_record_in_runs_over_the_gaps(tmp_path: Path,
     store = ChunkStore(tmp_path, cache_bytes=0)
     chunks = [raw_chunk(4 * KiB, seed=i) for i in range(60)]
     store.put_many(chunks)
-    reads: list[int] = []
-    real_pread = os.pread
-
-    def counting_pread(fd: int, n: int, off: int) -> bytes:
-        reads.append(n)
-        return real_pread(fd, n, off)
-
-    monkeypatch.setattr(os, "pread", counting_pread)
+    reads = count_preads(monkeypatch)
     asked = chunks[1::3]
     got = store.get_many([c[0] for c in asked])
     assert [g.data for g in got] == [c[1] for c in asked]  # type: ignore[union-attr]
