@@ -118,14 +118,15 @@ class LRUKCache:
 
     # -- public API ---------------------------------------------------------------------------
 
-    def get(self, key: Hashable) -> Any | None:
-        """The cached value (a reference to it), or None on a miss (not a reference)."""
+    def get(self, key: Hashable, hits: int = 1) -> Any | None:
+        """The cached value (a reference to it), or None on a miss (not a reference). ``hits``: the
+        lookups this one reference answers (a batch of hits on one entry, e.g. a held load)."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                self._misses += 1
+                self._misses += hits
                 return None
-            self._hits += 1
+            self._hits += hits
             self._reference(key, entry, self._clock())
             return entry.value
 

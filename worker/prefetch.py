@@ -49,7 +49,7 @@ LocalSource = Callable[[ChunkRef], Buffer | None]
 
 TIERS = ("network", "memory", "disk", "local")
 HIT_THREADS = max(1, min(4, os.cpu_count() or 1))
-HIT_BLOCK = 8  # chunks a hit-copying thread takes at a time (keeps the fetch order roughly)
+HIT_BLOCK = 32  # chunks a hit-landing thread takes at a time (one lookup, one landing), roughly in fetch order
 
 
 @dataclass
@@ -446,22 +446,32 @@ class Prefetcher:
                         next_block[0] += HIT_BLOCK
                     if start >= len(hits) or errors:
                         return
-                    for ref in hits[start : start + HIT_BLOCK]:
-                        hit = cache.get(ref.id)
+                    block = hits[start : start + HIT_BLOCK]
+                    placed: list[tuple[ChunkRef, memoryview]] = []  # already where they belong
+                    copied: dict[str, list[tuple[ChunkRef, Buffer]]] = {}  # by tier
+                    gone: list[ChunkRef] = []
+                    for ref, hit in zip(block, cache.get_many([r.id for r in block])):
                         value = hit.value
-                        in_place = False
                         if isinstance(value, HeldChunk):
                             if not value.intact():  # the tensor it views was changed in place
                                 cache.forget(ref.id, value)
                                 value = None
+                            elif value.group is self._adopted:
+                                placed.append((ref, value.view))
+                                continue
                             else:
-                                in_place = value.group is self._adopted  # already where it belongs
                                 value = value.view
-                        if value is None:
-                            with lock:  # evicted meanwhile, or dropped by the disk tier's verification
-                                late.append(ref)
-                            continue
-                        self._land([(ref, value)], hit.tier or "memory", in_place=in_place)
+                        if value is None:  # evicted meanwhile, or dropped by the disk tier's verification
+                            gone.append(ref)
+                        else:
+                            copied.setdefault(hit.tier or "memory", []).append((ref, value))
+                    if placed:
+                        self._land(placed, "memory", in_place=True)
+                    for tier, chunks in copied.items():
+                        self._land(chunks, tier)
+                    if gone:
+                        with lock:
+                            late.extend(gone)
             except BaseException as exc:  # noqa: BLE001 - handed to the loading thread, which re-raises it
                 errors.append(exc)
 

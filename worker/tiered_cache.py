@@ -134,19 +134,42 @@ class TieredCache:
     def get(self, key: str) -> Lookup:
         held = self._held_chunk(key)
         if held is not None:
-            self._count(miss=False)
+            self._count(1, 0)
             return Lookup(held, "memory")
+        return self._get_copy(key)
+
+    def get_many(self, keys: Sequence[str]) -> list[Lookup]:
+        """``get`` of each key; a held group is referenced once for all of its hits among them."""
+        found: list[Lookup | None] = [None] * len(keys)
+        with self._lock:
+            groups = self._held
+        held = 0
+        for group in groups:
+            n = 0
+            for i, key in enumerate(keys):
+                if found[i] is None and (chunk := group.chunk(key)) is not None:
+                    found[i] = Lookup(chunk, "memory")
+                    n += 1
+            if n:
+                self.memory.get(group.tier_key, hits=n)
+                held += n
+        if held:
+            self._count(held, 0)
+        return [hit if hit is not None else self._get_copy(key) for key, hit in zip(keys, found)]
+
+    def _get_copy(self, key: str) -> Lookup:
+        """A copy of chunk ``key`` in memory, else on disk (promoted into memory)."""
         value = self.memory.get(key)
         if value is not None:
-            self._count(miss=False)
+            self._count(1, 0)
             return Lookup(value, "memory")
         if self.disk is not None:
             value = self.disk.get(key)
             if value is not None:
                 self.memory.put(key, value)
-                self._count(miss=False)
+                self._count(1, 0)
                 return Lookup(value, "disk")
-        self._count(miss=True)
+        self._count(1, 1)
         return Lookup(None, None)
 
     def put(self, key: str, value: Any) -> None:
@@ -255,7 +278,7 @@ class TieredCache:
             out["memory"]["held_chunks"] = sum(len(g.keys) for g in self._held)
         return out
 
-    def _count(self, miss: bool) -> None:
+    def _count(self, lookups: int, misses: int) -> None:
         with self._lock:
-            self._lookups += 1
-            self._full_misses += miss
+            self._lookups += lookups
+            self._full_misses += misses

@@ -236,6 +236,15 @@ def test_a_load_is_one_entry_of_the_memory_tier_referenced_by_its_hits() -> None
     hits = cache.memory.stats().hits
     assert cache.get(held[0].id).tier == "memory" and cache.memory.stats().hits == hits + 1
     assert cache.in_memory_many([held[0].id, "ff" * 32]) == [True, False]
+    # A batch of lookups references the group once and counts every hit and the miss.
+    before, lookups = cache.memory.stats(), cache.stats()["total"]["lookups"]
+    answers = cache.get_many([r.id for r in held] + ["ff" * 32])
+    assert [a.tier for a in answers] == ["memory"] * len(held) + [None]
+    assert all(isinstance(a.value, HeldChunk) and a.value.intact() for a in answers[:-1])
+    after = cache.memory.stats()
+    assert (after.hits - before.hits, after.misses - before.misses) == (len(held), 1)
+    assert cache.stats()["total"]["lookups"] == lookups + len(held) + 1
+    assert cache.stats()["total"]["misses"] >= 1
 
 
 def test_a_tensor_changed_in_place_never_leaks_into_the_next_load() -> None:
