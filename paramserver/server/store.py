@@ -72,6 +72,7 @@ from chunking.hashing import content_id, crc32c, is_content_id
 
 from paramserver.server import codecs
 from paramserver.server.cache import ByteLRU, CacheStats
+from paramserver.server.direct_io import DirectAppender, pwrite_all
 from paramserver.server.errors import (
     ChunkCorruptError,
     ChunkError,
@@ -122,7 +123,6 @@ LEGACY_DIR = "chunks"
 # bigger is ever decoded, so a small frame that claims to inflate to gigabytes is refused.
 DEFAULT_MAX_RAW_BYTES = MAX_CHUNK_SIZE
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-_IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
 _MIGRATE_BATCH_BYTES = 32 * MiB
 _MAX_READ_RUN = 8 * MiB  # get_many reads adjacent records with one pread up to about this many bytes ...
 _COALESCE_MAX = 64 * 1024  # ... of chunks up to this size (larger ones are read alone, without a copy),
@@ -147,6 +147,9 @@ class StoreConfig:
     # and quarantines, segment indexes, compaction copies), so a full disk can still be cleaned up
     meta_reserve_bytes: int = 1 * MiB
     verify_index_on_open: bool = True  # check each .idx entry against its record header on open
+    # appends' whole blocks go around the page cache (O_DIRECT, paramserver.server.direct_io); falls
+    # back to buffered writes, logged once, where the file system refuses it
+    direct_writes: bool = True
 
     def validate(self) -> StoreConfig:
         if not 4 * KiB <= self.segment_bytes <= 1 << 40:
@@ -167,11 +170,11 @@ class StoreConfig:
     def from_extra(cls, extra: Mapping[str, object]) -> StoreConfig:
         """From a server config file's extra keys ``store_segment_bytes``, ``store_compact_live_fraction``,
         ``store_compact_dead_ratio``, ``store_compact_bytes_per_s``, ``store_compact_interval_s``,
-        ``store_meta_reserve_bytes`` and ``store_verify_index_on_open``."""
+        ``store_meta_reserve_bytes``, ``store_verify_index_on_open`` and ``store_direct_writes``."""
         values: dict[str, object] = {}
         for name, kind in (("segment_bytes", int), ("compact_live_fraction", float), ("compact_dead_ratio", float),
                            ("compact_bytes_per_s", int), ("compact_interval_s", float), ("meta_reserve_bytes", int),
-                           ("verify_index_on_open", bool)):
+                           ("verify_index_on_open", bool), ("direct_writes", bool)):
             value = extra.get(f"store_{name}")
             if value is None:
                 continue
@@ -356,6 +359,7 @@ class ChunkStore:
         self._full = False  # the last write found the disk full (logged once per episode)
         self._closed = False
         self._lock_fd = [-1]
+        self._appender = DirectAppender(self.config.direct_writes, self._where)
         self._finalizer = weakref.finalize(self, _close_all, self._segs, self._retired, self._lock_fd)
         self._opened_at = clock()
         self._open()
@@ -979,7 +983,7 @@ class ChunkStore:
                 pos += n
                 i += 1
             try:
-                _pwrite_all(seg.fd, bufs, start)
+                self._appender.write(seg.fd, seg.path, bufs, start)
             except OSError as exc:
                 try:
                     os.ftruncate(seg.fd, start)
@@ -1030,7 +1034,7 @@ class ChunkStore:
                     raise self._full_error(what, os.strerror(exc.errno or 0)) from exc
                 raise
             try:
-                _pwrite_all(fd, [encode_segment_header(no, time.time_ns())], 0)
+                pwrite_all(fd, [encode_segment_header(no, time.time_ns())], 0)
                 if self.fsync:
                     os.fsync(fd)
                     _fsync_dir(self._seg_dir)
@@ -1061,6 +1065,7 @@ class ChunkStore:
 
     def _seal(self, seg: _Segment) -> None:
         """Write the segment's index (best effort: without one, the next open scans the segment)."""
+        self._appender.forget(seg.path)
         records = seg.records or []
         puts = [r for r in records if isinstance(r, PutRecord)]
         tombs = [r for r in records if isinstance(r, TombRecord)]
@@ -1070,7 +1075,7 @@ class ChunkStore:
             blob = encode_index(seg.no, seg.size, puts, tombs)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                _pwrite_all(fd, [blob], 0)
+                pwrite_all(fd, [blob], 0)
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -1293,7 +1298,7 @@ class ChunkStore:
             blob = os.pread(seg.fd, length, off)
             fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                _pwrite_all(fd, [blob], 0)
+                pwrite_all(fd, [blob], 0)
             finally:
                 os.close(fd)
             return target
@@ -1595,6 +1600,7 @@ class ChunkStore:
                 return
             self._closed = True
             self._active = None
+            self._appender.close()
             with self._lock:
                 self._index.clear()
                 for seg in list(self._segs.values()):
@@ -1609,22 +1615,6 @@ class ChunkStore:
                     os.close(self._lock_fd[0])
                     self._lock_fd[0] = -1
         self.cache = ByteLRU(self.cache.capacity_bytes)
-
-
-def _pwrite_all(fd: int, bufs: list[bytes], offset: int) -> None:
-    """pwritev ``bufs`` at ``offset`` (in groups of IOV_MAX), finishing short writes."""
-    i = 0
-    while i < len(bufs):
-        group: list[bytes | memoryview] = list(bufs[i:i + _IOV_MAX])
-        i += len(group)
-        while group:
-            n = os.pwritev(fd, group, offset)
-            offset += n
-            while group and n >= len(group[0]):
-                n -= len(group[0])
-                group.pop(0)
-            if group and n:
-                group[0] = memoryview(group[0])[n:]
 
 
 def _size_of(path: str) -> int:
