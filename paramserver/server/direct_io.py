@@ -87,7 +87,10 @@ def _release(state: list[object]) -> None:
         except OSError:
             pass
     if isinstance(stage, mmap.mmap):
-        stage.close()
+        try:
+            stage.close()
+        except BufferError:
+            pass  # a view is still alive (an exception's frames hold one): freed with the last of them
     state[0], state[1] = -1, None
 
 
@@ -126,6 +129,9 @@ class DirectAppender:
             if done < n:  # refused or short: the rest of this piece through the page cache
                 pwrite_all(fd, [piece[done:]], pos + done)
             pos += n
+            if pos < last and not self.enabled:  # refused: its descriptor is closed, the rest goes buffered
+                pwrite_all(fd, data.take(last - pos), pos)
+                pos = last
         if offset + total > last:
             pwrite_all(fd, data.take(offset + total - last), last)
 
