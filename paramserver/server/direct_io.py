@@ -125,11 +125,11 @@ class DirectAppender:
             n = min(last - pos, len(stage))
             piece = stage[:n]
             data.copy_into(piece)
-            done = self._write_direct(dfd, piece, pos)
+            done, refused = self._write_direct(dfd, piece, pos)
             if done < n:  # refused or short: the rest of this piece through the page cache
                 pwrite_all(fd, [piece[done:]], pos + done)
             pos += n
-            if pos < last and not self.enabled:  # refused: its descriptor is closed, the rest goes buffered
+            if refused and pos < last:  # its descriptor is closed: the rest of the batch goes buffered
                 pwrite_all(fd, data.take(last - pos), pos)
                 pos = last
         if offset + total > last:
@@ -165,20 +165,22 @@ class DirectAppender:
             self._state[1] = stage
         return memoryview(stage)
 
-    def _write_direct(self, dfd: int, piece: memoryview, pos: int) -> int:
-        """Bytes of ``piece`` written at ``pos`` with O_DIRECT (whole blocks only)."""
+    def _write_direct(self, dfd: int, piece: memoryview, pos: int) -> tuple[int, bool]:
+        """Bytes of ``piece`` written at ``pos`` with O_DIRECT (whole blocks only), and whether the
+        file system refused it (O_DIRECT is then off for good)."""
         done = 0
         try:
             while done < len(piece):
                 n = os.pwrite(dfd, piece[done:], pos + done)
                 if n <= 0 or n % ALIGN:
-                    return done + max(n, 0)
+                    return done + max(n, 0), False
                 done += n
         except OSError as exc:
             if exc.errno not in _UNSUPPORTED:
                 raise
             self._disable(exc)
-        return done
+            return done, True
+        return done, False
 
     def _disable(self, exc: OSError) -> None:
         self.enabled = False
