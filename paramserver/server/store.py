@@ -441,8 +441,6 @@ class ChunkStore:
                 seg.records = sorted([*scan.puts, *scan.tombs], key=lambda r: r.off)
             self._segs[segno] = seg
             scans[segno] = scan
-        for seg in self._segs.values():
-            _read_as_asked(seg.fd)  # after the scans above, which read a segment front to back
         view = resolve(scans)
         for cid, (segno, rec) in view.index.items():
             e = _entry(segno, rec.off, rec.stored_size, rec.crc, rec.codec, rec.raw_size)
@@ -1029,7 +1027,6 @@ class ChunkStore:
             path = segment_file(self._seg_dir, no)
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-                _read_as_asked(fd)
             except FileExistsError:
                 continue  # another (read-only) instance cannot create; a stray file: skip its number
             except OSError as exc:
@@ -1618,15 +1615,6 @@ class ChunkStore:
                     os.close(self._lock_fd[0])
                     self._lock_fd[0] = -1
         self.cache = ByteLRU(self.cache.capacity_bytes)
-
-
-def _read_as_asked(fd: int) -> None:
-    """No readahead on a segment: reads are already coalesced (``get_many``), and a replica that
-    serves every third run of a model would otherwise read the runs between them from disk too."""
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-    except (OSError, AttributeError):
-        pass  # advice only
 
 
 def _size_of(path: str) -> int:
