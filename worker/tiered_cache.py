@@ -132,11 +132,7 @@ class TieredCache:
         return cls(memory, disk)
 
     def get(self, key: str) -> Lookup:
-        held = self._held_chunk(key)
-        if held is not None:
-            self._count(1, 0)
-            return Lookup(held, "memory")
-        return self._get_copy(key)
+        return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[str]) -> list[Lookup]:
         """``get`` of each key; a held group is referenced once for all of its hits among them."""
@@ -187,12 +183,6 @@ class TieredCache:
             if chunk is not None:
                 return chunk
         return None
-
-    def _held_chunk(self, key: str) -> HeldChunk | None:
-        chunk = self.held(key)
-        if chunk is not None:
-            self.memory.get(chunk.group.tier_key)  # a reference to the whole group
-        return chunk
 
     def hold_group(self, group: HeldGroup, nbytes: int) -> bool:
         """Keep a completed load's chunks (``group``) as one memory-tier entry charged ``nbytes``

@@ -20,6 +20,7 @@ import mmap
 import os
 import weakref
 from collections.abc import Sequence
+from typing import cast
 
 log = logging.getLogger(__name__)
 
@@ -145,8 +146,8 @@ class DirectAppender:
         self._finalizer()
 
     def _descriptor(self, path: str) -> int | None:
-        if self._path == path and isinstance(self._state[0], int) and self._state[0] >= 0:
-            return self._state[0]
+        if self._path == path:  # set only while its descriptor is open
+            return cast(int, self._state[0])
         self._close_descriptor()
         try:
             fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
