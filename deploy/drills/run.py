@@ -39,8 +39,9 @@ EXIT_CANNOT_RUN = 2
 # Server options of a fresh drill cluster, per drill (every drill adds --no-fsync: kill -9 keeps the page cache).
 FRESH_SERVER_ARGS: dict[str, tuple[str, ...]] = {
     # No hot cache, so reads reach the corrupt files; quick repair; a slow scrubber, so the
-    # read-path phases are not raced by it (one pass over a drill's data takes ~10 s at 1 MB/s).
-    "corrupt-chunk": ("--cache-mb", "0", "--repair-interval", "0.5", "--scrub-mb-per-s", "1"),
+    # read-path phases are not raced by it (one pass over a drill's data takes ~10 s at 1 MB/s),
+    # kept at that rate while the drill's loads run (it would slow to an eighth under traffic).
+    "corrupt-chunk": ("--cache-mb", "0", "--repair-interval", "0.5", "--scrub-mb-per-s", "1", "--scrub-busy-fraction", "1"),
     "restart-server": ("--anti-entropy-interval", "2"),
 }
 

@@ -78,6 +78,11 @@ def _parser() -> argparse.ArgumentParser:
                    "(tests and drills only: a power loss can lose chunks and acknowledged commits)")
     s.add_argument("--scrub-mb-per-s", type=int,
                    help=f"background verification rate, 0 disables (default {d['scrub_bytes_per_s'] // MiB})")
+    s.add_argument("--scrub-busy-fraction", type=float, dest="scrub_busy_fraction",
+                   help="fraction of that rate the scrubber keeps while this server serves reads or writes "
+                        f"(1 keeps the full rate; default {d['scrub_busy_fraction']})")
+    s.add_argument("--scrub-quiet", type=float, dest="scrub_quiet_s",
+                   help=f"seconds without reads or writes after which the scrubber is back at its full rate (default {d['scrub_quiet_s']})")
     s.add_argument("--repair-interval", type=float, dest="repair_interval_s",
                    help=f"seconds between repair passes (default {d['repair_interval_s']})")
     s.add_argument("--anti-entropy-interval", type=float, dest="anti_entropy_interval_s",
@@ -114,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
 def _overrides(a: argparse.Namespace) -> dict[str, Any]:
     o: dict[str, Any] = {k: getattr(a, k) for k in (
         "server_id", "data_dir", "listen", "advertise", "raft", "zone", "replication_factor", "write_quorum", "vnodes",
-        "tls_cert", "tls_key", "tls_ca", "repair_interval_s",
+        "tls_cert", "tls_key", "tls_ca", "repair_interval_s", "scrub_busy_fraction", "scrub_quiet_s",
         "anti_entropy_interval_s", "gc_interval_s", "orphan_grace_s", "workers", "bulk_listen")}
     o["peers"] = tuple(a.peers) if a.peers else None
     # Secrets: a file flag, else the environment; never a value on the command line (ps shows it to everyone).

@@ -89,6 +89,10 @@ class ServerConfig:
     get_message_bytes: int = DEFAULT_GET_MESSAGE_BYTES
     fsync: bool = True
     scrub_bytes_per_s: int = 64 * MiB
+    # While the store served reads or writes within the last scrub_quiet_s, the scrubber runs at
+    # this fraction of its rate: its re-reads and hashes would take CPU from the push or load.
+    scrub_busy_fraction: float = 0.125
+    scrub_quiet_s: float = 2.0
     repair_interval_s: float = 5.0
     anti_entropy_interval_s: float = 10.0  # how often each server re-checks that its chunks have all R replicas
     gc_interval_s: float = 600.0  # orphan-chunk collection period; 0 disables it
@@ -193,6 +197,10 @@ class ServerConfig:
             raise ConfigError(f"get_message_bytes must be between 64 KiB and max_message_bytes/2, got {self.get_message_bytes}")
         if self.scrub_bytes_per_s < 0:
             raise ConfigError(f"scrub_bytes_per_s must be >= 0 (0 disables the scrubber), got {self.scrub_bytes_per_s}")
+        if not 0.0 <= self.scrub_busy_fraction <= 1.0:
+            raise ConfigError(f"scrub_busy_fraction must be within [0, 1] (1: no slowdown under traffic), got {self.scrub_busy_fraction}")
+        if self.scrub_quiet_s < 0:
+            raise ConfigError(f"scrub_quiet_s must be >= 0 (0: never counted busy), got {self.scrub_quiet_s}")
         if self.repair_interval_s <= 0:
             raise ConfigError(f"repair_interval_s must be > 0, got {self.repair_interval_s}")
         if self.anti_entropy_interval_s <= 0:

@@ -78,6 +78,8 @@ class ServerCollector(Collector):
             ("paramserver_scrub_corrupt_chunks", "chunks the scrubber found corrupt (quarantined, queued for repair)",
              scrub.corrupt_total if scrub else 0),
             ("paramserver_scrub_passes", "complete passes of the scrubber over the store", scrub.passes if scrub else 0),
+            ("paramserver_scrub_busy_steps", "scrub steps run at the busy rate (the store was serving reads or writes)",
+             scrub.busy_steps if scrub else 0),
         ):
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric([self.server_id], float(value))

@@ -21,7 +21,7 @@ from paramserver.server.config import ServerConfig, is_loopback_host
 from paramserver.server.gc import OrphanCollector, References
 from paramserver.server.hot_chunks import STATE_FILE, HotChunks, HotConfig
 from paramserver.server.metrics import ServerCollector, serve_metrics
-from paramserver.server.repair import RepairQueue, Repairer, Scrubber
+from paramserver.server.repair import RepairQueue, Repairer, Scrubber, TrafficWatch
 from paramserver.server.replication import ReReplicator
 from paramserver.wire.ring import RingConfig
 from paramserver.server.metaservice import cluster_id
@@ -95,7 +95,8 @@ class ParamServer:
         ]
         scrubber: Scrubber | None = None
         if cfg.scrub_bytes_per_s:
-            scrubber = Scrubber(store, queue)
+            scrubber = Scrubber(store, queue, traffic=TrafficWatch(lambda: store.traffic, cfg.scrub_quiet_s),
+                                busy_fraction=cfg.scrub_busy_fraction)
             self._tasks.append(Periodic("scrub", 1.0, lambda: scrubber.step(cfg.scrub_bytes_per_s)))
         if cfg.gc_interval_s:
             gc = OrphanCollector(references, store, grace_s=cfg.orphan_grace_s)

@@ -160,6 +160,7 @@ class ScrubReport:
     bytes_checked: int
     corrupt: list[str]
     finished_pass: bool  # the walk reached the end of the store (next step starts over)
+    busy: bool = False  # the step ran at the busy rate (the store served traffic within the quiet time)
 
 
 # What one chunk's check costs besides its bytes (index lookup, read call, header checks, the
@@ -167,6 +168,27 @@ class ScrubReport:
 # it a store of 4 KiB chunks is checked at 16,000 chunks a second for the same byte budget, most of
 # a core, and a loaded server starves its own Raft ticks.
 SCRUB_CHUNK_OVERHEAD_BYTES = 64 << 10
+
+
+class TrafficWatch:
+    """Whether a store is serving traffic: its ``traffic`` count grew within the last ``quiet_s``.
+
+    Asked once per scrub step; ``count`` is read, never reset, so nothing on the read and write
+    paths pays more than the increment they already do."""
+
+    def __init__(self, count: Callable[[], int], quiet_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.count = count
+        self.quiet_s = quiet_s
+        self.clock = clock
+        self._seen = count()
+        self._busy_until = float("-inf")
+
+    def busy(self) -> bool:
+        now, seen = self.clock(), self.count()
+        if seen != self._seen:
+            self._seen = seen
+            self._busy_until = now + self.quiet_s
+        return now < self._busy_until
 
 
 class Scrubber:
@@ -178,11 +200,22 @@ class Scrubber:
     step's budget is paid for by the next steps (they check nothing until the debt is paid), so
     the long-run rate stays at ``budget_bytes`` per step. Corrupt chunks are quarantined by the
     store and added to the repair queue. Reports and metrics count the bytes checked, not the charge.
+
+    With ``traffic`` (a TrafficWatch of the store), a step while the store serves reads or writes
+    gets ``busy_fraction`` of its budget: the scrubber re-reads and re-hashes every byte it checks,
+    and on a server whose cores also receive a push or serve a load that work is taken from them.
+    The fraction is not zero, so a server that is never idle is still scrubbed, more slowly.
     """
 
-    def __init__(self, store: ChunkStore, queue: RepairQueue) -> None:
+    def __init__(self, store: ChunkStore, queue: RepairQueue, *, traffic: TrafficWatch | None = None,
+                 busy_fraction: float = 1.0) -> None:
+        if not 0.0 <= busy_fraction <= 1.0:
+            raise ValueError(f"busy_fraction must be within [0, 1], got {busy_fraction}")
         self.store = store
         self.queue = queue
+        self.traffic = traffic
+        self.busy_fraction = busy_fraction
+        self.busy_steps = 0  # steps run at the busy rate, for /metrics
         self._walk: Iterator[str] | None = None
         self._debt = 0  # raw bytes checked beyond earlier steps' budgets
         self.passes = 0
@@ -195,9 +228,13 @@ class Scrubber:
         checked = nbytes = charged = 0
         corrupt: list[str] = []
         finished = False
+        busy = self.traffic is not None and self.traffic.busy()
+        if busy:
+            self.busy_steps += 1
+            budget_bytes = int(budget_bytes * self.busy_fraction)
         if self._debt >= budget_bytes:
             self._debt -= budget_bytes
-            return ScrubReport(0, 0, corrupt, False)
+            return ScrubReport(0, 0, corrupt, False, busy)
         budget, self._debt = budget_bytes - self._debt, 0
         if self._walk is None:
             self._walk = self.store.iter_ids()
@@ -226,7 +263,8 @@ class Scrubber:
         self.checked_total += checked
         self.bytes_total += nbytes
         self.corrupt_total += len(corrupt)
-        return ScrubReport(checked, nbytes, corrupt, finished)
+        return ScrubReport(checked, nbytes, corrupt, finished, busy)
 
 
-__all__ = ["RepairQueue", "RepairItem", "Repairer", "RepairReport", "SCRUB_CHUNK_OVERHEAD_BYTES", "Scrubber", "ScrubReport", "Fetcher"]
+__all__ = ["RepairQueue", "RepairItem", "Repairer", "RepairReport", "SCRUB_CHUNK_OVERHEAD_BYTES", "Scrubber", "ScrubReport", "Fetcher",
+           "TrafficWatch"]

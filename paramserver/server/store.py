@@ -354,6 +354,9 @@ class ChunkStore:
         self._live_bytes = 0
         self._quarantined = 0
         self._compacted = 0
+        # Calls of get, get_many and put_many (the reads and writes of clients, peers and repair; not
+        # the scrubber's): it only ever grows, and the scrubber slows down while it does.
+        self.traffic = 0
         self._generation = 0  # bumped whenever the set of stored chunks changes
         self._losses = 0  # bumped whenever chunks leave the store (deleted, quarantined)
         self._full = False  # the last write found the disk full (logged once per episode)
@@ -556,6 +559,7 @@ class ChunkStore:
 
     def get(self, chunk_id: str, *, use_cache: bool = True) -> StoredChunk:
         """The stored chunk, its id and CRC32C checked. Raises ChunkNotFoundError or ChunkCorruptError."""
+        self.traffic += 1
         if use_cache:
             hit = self.cache.get(chunk_id)
             if hit is not None:
@@ -574,6 +578,7 @@ class ChunkStore:
         Anything that does not check out is read again alone, as ``get`` does, which retries a
         record that moved and quarantines a corrupt one.
         """
+        self.traffic += 1
         out: list[StoredChunk | ChunkError | None] = [None] * len(chunk_ids)
         cache = self.cache
         todo: list[int] = []
@@ -838,6 +843,7 @@ class ChunkStore:
         Each chunk is proven first; at the first invalid one the chunks before it are stored (durably)
         and its error is raised. A full disk raises StoreFullError and stores none of the batch.
         """
+        self.traffic += 1
         valid: list[tuple[str, bytes, str, int, int]] = []
         error: ParamServerError | None = None
         for chunk in chunks:

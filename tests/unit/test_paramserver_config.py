@@ -34,6 +34,8 @@ def test_defaults_validate_and_quorum(tmp_path: Path) -> None:
         ({"tls_cert": Path("/nonexistent.pem")}, "tls_cert and tls_key"),
         ({"max_message_bytes": 1024}, "max_message_bytes"),
         ({"peers": ("127.0.0.1:7100",)}, "own raft address"),
+        ({"scrub_busy_fraction": 1.5}, "scrub_busy_fraction"),
+        ({"scrub_quiet_s": -1.0}, "scrub_quiet_s"),
     ],
 )
 def test_invalid_configs_say_what_to_fix(tmp_path: Path, kw: dict[str, object], fragment: str) -> None:

@@ -15,7 +15,7 @@ from paramserver.server.errors import (
     InvalidChunkError,
     UnknownCodecError,
 )
-from paramserver.server.repair import SCRUB_CHUNK_OVERHEAD_BYTES, RepairQueue, Repairer, Scrubber
+from paramserver.server.repair import SCRUB_CHUNK_OVERHEAD_BYTES, RepairQueue, Repairer, Scrubber, TrafficWatch
 from paramserver.server.segments import write_in_place
 from paramserver.server.store import HEADER_SIZE, ChunkStore, StoredChunk, decode_header
 
@@ -212,6 +212,35 @@ def test_scrubber_charges_each_chunk_so_small_chunks_do_not_multiply_its_work(tm
     report = scrubber.step(budget_bytes=1 << 20)
     assert report.checked == -(-(1 << 20) // (4 * KiB + SCRUB_CHUNK_OVERHEAD_BYTES))
     assert report.bytes_checked == report.checked * 4 * KiB
+
+
+def test_scrubber_slows_to_its_busy_fraction_while_the_store_serves_traffic(tmp_path: Path) -> None:
+    store = ChunkStore(tmp_path / "a", cache_bytes=0, fsync=False)
+    chunks = [raw_chunk(4 * KiB, seed=i) for i in range(64)]
+    store.put_many(chunks)
+    now = [100.0]
+    watch = TrafficWatch(lambda: store.traffic, quiet_s=2.0, clock=lambda: now[0])
+    scrubber = Scrubber(store, RepairQueue(clock=lambda: 0.0), traffic=watch, busy_fraction=0.25)
+    per_chunk = 4 * KiB + SCRUB_CHUNK_OVERHEAD_BYTES
+    budget = 8 * per_chunk
+    idle = scrubber.step(budget_bytes=budget)  # nothing served since the watch began: the full rate
+    assert not idle.busy and idle.checked == 8
+    store.get(chunks[0][0])  # a client read
+    busy = scrubber.step(budget_bytes=budget)
+    assert busy.busy and busy.checked == 2 and scrubber.busy_steps == 1
+    now[0] += 1.5  # still within the quiet time: busy, though nothing new was served
+    assert scrubber.step(budget_bytes=budget).checked == 2
+    now[0] += 0.6  # 2.1 s after the read: quiet again
+    assert scrubber.step(budget_bytes=budget).checked == 8
+    before = store.traffic
+    scrubber.step(budget_bytes=budget)  # the scrubber's own reads are not traffic
+    assert store.traffic == before
+    store.put_many([raw_chunk(4 * KiB, seed=99)])  # a write counts too
+    assert scrubber.step(budget_bytes=budget).busy
+    frozen = Scrubber(store, RepairQueue(clock=lambda: 0.0), traffic=watch, busy_fraction=0.0)
+    assert frozen.step(budget_bytes=budget).checked == 0  # fraction 0: nothing while busy
+    with pytest.raises(ValueError, match="busy_fraction"):
+        Scrubber(store, RepairQueue(), busy_fraction=1.5)
 
 
 def test_scrubber_finds_untouched_corruption_and_repairer_restores(tmp_path: Path) -> None:
