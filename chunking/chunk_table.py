@@ -12,9 +12,8 @@ import gc
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import cached_property
-from typing import overload
+from typing import NamedTuple, overload
 
 import numpy as np
 
@@ -53,9 +52,13 @@ def collector_paused(enabled: bool = True) -> Iterator[None]:
                 gc.enable()
 
 
-@dataclass(frozen=True)
-class ChunkRef:
-    index: int
+class ChunkRef(NamedTuple):
+    """One row of a manifest's chunk table. A named tuple, not a frozen dataclass: a load makes
+    one per distinct chunk, half a million for a checkpoint of 4 KiB chunks, and a dataclass (an
+    object and its attribute dict) took three times the memory and the time to make. Manifests
+    are encoded from the table's columns, never from refs, so ``created_at`` needs no coercion."""
+
+    index: int  # type: ignore[assignment]  # shadows tuple.index, which no caller of a ref uses
     id: str
     raw_size: int
     stored_size: int
@@ -64,10 +67,15 @@ class ChunkRef:
     introduced_in: int
     created_at: float
 
-    def __post_init__(self) -> None:
-        # JSON writes 0 and 0.0 differently; always a float keeps the bytes canonical.
-        object.__setattr__(self, "created_at", float(self.created_at))
 
+
+def _shared(column: np.ndarray) -> list[int] | list[float]:
+    """``column.tolist()`` with one Python object per distinct value."""
+    values, inverse = np.unique(column, return_inverse=True)
+    if len(values) == len(column):
+        return column.tolist()  # type: ignore[no-any-return]
+    objects = values.tolist()
+    return [objects[k] for k in inverse.tolist()]
 
 
 class ChunkTable(Sequence[ChunkRef]):
@@ -199,24 +207,15 @@ class ChunkTable(Sequence[ChunkRef]):
     def _refs(self, picked: np.ndarray) -> list[ChunkRef]:
         ids = self.ids
         codecs = self.codecs
-        # The fields are already of the right types, so the frozen dataclass's __init__ (one
-        # object.__setattr__ per field) is skipped; and the collector is paused while a block of
-        # refs (acyclic) is made: its passes over the growing heap cost 3x the making.
-        new, set_dict = object.__new__, object.__setattr__
-        out: list[ChunkRef] = []
-        append = out.append
+        # The collector is paused while a block of refs (acyclic) is made: its passes over the
+        # growing heap cost 3x the making. Columns that repeat a few values (sizes, codecs, time
+        # stamps) give every ref the same Python objects instead of one int or float each.
         with collector_paused():
-            for i, raw, stored, codec, crc, intro, created in zip(
-                picked.tolist(), self.raw_size[picked].tolist(), self.stored_size[picked].tolist(),
-                self.codec_index[picked].tolist(), self.crc32c[picked].tolist(), self.introduced_in[picked].tolist(),
-                self.created_at[picked].tolist(),
-            ):
-                ref = new(ChunkRef)
-                set_dict(ref, "__dict__", {"index": i, "id": ids[i], "raw_size": raw, "stored_size": stored,
-                                           "codec": codecs[codec], "crc32c": crc, "introduced_in": intro,
-                                           "created_at": created})
-                append(ref)
-        return out
+            return list(map(ChunkRef._make, zip(
+                picked.tolist(), [ids[i] for i in picked.tolist()], _shared(self.raw_size[picked]),
+                _shared(self.stored_size[picked]), [codecs[c] for c in self.codec_index[picked].tolist()],
+                self.crc32c[picked].tolist(), _shared(self.introduced_in[picked]), _shared(self.created_at[picked]),
+            )))
 
     def __iter__(self) -> Iterator[ChunkRef]:
         return self.rows(range(len(self)))

@@ -210,7 +210,7 @@ class FolderPackStream:
             for ref, data in file_chunks(f.source, self.config):
                 refs.append(ref)
                 self._file_index[at] = (f.source, ref.index, ref)
-                block.append((dataclasses.replace(ref, index=at), data))
+                block.append((ref._replace(index=at), data))
                 at += 1
             if sum(r.raw_size for r in refs) != f.size:
                 raise ChunkingError(f"{f.path} changed while it was being pushed; push again once it stays the same")

@@ -13,7 +13,6 @@ id in either mode.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import NamedTuple
 
 from chunking.codec import decode_chunk
@@ -56,7 +55,7 @@ class Verifier:
         content = self.mode == "content"
         if arrival.codec == ref.codec and arrival.crc32c == ref.crc32c:
             return decode_chunk(ref, arrival.data, algorithm=self.algorithm, check_id=content)
-        theirs = dataclasses.replace(ref, codec=arrival.codec, crc32c=arrival.crc32c, stored_size=len(memoryview(bytes_like(arrival.data))))
+        theirs = ref._replace(codec=arrival.codec, crc32c=arrival.crc32c, stored_size=len(memoryview(bytes_like(arrival.data))))
         return decode_chunk(theirs, arrival.data, algorithm=self.algorithm, check_id=True)
 
 

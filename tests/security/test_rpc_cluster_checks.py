@@ -160,7 +160,7 @@ def test_a_manifest_of_another_model_is_refused(cluster: LocalCluster, pushed: t
 def test_a_wrong_chunk_crc_is_refused_naming_the_chunk(cluster: LocalCluster, pushed: tuple[int, Manifest]) -> None:
     number, manifest = pushed
     victim = manifest.chunks[1].id
-    chunks = tuple(dataclasses.replace(c, crc32c=c.crc32c ^ 0x5A5A) if c.id == victim else c for c in manifest.chunks)
+    chunks = tuple(c._replace(crc32c=c.crc32c ^ 0x5A5A) if c.id == victim else c for c in manifest.chunks)
     forged = store_manifest(cluster, dataclasses.replace(manifest, chunks=chunks))
     code, details = commit_error(cluster, "checked", forged, number)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and victim in details and "CRC32C" in details
@@ -187,11 +187,11 @@ def test_replicas_answer_stored_crcs_and_the_check_compares_them(servers: list[R
     blobs = packed.source()
     good = packed.manifest
     victim = good.chunks[0].id
-    bad = dataclasses.replace(good, chunks=tuple(dataclasses.replace(c, crc32c=c.crc32c ^ 1) if c.id == victim else c
+    bad = dataclasses.replace(good, chunks=tuple(c._replace(crc32c=c.crc32c ^ 1) if c.id == victim else c
                                                  for c in good.chunks))
     first = good.chunks[0]
     recoded = dataclasses.replace(good, chunks=tuple(
-        dataclasses.replace(c, codec="zstd", stored_size=c.stored_size // 3, crc32c=c.crc32c ^ 7) if c.id == first.id else c
+        c._replace(codec="zstd", stored_size=c.stored_size // 3, crc32c=c.crc32c ^ 7) if c.id == first.id else c
         for c in good.chunks))
     for manifest in (good, bad, recoded):
         blobs[content_id(manifest.to_bytes())] = manifest.to_bytes()

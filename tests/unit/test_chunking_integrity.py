@@ -1,7 +1,6 @@
 """Corrupt chunks and manifests are detected and named, never loaded."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import random
 
@@ -71,7 +70,7 @@ def test_content_id_is_checked_even_when_crc_matches() -> None:
     ref = result.manifest.chunks[0]
     data = bytearray(result.chunk(0).data)
     data[10] ^= 0xFF
-    forged = dataclasses.replace(ref, crc32c=crc32c(bytes(data)))
+    forged = ref._replace(crc32c=crc32c(bytes(data)))
     with pytest.raises(ChunkCorrupt, match="content hash"):
         decode_chunk(forged, bytes(data))
 
@@ -79,11 +78,11 @@ def test_content_id_is_checked_even_when_crc_matches() -> None:
 def test_decompression_bomb_is_refused() -> None:
     ref0 = pack({"w": torch.linspace(0, 1, 1024)}, model="m", config=ChunkingConfig(chunk_size=SMALL, codec="on")).manifest.chunks[0]
     bomb = zstandard.ZstdCompressor(level=1).compress(b"\0" * (64 << 20))
-    ref = dataclasses.replace(ref0, stored_size=len(bomb), crc32c=crc32c(bomb), codec="zstd")
+    ref = ref0._replace(stored_size=len(bomb), crc32c=crc32c(bomb), codec="zstd")
     with pytest.raises(DecompressionBomb, match="more than the declared"):
         decode_chunk(ref, bomb)
     blind = zstandard.ZstdCompressor(level=1, write_content_size=False).compress(b"\0" * 8192)
-    ref = dataclasses.replace(ref0, stored_size=len(blind), crc32c=crc32c(blind), codec="zstd")
+    ref = ref0._replace(stored_size=len(blind), crc32c=crc32c(blind), codec="zstd")
     with pytest.raises(DecompressionBomb, match="does not declare"):
         decode_chunk(ref, blind)
 
