@@ -80,8 +80,15 @@ class HeatReport:
     ) -> HeatReport:
         """A report from ``(chunk_index, count, first_access_order)`` rows, e.g. a ``GetHeat``
         reply, whose order is already the servers' aggregate rank."""
-        rows = {int(i): (int(c), int(r), 1) for i, c, r in entries}
-        return _build(model, int(version), max(1, int(sources)), rows)
+        rows = np.asarray(entries if isinstance(entries, (list, tuple)) else list(entries), dtype=np.int64).reshape(-1, 3)
+        index, count, rank = rows[:, 0], rows[:, 1], rows[:, 2]
+        if len(np.unique(index)) != len(index):  # an index sent twice: the last row counts, as in a dict
+            return _build(model, int(version), max(1, int(sources)), {int(i): (int(c), int(r), 1) for i, c, r in rows.tolist()})
+        # Every row seen once: ordered by (rank, -count, index) with one lexsort, as _build's
+        # plain_key orders them (a GetHeat reply of a 4 KiB-chunk model has 10^5+ rows).
+        order = np.lexsort((index, -count, rank))
+        return HeatReport(model, int(version), max(1, int(sources)), tuple(index[order].tolist()),
+                          tuple(count[order].tolist()), tuple(rank[order].tolist()), (1,) * len(order))
 
     def count(self, index: int) -> int:
         try:
@@ -134,9 +141,11 @@ class HeatmapRecorder:
                 counts[index] = counts.get(index, 0) + 1
 
     def snapshot(self) -> HeatReport:
+        # The rank of an index is its place in first-access (insertion) order, so the rows are
+        # already in _build's order: ranks are distinct and rising.
         with self._lock:
-            rows = {index: (count, rank, 1) for rank, (index, count) in enumerate(self._counts.items())}
-        return _build(self.model, self.version, 1, rows)
+            indices, counts = tuple(self._counts), tuple(self._counts.values())
+        return HeatReport(self.model, self.version, 1, indices, counts, tuple(range(len(indices))), (1,) * len(indices))
 
     def reset(self) -> None:
         """Start a new reporting period (after a report was sent)."""

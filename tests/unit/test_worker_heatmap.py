@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from worker.errors import HeatmapMismatch
-from worker.heatmap import HeatmapRecorder, HeatReport, merge, prefetch_order
+from worker.heatmap import HeatmapRecorder, HeatReport, _build, merge, prefetch_order
 
 
 def report_of(accesses: list[int], model: str = "m", version: int = 1) -> HeatReport:
@@ -103,3 +103,21 @@ def test_prefetch_order_of_a_whole_range_matches_the_general_rule() -> None:
     r = report_of([7, 2, 5, 2, 40, -1])
     for rows in (range(10), range(3, 9), range(0)):
         assert prefetch_order(r, rows) == prefetch_order(r, list(rows))
+
+
+@given(st.lists(st.tuples(st.integers(0, 300), st.integers(0, 5), st.integers(0, 50)), max_size=60))
+def test_from_entries_orders_rows_as_the_general_build_does(entries: list[tuple[int, int, int]]) -> None:
+    # The array path (one lexsort) and the general one (a sort with a key per row) agree,
+    # ties and an index sent twice included.
+    fast = HeatReport.from_entries("m", 1, entries)
+    slow = _build("m", 1, 1, {i: (c, r, 1) for i, c, r in entries})
+    assert fast == slow
+
+
+def test_snapshot_is_first_access_order_with_counts() -> None:
+    rec = HeatmapRecorder("m", 2)
+    rec.record_many([5, 3, 5, 9])
+    rec.record(3)
+    snap = rec.snapshot()
+    assert snap == _build("m", 2, 1, {5: (2, 0, 1), 3: (2, 1, 1), 9: (1, 2, 1)})
+    assert snap.indices == (5, 3, 9) and snap.counts == (2, 2, 1) and snap.entries() == [(5, 2, 0), (3, 2, 1), (9, 1, 2)]
