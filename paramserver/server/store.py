@@ -638,7 +638,7 @@ class ChunkStore:
                     chunk = StoredChunk(chunk_ids[k], data, h.codec, h.raw_size, h.crc32c)
                     out[k] = chunk
                     if self._index.get(chunk_ids[k]) is e:
-                        cache.put(chunk_ids[k], chunk, len(data))
+                        cache.put(chunk_ids[k], chunk, len(data), scan=True)  # a batch: a load or pull walking a model
                 i = j
         except BaseException:
             # A failed read (an I/O error) must not leave the records not yet read pinned.
