@@ -68,7 +68,6 @@ class ChunkRef(NamedTuple):
     created_at: float
 
 
-
 def _shared(column: np.ndarray) -> list[int] | list[float]:
     """``column.tolist()`` with one Python object per distinct value."""
     values, inverse = np.unique(column, return_inverse=True)

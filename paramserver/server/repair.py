@@ -173,8 +173,9 @@ SCRUB_CHUNK_OVERHEAD_BYTES = 64 << 10
 class TrafficWatch:
     """Whether a store is serving traffic: its ``traffic`` count grew within the last ``quiet_s``.
 
-    Asked once per scrub step; ``count`` is read, never reset, so nothing on the read and write
-    paths pays more than the increment they already do."""
+    Asked once per scrub step. ``count`` is only read, never reset: the read and write paths pay
+    one integer increment a call and take no lock for it (a lost increment under threads only
+    delays "busy" by a step)."""
 
     def __init__(self, count: Callable[[], int], quiet_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.count = count
