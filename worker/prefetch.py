@@ -414,7 +414,7 @@ class Prefetcher:
             net_thread = threading.Thread(target=self._fetch, args=(misses, net_error), name="paramworker-prefetch", daemon=True)
             net_thread.start()
         late: list[ChunkRef] = []
-        if cache is not None:
+        if cache is not None and len(misses) < len(order):  # a cold load has no hits: no set of half a million ids
             missing = {r.id for r in misses}
             hits = [r for r in order if r.id not in missing and r.id not in self._done]
             late = self._land_hits(cache, hits)
