@@ -17,7 +17,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Generic, Hashable, Iterable, TypeVar
+from typing import Callable, Generic, Hashable, Iterable, Sequence, TypeVar
 
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
@@ -59,6 +59,34 @@ class ByteLRU(Generic[K, V]):
             self._items.move_to_end(key)
             self._hits += 1
             return item[0]
+
+    def get_many(self, keys: Sequence[K]) -> list[V | None]:
+        """``get`` of each key under one acquisition of the lock."""
+        out: list[V | None] = []
+        with self._lock:
+            items = self._items
+            if not items:
+                self._misses += len(keys)
+                return [None] * len(keys)
+            now = self.clock()
+            hits = 0
+            for key in keys:
+                item = items.get(key)
+                if item is None:
+                    out.append(None)
+                    continue
+                items[key] = (item[0], item[1], now)
+                items.move_to_end(key)
+                hits += 1
+                out.append(item[0])
+            self._hits += hits
+            self._misses += len(keys) - hits
+        return out
+
+    def put_many(self, entries: Iterable[tuple[K, V, int]], *, scan: bool = False) -> None:
+        """``put`` of each ``(key, value, nbytes)``."""
+        for key, value, nbytes in entries:
+            self.put(key, value, nbytes, scan=scan)
 
     def put(self, key: K, value: V, nbytes: int, *, scan: bool = False) -> bool:
         """Insert (or refresh) ``key``; False when it is too large to cache, or (``scan``) when room

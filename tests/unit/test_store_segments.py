@@ -20,6 +20,7 @@ from paramserver.server.records import (
     TOMB_SIZE,
     PutRecord,
     TombRecord,
+    encode_header,
     encode_index,
     encode_segment_header,
     encode_tombstone,
@@ -529,6 +530,30 @@ def test_get_many_reads_adjacent_records_together_and_answers_like_get(tmp_path:
     # damaged one once more alone: about ten reads where get() of each would make eighty.
     assert len(reads) <= 10, reads
     assert max(reads) >= 30 * (4 * KiB)  # one run held most of the small records
+    store.close()
+
+
+@pytest.mark.parametrize("damage", ["swapped id", "header byte", "stored size"])
+def test_get_many_checks_every_header_of_a_run(tmp_path: Path, damage: str) -> None:
+    # Records read together are checked as arrays: a header that names another chunk (its own CRC
+    # made right), a flipped header byte, a size that disagrees with the index: each is read again
+    # alone and refused like get() refuses it, and its neighbours in the run are served.
+    lost: list[str] = []
+    store = ChunkStore(tmp_path, cache_bytes=0, on_corrupt=lambda cid, why: lost.append(cid))
+    chunks = [raw_chunk(4 * KiB, seed=i) for i in range(12)]
+    store.put_many(chunks)
+    bad = store.locate(chunks[5][0])
+    assert bad is not None
+    if damage == "swapped id":
+        other = chunks[6]
+        write_in_place(bad.path, bad.record_offset, encode_header("raw", 4 * KiB, 4 * KiB, chunks[5][4], other[0]))
+    elif damage == "header byte":
+        write_in_place(bad.path, bad.record_offset + 30, b"\x7f")
+    else:
+        write_in_place(bad.path, bad.record_offset, encode_header("raw", 4 * KiB, 4 * KiB - 1, chunks[5][4], chunks[5][0]))
+    got = store.get_many([c[0] for c in chunks])
+    assert isinstance(got[5], ChunkCorruptError) and lost == [chunks[5][0]]
+    assert [g.data for k, g in enumerate(got) if k != 5] == [c[1] for k, c in enumerate(chunks) if k != 5]  # type: ignore[union-attr]
     store.close()
 
 
