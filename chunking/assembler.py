@@ -70,7 +70,6 @@ class Assembler:
         self._lock = threading.Lock()
         self._written = bytearray(self._plan.count)
         self._remaining = [len(c) for c in self._plan.tensor_chunks]
-        self._by_id: dict[str, tuple[int, ...]] = manifest.chunks.indices_by_id()
         self._missing = self._plan.count
         self._ready: list[str] = []
         for i, left in enumerate(self._remaining):
@@ -101,13 +100,14 @@ class Assembler:
     def add_stored(self, ref: ChunkRef, stored: Buffer) -> None:
         """Verify a stored chunk (CRC32C, size, content id) and write it wherever the manifest uses it."""
         mine = self._own_ref(ref)
-        indices = [i for i in self._by_id[mine.id] if not self._written[i]]
+        rows = self._rows(mine.index)
+        indices = [i for i in rows if not self._written[i]]
         if not indices:
             return
         try:
             raw = decode_chunk(mine, stored, algorithm=self.manifest.hash_algorithm)
         except ChunkCorrupt as exc:
-            names = {n: None for i in self._by_id[mine.id] for n in self.manifest.tensors_of_chunk(i)}
+            names = {n: None for i in rows for n in self.manifest.tensors_of_chunk(i)}
             raise type(exc)(exc.chunk_id, exc.reason, tuple(names), mine.index) from None
         for i in indices:
             self.write_chunk(i, raw)
@@ -146,10 +146,10 @@ class Assembler:
         for name in ready:
             self._mark_ready(name)
 
-    @property
-    def indices_by_id(self) -> Mapping[str, tuple[int, ...]]:
-        """Chunk id -> every index of the manifest that holds it."""
-        return self._by_id
+    def _rows(self, index: int) -> tuple[int, ...]:
+        """Every index of the manifest that holds the id of chunk ``index``."""
+        table = self.manifest.chunks
+        return table.rows_of(int(table.first_of[index]))
 
     def _direct_segment(self, index: int) -> Segment | None:
         if not self.private_targets or self._written[index]:
@@ -181,7 +181,7 @@ class Assembler:
         s = self._direct_segment(index)
         if s is None:
             raise ValueError(f"chunk #{index} has no direct view (written already, or not one whole CPU region)")
-        ids = self._by_id[self.manifest.chunks.ids[index]]
+        ids = self._rows(index)
         if len(ids) > 1:
             dst = self._cpu[s.tensor]
             assert dst is not None
@@ -201,7 +201,7 @@ class Assembler:
         # Trust only the manifest's sizes and checksums, never the source's copy of the ref.
         if 0 <= ref.index < len(self.manifest.chunks) and self.manifest.chunks.ids[ref.index] == ref.id:
             return self.manifest.chunks[ref.index]
-        indices = self._by_id.get(ref.id)
-        if not indices:
+        row = self.manifest.chunks.first_row_of.get(ref.id)
+        if row is None:
             raise InvalidInput(f"chunk {ref.id} is not part of manifest {self.manifest.model} v{self.manifest.version}")
-        return self.manifest.chunks[indices[0]]
+        return self.manifest.chunks[row]

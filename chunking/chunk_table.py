@@ -12,6 +12,7 @@ import gc
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple, overload
 
@@ -156,17 +157,43 @@ class ChunkTable(Sequence[ChunkRef]):
             first[row] = seen.setdefault(self.digests[row].tobytes(), row)
         return first
 
-    def indices_by_id(self) -> dict[str, tuple[int, ...]]:
-        """Chunk id -> every row that holds it, in row order. Tuples, not lists: the collector
-        untracks tuples of ints, so half a million of them do not set off its full passes."""
-        n = len(self)
+    @cached_property
+    def repeats(self) -> dict[int, tuple[int, ...]]:
+        """For each id held by more than one row: its first row -> every row holding it, in row
+        order. Empty for most models; a loader of half a million rows needs no per-row entry."""
         first = self.first_of
-        if bool((first == np.arange(n, dtype=np.int64)).all()):
-            return dict(zip(self.ids, [(i,) for i in range(n)]))  # no repeats: no per-row lists
-        rows: dict[str, list[int]] = {}
-        for index, cid in enumerate(self.ids):
-            rows.setdefault(cid, []).append(index)
-        return {cid: tuple(ix) for cid, ix in rows.items()}
+        again = np.flatnonzero(first != np.arange(len(self), dtype=np.int64))
+        if not len(again):
+            return {}
+        out: dict[int, list[int]] = {}
+        for row, head in zip(again.tolist(), first[again].tolist()):
+            out.setdefault(head, [head]).append(row)
+        return {head: tuple(rows) for head, rows in out.items()}
+
+    def rows_of(self, row: int) -> tuple[int, ...]:
+        """Every row holding the id of ``row`` (which must be its first row), in row order."""
+        return self.repeats.get(row, (row,))
+
+    @cached_property
+    def ring_keys(self) -> np.ndarray:
+        """Each row's position on the placement ring (``paramserver.wire.ring.key_point`` of its id:
+        the first 8 bytes of the digest, big-endian), as uint64, without a hex string per row."""
+        return np.ascontiguousarray(self.digests[:, :8]).view(">u8").reshape(-1).astype(np.uint64)
+
+    @cached_property
+    def raw_rows(self) -> np.ndarray:
+        """Per row: stored raw (uncompressed), so its stored bytes are its tensor bytes."""
+        if "raw" not in self.codecs:
+            return np.zeros(len(self), dtype=bool)
+        raw: np.ndarray = self.codec_index == self.codecs.index("raw")
+        return raw
+
+    @cached_property
+    def first_row_of(self) -> dict[str, int]:
+        """Chunk id -> the first row holding it; made on first use (a dict entry per distinct id)."""
+        ids = self.ids
+        first = self.first_rows.tolist()
+        return dict(zip([ids[r] for r in first], first))
 
     def restamped(self, old: int, new: int) -> ChunkTable:
         """A copy in which rows introduced in version ``old`` say ``new``."""
@@ -235,3 +262,33 @@ class ChunkTable(Sequence[ChunkRef]):
 
     def __repr__(self) -> str:
         return f"ChunkTable({len(self)} chunks, codecs={list(self.codecs)})"
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkRows:
+    """Rows of one chunk table in an order: what one fetch reads (distinct ids, in fetch order).
+
+    A fetch and its sinks name a chunk by its row in ``table`` (a manifest's row, whose first
+    occurrence it is), never by a per-chunk object: half a million 4 KiB chunks stay arrays."""
+
+    table: ChunkTable
+    rows: np.ndarray  # int64
+
+    @classmethod
+    def of(cls, table: ChunkTable, rows: Sequence[int] | np.ndarray | None = None) -> ChunkRows:
+        """``rows`` of ``table`` (default: each distinct id once, at its first row)."""
+        picked = table.first_rows if rows is None else np.asarray(rows, dtype=np.int64).reshape(-1)
+        if len(picked) and (int(picked.min()) < 0 or int(picked.max()) >= len(table)):
+            raise IndexError(f"chunk rows out of range for a table of {len(table)} rows")
+        return cls(table, picked)
+
+    @classmethod
+    def of_refs(cls, refs: Sequence[ChunkRef]) -> ChunkRows:
+        """A table of ``refs`` alone (their rows are 0..n-1 in the order given, not their ``index``)."""
+        return cls(ChunkTable.from_refs([r._replace(index=i) for i, r in enumerate(refs)]), np.arange(len(refs), dtype=np.int64))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def refs(self) -> Iterator[ChunkRef]:
+        return self.table.rows(self.rows)

@@ -122,35 +122,55 @@ def _build(model: str, version: int, sources: int, rows: dict[int, tuple[int, in
 
 
 class HeatmapRecorder:
-    """Thread-safe recorder for one model version; ``record`` is a dict update under a lock."""
+    """Thread-safe recorder for one model version: per chunk index its read count and the rank of
+    its first access, as arrays (a load of half a million chunks records them a batch at a time)."""
 
     def __init__(self, model: str, version: int) -> None:
         self.model = model
         self.version = version
         self._lock = threading.Lock()
-        self._counts: dict[int, int] = {}  # insertion order is first-access order
+        self._counts = np.zeros(0, dtype=np.int64)
+        self._first = np.zeros(0, dtype=np.int64)  # rank of the first access; -1: not read yet
+        self._seen = 0
 
     def record(self, index: int) -> None:
-        with self._lock:
-            self._counts[index] = self._counts.get(index, 0) + 1
+        self.record_many(np.array([index], dtype=np.int64))
 
-    def record_many(self, indices: Iterable[int]) -> None:
+    def record_many(self, indices: Iterable[int] | np.ndarray) -> None:
+        rows = indices if isinstance(indices, np.ndarray) else np.fromiter(indices, dtype=np.int64)
+        if not len(rows):
+            return
+        if int(rows.min()) < 0:
+            raise ValueError("chunk indices are >= 0")
         with self._lock:
-            counts = self._counts
-            for index in indices:
-                counts[index] = counts.get(index, 0) + 1
+            top = int(rows.max()) + 1
+            if top > len(self._counts):
+                size = max(top, 2 * len(self._counts))
+                self._counts = np.concatenate([self._counts, np.zeros(size - len(self._counts), dtype=np.int64)])
+                self._first = np.concatenate([self._first, np.full(size - len(self._first), -1, dtype=np.int64)])
+            new = rows[self._first[rows] < 0]
+            if len(new) > 1:
+                _, at = np.unique(new, return_index=True)
+                new = new[np.sort(at)]  # each once, in the order first read
+            self._first[new] = np.arange(self._seen, self._seen + len(new), dtype=np.int64)
+            self._seen += len(new)
+            np.add.at(self._counts, rows, 1)
 
     def snapshot(self) -> HeatReport:
-        # The rank of an index is its place in first-access (insertion) order, so the rows are
-        # already in _build's order: ranks are distinct and rising.
+        # The rank of an index is its place in first-access order: ranks are distinct and rising.
         with self._lock:
-            indices, counts = tuple(self._counts), tuple(self._counts.values())
-        return HeatReport(self.model, self.version, 1, indices, counts, tuple(range(len(indices))), (1,) * len(indices))
+            seen = np.flatnonzero(self._first >= 0)
+            order = seen[np.argsort(self._first[seen], kind="stable")]
+            counts = self._counts[order]
+        n = len(order)
+        return HeatReport(self.model, self.version, 1, tuple(order.tolist()), tuple(counts.tolist()), tuple(range(n)), (1,) * n)
 
     def reset(self) -> None:
         """Start a new reporting period (after a report was sent)."""
         with self._lock:
-            self._counts.clear()
+            self._counts[:] = 0
+            self._first[:] = -1
+            self._seen = 0
 
 
 def merge(reports: Sequence[HeatReport]) -> HeatReport:

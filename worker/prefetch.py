@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from chunking.chunk_table import collector_paused
+from chunking.chunk_table import ChunkRows, collector_paused
 from chunking.codec import as_u8
 from chunking.hashing import Buffer, crc32c
 from chunking.manifest import ChunkRef, Manifest
@@ -95,12 +95,14 @@ class ChunkWriter:
         # ``arena_locate(index)``: that slice, or None. A function holding the arena's view and the
         # offsets, not this writer (so not the tensors): the memory tier keeps it after the load.
         self.arena_locate: Locate | None = None
+        self.arena_at: np.ndarray | None = None  # per row: where its bytes start in the arena, or -1
         if arena is not None:
             base = np.array([arena.offsets.get(e.name, -1) for e in manifest.tensors] or [-1], dtype=np.int64)
             offsets = np.array([e.offset for e in manifest.tensors] or [0], dtype=np.int64)
             t = np.maximum(self.whole, 0)
             at = base[t] + np.arange(len(self.whole), dtype=np.int64) * manifest.chunk_size - offsets[t]
             at[(self.whole < 0) | (base[t] < 0)] = -1
+            self.arena_at = at
             self.arena_locate = _slicer(arena.view, at.tolist(), list(self._plan.raw_sizes))
         self.pool = pool
         self.copier: Copier | None = None
@@ -202,15 +204,16 @@ def _slicer(view: memoryview, offsets: list[int], sizes: list[int]) -> Locate:
     return locate
 
 
-def unique_order(manifest: Manifest, heat: HeatReport | None) -> list[ChunkRef]:
-    """Distinct chunks in fetch order: the heatmap's first (earliest first access first), then
-    manifest order; each id once, at the row where the order first reaches it."""
+def unique_order(manifest: Manifest, heat: HeatReport | None) -> np.ndarray:
+    """Distinct chunks in fetch order, as the first row of each id: the heatmap's first (earliest
+    first access first), then manifest order; each id where the order first reaches it."""
     table = manifest.chunks
     if heat is None:
-        return list(table.rows(table.first_rows))  # manifest order, each id once: no per-chunk loop
+        return table.first_rows  # manifest order, each id once
     order = np.asarray(prefetch_order(heat, range(len(table))), dtype=np.int64)
-    _, first = np.unique(table.first_of[order], return_index=True)  # each id at its first position
-    return list(table.rows(order[np.sort(first)]))
+    firsts = table.first_of[order]
+    _, at = np.unique(firsts, return_index=True)  # each id at its first position
+    return firsts[np.sort(at)]
 
 
 class Prefetcher:
@@ -221,7 +224,7 @@ class Prefetcher:
         manifest: Manifest,
         targets: Mapping[str, torch.Tensor],
         *,
-        client: Any | None = None,  # worker.client.ClusterClient; None = cache/local only
+        client: Any | None = None,  # paramserver.client.session.ClusterClient; None = cache/local only
         cache: TieredCache | None = None,
         config: PrefetchConfig = PrefetchConfig(),
         version: int | None = None,
@@ -250,9 +253,9 @@ class Prefetcher:
         self.readiness = TensorReadiness({t.name: manifest.plan.tensor_chunks[i] for i, t in enumerate(manifest.tensors)})
         self.writer = ChunkWriter(manifest, targets, self.readiness, self.config, pool, arena)
         self.counters = LoadCounters()
-        self._indices = manifest.chunks.indices_by_id()
+        self._table = manifest.chunks
         self._lock = threading.Lock()
-        self._done: set[str] = set()
+        self._done = np.zeros(len(self._table), dtype=bool)  # by first row: landed (no region is offered again)
         self._disk_queue: queue.Queue[tuple[str, bytes] | None] | None = None
         self._disk_thread: threading.Thread | None = None
         self._t0 = time.perf_counter()
@@ -261,8 +264,8 @@ class Prefetcher:
         self._adopted = adopted
         # Where a chunk received in place goes: one slice of the arena, when there is one.
         self._region: Locate = self.writer.arena_locate or self.writer.region
-        self._group = adopted or HeldGroup(manifest.id, arena, rows=self._indices, locate=self._region,
-                                           crcs=manifest.chunks.crc32c)
+        self._group = adopted or HeldGroup(manifest.id, arena, table=self._table, locate=self._region,
+                                           crcs=self._table.crc32c)
         # A model larger than the memory tier goes around it (a scan): copies of its chunks would
         # take the tier's whole budget on top of the loaded model, and a load reads a model in
         # order, so the next load of it would evict each copy before reaching it.
@@ -276,84 +279,113 @@ class Prefetcher:
             if self.counters.first_tensor_s is None:
                 self.counters.first_tensor_s = time.perf_counter() - self._t0
 
-    def _land(self, chunks: Sequence[tuple[ChunkRef, Buffer]], tier: str, *, in_place: bool = False) -> None:
-        """Write verified raw bytes wherever the manifest uses each chunk (``in_place``: the first
-        of its indices already holds them, received there); one lock of each structure per batch."""
-        indices_of, write = self._indices, self.writer.write
-        marked: list[int] = []
-        seen: list[int] = []
-        raw_bytes = count = 0
-        for ref, raw in chunks:
-            indices = indices_of[ref.id]
-            self._done.add(ref.id)
-            for index in indices[1:] if in_place else indices:  # the same bytes used again elsewhere
-                write(index, raw)
-            if in_place:
-                marked.append(indices[0])
-            seen += indices
-            raw_bytes += ref.raw_size * len(indices)
-            count += len(indices)
-        if marked:
-            self.readiness.mark_landed_many(marked, COMPLETED)
+    def _land(self, rows: np.ndarray, tier: str, raws: Sequence[Buffer] | None = None) -> None:
+        """The chunks of ``rows`` (each its id's first row) are verified: write their bytes wherever
+        the manifest uses them -- ``raws``, or (None) the bytes received in place at those rows --
+        and count them; one lock of each structure per batch."""
+        table, write = self._table, self.writer.write
+        repeats = table.repeats
+        self._done[rows] = True
+        seen = rows
+        if raws is None:
+            if repeats:  # the same bytes used again elsewhere: copied from where they landed
+                again: list[int] = []
+                for row in rows.tolist():
+                    others = repeats.get(row)
+                    if others:
+                        view = self._region(row)
+                        assert view is not None
+                        for index in others[1:]:
+                            write(index, view)
+                        again += others[1:]
+                if again:
+                    seen = np.concatenate([rows, np.array(again, dtype=np.int64)])
+            self.readiness.mark_landed_many(rows, COMPLETED)
+        else:
+            written: list[int] = []
+            for row, raw in zip(rows.tolist(), raws):
+                for index in table.rows_of(row):
+                    write(index, raw)
+                    written.append(index)
+            seen = np.array(written, dtype=np.int64)
         self.recorder.record_many(seen)
+        raw_bytes = int(table.raw_size[seen].sum())
         with self._lock:
             self.counters.bytes[tier] += raw_bytes
-            self.counters.chunks[tier] += count
+            self.counters.chunks[tier] += len(seen)
         if self.on_progress is not None:
             self.on_progress(raw_bytes)
 
     # -------------------------------------------------------------- the engine's sink
 
-    def region(self, ref: ChunkRef) -> memoryview | None:
-        if not self.private_targets or ref.id in self._done:
+    def regions(self, rows: np.ndarray) -> Sequence[memoryview | None] | None:
+        if not self.private_targets:
             return None
-        return self._region(self._indices[ref.id][0])
+        done = self._done[rows].tolist()
+        at = self.writer.arena_at
+        if at is None:
+            region = self.writer.region
+            return [None if d else region(row) for row, d in zip(rows.tolist(), done)]
+        view = self.writer.arena.view if self.writer.arena is not None else None
+        assert view is not None
+        return [None if d or a < 0 else view[a : a + n]
+                for a, n, d in zip(at[rows].tolist(), self._table.raw_size[rows].tolist(), done)]
 
-    def landed_in_place(self, chunks: Sequence[tuple[ChunkRef, memoryview]]) -> None:
-        self._land(chunks, "network", in_place=True)
-        self._keep(chunks, in_tensor=True)
+    def landed_in_place(self, rows: np.ndarray) -> None:
+        self._land(rows, "network")
+        self._keep_in_place(rows, raw=True)
         with self._lock:
-            self.counters.network_stored_bytes += sum(ref.stored_size for ref, _ in chunks)
+            self.counters.network_stored_bytes += int(self._table.stored_size[rows].sum())
 
-    def write(self, ref: ChunkRef, raw: Buffer) -> None:
-        self._land([(ref, raw)], "network")
-        view = self.writer.region(self._indices[ref.id][0])
-        if view is not None:
-            self._keep([(ref, view)], in_tensor=True)
+    def write(self, row: int, raw: Buffer) -> None:
+        rows = np.array([row], dtype=np.int64)
+        self._land(rows, "network", [raw])
+        if self._region(row) is not None:  # it lies whole in one CPU tensor: the tier keeps a view
+            self._keep_in_place(rows, raw=bool(self._table.raw_rows[row]))
         else:
-            self._keep([(ref, as_u8(raw).data)], in_tensor=False)
+            self._keep_copy(row, as_u8(raw).data)
         with self._lock:
-            self.counters.network_stored_bytes += ref.stored_size
+            self.counters.network_stored_bytes += int(self._table.stored_size[row])
 
-    def _keep(self, chunks: Sequence[tuple[ChunkRef, memoryview]], *, in_tensor: bool) -> None:
-        """Put fetched chunks in the tiers: on CPU views of the tensor bytes they landed in."""
+    def _keep_in_place(self, rows: np.ndarray, *, raw: bool) -> None:
+        """Fetched chunks that lie in the tensors go in the tiers: on CPU as views of those bytes."""
         if self.cache is None:
             return
-        disk: list[tuple[str, bytes]] = []
-        if in_tensor and self._views:
-            # Only the ids: the group (one tier entry, held once the load is done) finds their
-            # bytes in the arena, never through the tensors, which the tier must not keep alive.
-            group = self._group
-            with self._lock:
-                for ref, view in chunks:
-                    if ref.codec != "raw":
-                        group.crc_of[ref.id] = crc32c(view)
-                group.keys.update([ref.id for ref, _ in chunks])
+        if not self._views:
             if self.cache.disk is not None:
-                disk = [(ref.id, bytes(view)) for ref, view in chunks]
-        else:
-            # A received buffer is reused after this call (or a CUDA staging copy): keep one copy.
-            for ref, view in chunks:
-                copy = bytes(view)
-                if self._views:
-                    self.cache.memory.put(ref.id, copy)
-                disk.append((ref.id, copy))
+                for row in rows.tolist():
+                    view = self._region(row)
+                    assert view is not None
+                    self._to_disk(self._table.ids[row], bytes(view))
+            return
+        # Only the rows: the group (one tier entry, held once the load is done) finds their bytes
+        # in the arena, never through the tensors, which the tier must not keep alive.
+        group = self._group
+        with self._lock:
+            if not raw:  # the manifest's CRC is of the stored (compressed) bytes: keep the raw bytes' own
+                for row in rows.tolist():
+                    view = self._region(row)
+                    assert view is not None
+                    group.crc_of[row] = crc32c(view)
+            group.mark(rows)
         if self.cache.disk is not None:
-            queue_ = self._disk_writer()
-            for item in disk:
-                queue_.put(item)
+            for row in rows.tolist():
+                view = self._region(row)
+                assert view is not None
+                self._to_disk(self._table.ids[row], bytes(view))
 
-    def _disk_writer(self) -> queue.Queue[tuple[str, bytes] | None]:
+    def _keep_copy(self, row: int, view: memoryview) -> None:
+        """A chunk that does not lie whole in one CPU tensor (or a CUDA staging copy): one copy."""
+        if self.cache is None:
+            return
+        copy = bytes(view)  # a received buffer is reused after this call
+        key = self._table.ids[row]
+        if self._views:
+            self.cache.memory.put(key, copy)
+        if self.cache.disk is not None:
+            self._to_disk(key, copy)
+
+    def _to_disk(self, key: str, data: bytes) -> None:
         # Disk-tier writes happen behind the fetch (write-behind) so file I/O overlaps the streams;
         # run() drains the queue before it returns, so the tier is complete when a load is.
         with self._lock:
@@ -361,7 +393,8 @@ class Prefetcher:
                 self._disk_queue = queue.Queue(maxsize=256)
                 self._disk_thread = threading.Thread(target=self._drain_disk, name="paramworker-disk-tier", daemon=True)
                 self._disk_thread.start()
-            return self._disk_queue
+            q = self._disk_queue
+        q.put((key, data))
 
     def _drain_disk(self) -> None:
         assert self._disk_queue is not None and self.cache is not None and self.cache.disk is not None
@@ -387,56 +420,59 @@ class Prefetcher:
                 order = unique_order(self.manifest, self.heat if self.config.use_heatmap else None)
                 self._run(order)
         except BaseException as exc:
-            for index in range(len(self.manifest.chunks)):
+            for index in range(len(self._table)):
                 self.readiness.mark_failed(index, exc)
             raise
         finally:
             self._finish_disk()
             # Also after a failure: what landed is verified, and a retry is given it.
-            if self.cache is not None and self._views and self._group.keys:
+            if self.cache is not None and self._views and self._group.count():
                 self.cache.hold_group(self._group, self.manifest.raw_bytes)
         self.writer.synchronize()
         return self.counters
 
-    def _run(self, order: Sequence[ChunkRef]) -> None:
+    def _run(self, order: np.ndarray) -> None:
         cache = self.cache
         # Chunks the cache does not hold go to the network at once, in a background thread, so
         # the streams run while this thread copies cache hits.
-        if cache is None:
-            misses = list(order)
+        if cache is None or cache.empty():  # a cold load asks nothing per chunk
+            misses = order
+            hits = order[:0]
         else:
-            misses = [r for r, held in zip(order, cache.contains_many([r.id for r in order])) if not held]
-        if self.local is not None:
-            misses = [r for r in misses if not self._try_local(r)]
+            ids = self._table.ids
+            held = np.fromiter(cache.contains_many([ids[r] for r in order.tolist()]), dtype=bool, count=len(order))
+            misses, hits = order[~held], order[held]
+        if self.local is not None and len(misses):
+            misses = misses[[not self._try_local(row) for row in misses.tolist()]]
         net_error: list[BaseException] = []
         net_thread: threading.Thread | None = None
-        if misses:
+        if len(misses):
             net_thread = threading.Thread(target=self._fetch, args=(misses, net_error), name="paramworker-prefetch", daemon=True)
             net_thread.start()
-        late: list[ChunkRef] = []
-        if cache is not None and len(misses) < len(order):  # a cold load has no hits: no set of half a million ids
-            missing = {r.id for r in misses}
-            hits = [r for r in order if r.id not in missing and r.id not in self._done]
-            late = self._land_hits(cache, hits)
+        late = np.zeros(0, dtype=np.int64)
+        if cache is not None and len(hits):
+            late = self._land_hits(cache, hits[~self._done[hits]])
         if net_thread is not None:
             net_thread.join()
         if net_error:
             raise net_error[0]
-        if late:
-            late = [r for r in late if not (self.local is not None and self._try_local(r))]
-            if late:
+        if len(late):
+            if self.local is not None:
+                late = late[[not self._try_local(row) for row in late.tolist()]]
+            if len(late):
                 self._fetch(late, None)
 
-    def _land_hits(self, cache: TieredCache, hits: list[ChunkRef]) -> list[ChunkRef]:
-        """Copy cache hits into place; returns the ones the cache no longer had.
+    def _land_hits(self, cache: TieredCache, hits: np.ndarray) -> np.ndarray:
+        """Copy cache hits (rows) into place; returns the rows the cache no longer had.
 
         Several threads share the work in blocks taken in fetch order: numpy releases the GIL
         while it copies, so one thread's bookkeeping overlaps another's copy.
         """
-        late: list[ChunkRef] = []
+        late: list[int] = []
         lock = threading.Lock()
         next_block = [0]
         errors: list[BaseException] = []
+        ids = self._table.ids
 
         def worker() -> None:
             try:
@@ -446,29 +482,31 @@ class Prefetcher:
                         next_block[0] += HIT_BLOCK
                     if start >= len(hits) or errors:
                         return
-                    block = hits[start : start + HIT_BLOCK]
-                    placed: list[tuple[ChunkRef, memoryview]] = []  # already where they belong
-                    copied: dict[str, list[tuple[ChunkRef, Buffer]]] = {}  # by tier
-                    gone: list[ChunkRef] = []
-                    for ref, hit in zip(block, cache.get_many([r.id for r in block])):
+                    block = hits[start : start + HIT_BLOCK].tolist()
+                    placed: list[int] = []  # already where they belong
+                    copied: dict[str, tuple[list[int], list[Buffer]]] = {}  # by tier
+                    gone: list[int] = []
+                    for row, hit in zip(block, cache.get_many([ids[r] for r in block])):
                         value = hit.value
                         if isinstance(value, HeldChunk):
                             if not value.intact():  # the tensor it views was changed in place
-                                cache.forget(ref.id, value)
+                                cache.forget(ids[row], value)
                                 value = None
                             elif value.group is self._adopted:
-                                placed.append((ref, value.view))
+                                placed.append(row)
                                 continue
                             else:
                                 value = value.view
                         if value is None:  # evicted meanwhile, or dropped by the disk tier's verification
-                            gone.append(ref)
+                            gone.append(row)
                         else:
-                            copied.setdefault(hit.tier or "memory", []).append((ref, value))
+                            rows_, raws = copied.setdefault(hit.tier or "memory", ([], []))
+                            rows_.append(row)
+                            raws.append(value)
                     if placed:
-                        self._land(placed, "memory", in_place=True)
-                    for tier, chunks in copied.items():
-                        self._land(chunks, tier)
+                        self._land(np.array(placed, dtype=np.int64), "memory")
+                    for tier, (rows_, raws) in copied.items():
+                        self._land(np.array(rows_, dtype=np.int64), tier, raws)
                     if gone:
                         with lock:
                             late.extend(gone)
@@ -484,27 +522,27 @@ class Prefetcher:
             t.join()
         if errors:
             raise errors[0]
-        late.sort(key=lambda r: r.index)
-        return late
+        return np.array(sorted(late), dtype=np.int64)
 
-    def _try_local(self, ref: ChunkRef) -> bool:
+    def _try_local(self, row: int) -> bool:
         assert self.local is not None
+        ref = self._table[row]
         raw = self.local(ref)
         if raw is None:
             return False
-        self._land([(ref, raw)], "local")
+        self._land(np.array([row], dtype=np.int64), "local", [raw])
         if self.cache is not None and not self.cache.contains(ref.id):
             self.cache.put(ref.id, raw if isinstance(raw, bytes) else as_u8(raw).tobytes())
         return True
 
-    def _fetch(self, refs: list[ChunkRef], errors: list[BaseException] | None) -> None:
+    def _fetch(self, rows: np.ndarray, errors: list[BaseException] | None) -> None:
         try:
             if self.client is None:
                 from chunking.errors import ChunkMissing
 
-                raise ChunkMissing([r.id for r in refs])
-            stats = self.client.fetch(refs, self, algorithm=self.manifest.hash_algorithm,
-                                      tensors_of=lambda r: self.manifest.tensors_of_chunk(r.index))
+                raise ChunkMissing([self._table.ids[r] for r in rows.tolist()])
+            stats = self.client.fetch(ChunkRows(self._table, rows), self, algorithm=self.manifest.hash_algorithm,
+                                      tensors_of=self.manifest.tensors_of_chunk)
             with self._lock:
                 self.counters.failovers += stats.failovers
                 self.counters.corrupt_reports += stats.corrupt_reports

@@ -35,7 +35,6 @@ class TensorReadiness:
     def __init__(self, tensor_chunks: Mapping[str, Iterable[int]]) -> None:
         self._lock = threading.Lock()
         self._tensors: dict[str, _TensorState] = {}
-        self._landed: set[int] = set()
         self._callbacks: dict[str, list[Callable[[str], None]]] = {}
         # Which tensors each chunk feeds, without a list per chunk (a model of 4 KiB chunks has half
         # a million): a tensor's chunks are a run of indices, so a chunk that feeds one tensor
@@ -66,13 +65,15 @@ class TensorReadiness:
             for k, ix in enumerate(sets):
                 for index in ix[shared[ix]].tolist():
                     self._shared.setdefault(index, []).append(self._names[k])
-        self._owner: list[int] = owner.tolist()
+        self._owner = owner
+        self._landed = np.zeros(n, dtype=bool)
+        self._landed_count = 0
 
     def _feeds(self, index: int) -> list[str] | tuple[str, ...]:
         """The tensors chunk ``index`` feeds (called with the lock held)."""
         if not 0 <= index < len(self._owner):
             return ()
-        k = self._owner[index]
+        k = int(self._owner[index])
         if k >= 0:
             return (self._names[k],)
         return self._shared.get(index, ()) if k == -2 else ()
@@ -81,23 +82,40 @@ class TensorReadiness:
         """Record that chunk ``index`` is in place; returns the tensors that became ready."""
         return self.mark_landed_many((index,), fence)
 
-    def mark_landed_many(self, indices: Iterable[int], fence: CopyFence | None = None) -> list[str]:
-        """``mark_landed`` of each index (a batch that landed together) under one acquisition of the lock."""
+    def mark_landed_many(self, indices: Iterable[int] | np.ndarray, fence: CopyFence | None = None) -> list[str]:
+        """``mark_landed`` of each index (a batch that landed together) under one acquisition of the
+        lock, counted per tensor with array operations."""
+        rows = indices if isinstance(indices, np.ndarray) else np.fromiter(indices, dtype=np.int64)
+        rows = rows[(rows >= 0) & (rows < len(self._owner))]
         ready: list[str] = []
         with self._lock:
-            landed, feeds, tensors = self._landed, self._feeds, self._tensors
+            tensors, names = self._tensors, self._names
+            new = rows[~self._landed[rows]]  # a duplicate landing (retry, or a chunk id used twice) counts once
+            if len(new) > 1:
+                new = np.unique(new)
+            self._landed[new] = True
+            self._landed_count += len(new)
+            owners = self._owner[new]
+            fed: dict[str, int] = {}
+            single = owners[owners >= 0]
+            if len(single):
+                if int(single.min()) == int(single.max()):
+                    fed[names[int(single[0])]] = len(single)
+                else:
+                    counts = np.bincount(single)
+                    for k in np.flatnonzero(counts).tolist():
+                        fed[names[k]] = int(counts[k])
+            for index in new[owners == -2].tolist():
+                for name in self._shared.get(index, ()):
+                    fed[name] = fed.get(name, 0) + 1
             fenced = fence is not None and fence.event is not None
-            for index in indices:
-                if index in landed:
-                    continue  # a duplicate landing (retry, or a chunk id used twice) counts once
-                landed.add(index)
-                for name in feeds(index):
-                    state = tensors[name]
-                    if fenced:
-                        state.fence = fence
-                    state.remaining -= 1
-                    if state.remaining == 0 and state.error is None:
-                        ready.append(name)
+            for name, n in fed.items():
+                state = tensors[name]
+                if fenced:
+                    state.fence = fence
+                state.remaining -= n
+                if state.remaining == 0 and state.error is None:
+                    ready.append(name)
             callbacks = [(name, cb) for name in ready for cb in self._callbacks.pop(name, ())] if ready else []
             # Set under the lock so on_ready cannot register a callback that is never run.
             for name in ready:
@@ -156,7 +174,7 @@ class TensorReadiness:
 
     @property
     def landed(self) -> int:
-        return len(self._landed)
+        return self._landed_count
 
     def _state(self, name: str) -> _TensorState:
         state = self._tensors.get(name)

@@ -34,7 +34,7 @@ def _only(ids: set[str], source: LocalSource) -> LocalSource:
 
 def tensor_source(manifest: Manifest, tensors: Mapping[str, torch.Tensor]) -> LocalSource:
     """Raw chunk bytes rebuilt from loaded tensors, returned only when they still match the chunk id."""
-    by_id = {cid: rows[0] for cid, rows in manifest.chunks.indices_by_id().items()}
+    by_id = manifest.chunks.first_row_of
     plan = manifest.plan
     names = [t.name for t in manifest.tensors]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
@@ -21,6 +21,7 @@ from worker.disk_cache import DiskCache
 from worker.lru_k import LRUKCache
 
 if TYPE_CHECKING:
+    from chunking.chunk_table import ChunkTable
     from paramserver.client.hostmem import ArenaView
 
 Tier = Literal["memory", "disk"]
@@ -31,38 +32,63 @@ Locate = Callable[[int], "memoryview | None"]  # manifest row -> the tensor byte
 class HeldGroup:
     """The chunks of one load that lie in its tensors: the memory tier keeps them as one entry.
 
-    ``keys``: the chunk ids whose bytes are in place (a hit re-verifies them first); ``rows``: id
-    -> its manifest rows (the first is where its bytes lie); ``locate(row)``: those bytes, as a
-    slice of the host arena when there is one (``arena``: then a later load of ``manifest_id``
-    may be given that memory once nothing else uses it, ``TieredCache.adopt``) -- never through
-    the tensors, which the tier must not keep alive; ``crcs``: each row's CRC32C of its raw
-    bytes (the manifest's, for raw chunks), with ``crc_of`` for the others."""
+    ``table``: the load's manifest chunks; which of its rows are held (a hit re-verifies them
+    first) is one flag per row, set a batch at a time as the load lands them; ``locate(row)``:
+    those bytes, as a slice of the host arena when there is one (``arena``: then a later load of
+    ``manifest_id`` may be given that memory once nothing else uses it, ``TieredCache.adopt``) --
+    never through the tensors, which the tier must not keep alive; ``crcs``: each row's CRC32C
+    of its raw bytes (the manifest's, for raw chunks), with ``crc_of`` (by row) for the others."""
 
-    __slots__ = ("arena", "crc_of", "crcs", "keys", "locate", "manifest_id", "rows")
+    __slots__ = ("arena", "crc_of", "crcs", "held", "locate", "manifest_id", "table")
 
-    def __init__(self, manifest_id: str = "", arena: ArenaView | None = None, *, rows: Mapping[str, Sequence[int]] | None = None,
+    def __init__(self, manifest_id: str = "", arena: ArenaView | None = None, *, table: ChunkTable | None = None,
                  locate: Locate | None = None, crcs: Sequence[int] | np.ndarray | None = None) -> None:
-        self.keys: set[str] = set()
         self.manifest_id = manifest_id
         self.arena = arena
-        self.rows: Mapping[str, Sequence[int]] = rows or {}
+        self.table = table
+        self.held = np.zeros(len(table) if table is not None else 0, dtype=bool)
         self.locate = locate
         self.crcs = crcs
-        self.crc_of: dict[str, int] = {}  # a compressed chunk's CRC32C of its raw bytes
+        self.crc_of: dict[int, int] = {}  # row of a compressed chunk -> CRC32C of its raw bytes
 
     @property
     def tier_key(self) -> tuple[str, str, int]:
         return ("held", self.manifest_id, id(self))
 
+    def mark(self, rows: np.ndarray) -> None:
+        """The chunks of ``rows`` (their ids' first rows) now lie in place."""
+        self.held[rows] = True
+
+    def row(self, key: str) -> int | None:
+        """The first row of chunk ``key`` when this group holds it."""
+        if self.table is None or not len(self.held):
+            return None
+        row = self.table.first_row_of.get(key)
+        return row if row is not None and self.held[row] else None
+
+    def has(self, key: str) -> bool:
+        return self.row(key) is not None
+
+    def discard(self, key: str) -> None:
+        row = self.row(key)
+        if row is not None:
+            self.held[row] = False
+
+    def count(self) -> int:
+        return int(np.count_nonzero(self.held))
+
+    def clear(self) -> None:
+        self.held[:] = False
+
     def chunk(self, key: str) -> HeldChunk | None:
         """The held bytes of chunk ``key`` (not yet re-verified), or None when this group lacks it."""
-        if key not in self.keys or self.locate is None:
+        row = self.row(key)
+        if row is None or self.locate is None:
             return None
-        row = self.rows[key][0]
         view = self.locate(row)
         if view is None:
             return None
-        crc = self.crc_of.get(key)
+        crc = self.crc_of.get(row)
         if crc is None:
             assert self.crcs is not None
             crc = int(self.crcs[row])
@@ -203,7 +229,7 @@ class TieredCache:
         """Drop ``key``: a held chunk that failed its re-verification, or a stale copy."""
         if isinstance(value, HeldChunk):
             with self._lock:
-                value.group.keys.discard(key)
+                value.group.discard(key)
         else:
             self.memory.pop(key)
 
@@ -212,7 +238,7 @@ class TieredCache:
             self._held = tuple(g for g in self._held if g is not group)
             if self._groups.get(group.manifest_id) is group:
                 del self._groups[group.manifest_id]
-            group.keys.clear()
+            group.clear()
 
     def adopt(self, manifest_id: str, take: Callable[[HeldGroup], Any | None]) -> Any | None:
         """``take(group)`` for the held group of ``manifest_id``, one caller at a time: it returns
@@ -221,7 +247,7 @@ class TieredCache:
         with self._adopt_lock:
             with self._lock:
                 group = self._groups.get(manifest_id)
-            if group is None or not group.keys:
+            if group is None or not group.count():
                 return None
             return take(group)
 
@@ -232,7 +258,7 @@ class TieredCache:
     def in_memory(self, key: str) -> bool:
         with self._lock:
             groups = self._held
-        return any(key in g.keys for g in groups) or self.memory.contains(key)
+        return any(g.has(key) for g in groups) or self.memory.contains(key)
 
     def contains(self, key: str) -> bool:
         return self.in_memory(key) or (self.disk is not None and self.disk.contains(key))
@@ -245,9 +271,15 @@ class TieredCache:
         with self._lock:
             groups = self._held
         for group in groups:
-            have = group.keys
-            held = [h or k in have for k, h in zip(keys, held)]
+            has = group.has
+            held = [h or has(k) for k, h in zip(keys, held)]
         return held
+
+    def empty(self) -> bool:
+        """Nothing in any tier: a load can skip asking for each of its chunks."""
+        with self._lock:
+            groups = self._held
+        return not groups and not len(self.memory) and (self.disk is None or not len(self.disk))
 
     def contains_many(self, keys: Sequence[str]) -> list[bool]:
         """``contains`` of each key, one lock acquisition per tier (a manifest's every chunk)."""
@@ -265,7 +297,7 @@ class TieredCache:
         with self._lock:
             out["total"] = {"lookups": self._lookups, "hits": self._lookups - self._full_misses,
                             "misses": self._full_misses}
-            out["memory"]["held_chunks"] = sum(len(g.keys) for g in self._held)
+            out["memory"]["held_chunks"] = sum(g.count() for g in self._held)
         return out
 
     def _count(self, lookups: int, misses: int) -> None:

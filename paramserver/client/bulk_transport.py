@@ -12,14 +12,16 @@ import select
 import socket
 import threading
 import time
-from typing import Callable, Iterator, NamedTuple, Sequence, cast
+from typing import Iterator, NamedTuple, Sequence
 
+import numpy as np
+
+from paramserver.client.arrivals import Into, ReadIds
 from paramserver.wire.address import split_host_port
 from paramserver.wire.bulk_frames import (
     BATCH,
     HEADER,
     MAX_BATCH_BYTES,
-    MAX_BATCH_ITEMS,
     MAX_CHUNK_BYTES,
     MAX_MESSAGE_BYTES,
     MAGIC,
@@ -28,21 +30,23 @@ from paramserver.wire.bulk_frames import (
     ERROR,
     SOCKET_BUFFER_BYTES,
     STATUS_NAMES,
+    VERSION,
+    W_BAD_HELLO,
     W_OK,
     W_UNAUTHENTICATED,
     WELCOME,
+    batch_items,
+    Headers,
     ProtocolError,
-    decode_headers,
+    decode_header_columns,
     encode_hello,
-    encode_request,
+    encode_request_digests,
     recv_exact,
     recv_into_all,
 )
 
 # Refuse a declared payload larger than this: chunking's largest chunk is 64 MiB.
 MAX_PAYLOAD_BYTES = MAX_CHUNK_BYTES
-
-Into = Callable[[str, str, int], "memoryview | None"]  # (chunk id, codec, stored size)
 
 
 class BulkError(Exception):
@@ -92,17 +96,33 @@ def split_address(address: str) -> tuple[str, int]:
 class _Conn:
     def __init__(self, address: str, token: str | None, connect_timeout_s: float, io_timeout_s: float) -> None:
         self.address = address
+        # A server from before version 3 refuses its hello: say hello again in version 2.
+        for version in (VERSION, 2):
+            self.sock, status, message = self._hello(token, version, connect_timeout_s, io_timeout_s)
+            if status == W_OK:
+                break
+            self.sock.close()
+            if status == W_UNAUTHENTICATED:
+                raise BulkUnauthenticated(address, message)
+            if status != W_BAD_HELLO or version == 2:
+                raise BulkProtocolFailure(address, message or f"welcome status {status}")
+        self.max_items = batch_items(version)
+        self.scratch = bytearray(0)  # reused receive buffer when the caller gives none
+        self.header = bytearray(HEADER.size)
+
+    def _hello(self, token: str | None, version: int, connect_timeout_s: float,
+               io_timeout_s: float) -> tuple[socket.socket, int, str]:
+        address = self.address
         host, port = split_address(address)
         try:
             sock = socket.create_connection((host, port), timeout=connect_timeout_s)
         except OSError as exc:
             raise BulkUnavailable(address, f"cannot connect: {exc}") from None
-        self.sock = sock
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
             sock.settimeout(io_timeout_s)
-            sock.sendall(encode_hello(token))
+            sock.sendall(encode_hello(token, version))
             head = bytearray(WELCOME.size)
             recv_exact(sock, memoryview(head))
             magic, status, n = WELCOME.unpack(head)
@@ -110,18 +130,13 @@ class _Conn:
                 raise BulkProtocolFailure(address, "the peer is not a bulk server (bad magic in its welcome)")
             message = bytearray(n)
             recv_exact(sock, memoryview(message))
-            if status == W_UNAUTHENTICATED:
-                raise BulkUnauthenticated(address, message.decode("utf-8", "replace"))
-            if status != W_OK:
-                raise BulkProtocolFailure(address, message.decode("utf-8", "replace") or f"welcome status {status}")
         except (OSError, EOFError) as exc:
             sock.close()
             raise BulkUnavailable(address, f"handshake failed: {exc}") from None
         except BaseException:
             sock.close()
             raise
-        self.scratch = bytearray(0)  # reused receive buffer when the caller gives none
-        self.header = bytearray(HEADER.size)
+        return sock, status, message.decode("utf-8", "replace")
 
     def buffer(self, n: int) -> memoryview:
         if len(self.scratch) < n:
@@ -177,30 +192,39 @@ class BulkClient:
         for conn in idle:
             conn.close()
 
-    def fetch(self, ids: Sequence[str], into: Into | None = None) -> Iterator[BulkItem]:
-        """Yield one BulkItem per id, in order.
+    def fetch(self, ids: ReadIds | Sequence[str], into: Into | None = None) -> Iterator[BulkItem]:
+        """Yield one BulkItem per id, in order (``fetch_batches``, an item at a time).
 
-        ``into(id, codec, stored_size)`` may return a writable memoryview of exactly
-        ``stored_size`` bytes to receive an OK chunk into (``item.data`` is then that view);
-        it is called for a whole batch of ids before their bytes arrive. With None (or no
-        ``into``) the bytes land in a buffer that a later item may reuse, so consume each
-        item before asking for the next.
-        Raises BulkError; a generator closed early closes its connection.
+        Without ``into`` the bytes land in a buffer that a later item may reuse, so consume each
+        item before asking for the next. Raises BulkError; a generator closed early closes its
+        connection.
         """
         for batch in self.fetch_batches(ids, into):
-            yield from batch
+            h = batch.headers
+            for k, data in enumerate(batch.data):
+                yield BulkItem(batch.ids[k], int(h.status[k]), h.codecs[k], int(h.raw_size[k]), int(h.crc32c[k]), data)
 
-    def fetch_batches(self, ids: Sequence[str], into: Into | None = None) -> Iterator[list[BulkItem]]:
-        """``fetch`` as the batches the server sent (up to MAX_BATCH_ITEMS items each, in order), so
-        a caller can handle each batch at once; a batch's scratch bytes are reused by the next."""
+    def fetch_batches(self, ids: ReadIds | Sequence[str], into: Into | None = None) -> Iterator[BulkBatch]:
+        """The answers as the batches the server sent (up to MAX_BATCH_ITEMS items each, in order),
+        so a caller can handle each batch at once; a batch's scratch bytes are reused by the next.
+
+        ``into(first, ok_raw, stored_sizes)`` is called once per batch, before its bytes arrive,
+        with the position (in ``ids``) of the batch's first item and, per item, whether it is an
+        OK raw chunk and its stored size; it may return, per item, a writable memoryview of
+        exactly that size to receive the chunk into (the item's ``data`` is then that view)."""
+        if not isinstance(ids, ReadIds):
+            try:
+                ids = ReadIds.of_hex(ids)
+            except ValueError as exc:
+                raise BulkProtocolFailure(self.address, f"cannot encode the request: {exc}") from None
         for start in range(0, len(ids), MAX_IDS):
-            yield from self._fetch_batch(ids[start : start + MAX_IDS], into)
+            yield from self._fetch_batch(ids[start : start + MAX_IDS], start, into)
 
-    def _fetch_batch(self, ids: Sequence[str], into: Into | None) -> Iterator[list[BulkItem]]:
-        if not ids:
+    def _fetch_batch(self, ids: ReadIds, offset: int, into: Into | None) -> Iterator[BulkBatch]:
+        if not len(ids):
             return
         try:
-            request = encode_request(ids)
+            request = encode_request_digests(ids.digests)
         except ValueError as exc:
             raise BulkProtocolFailure(self.address, f"cannot encode the request: {exc}") from None
         conn = self._take()
@@ -218,8 +242,8 @@ class BulkClient:
                     raise BulkUnavailable(self.address, f"send failed: {exc2} (after {exc})") from None
             done = 0
             while done < len(ids):
-                batch = self._read_batch(conn, ids, done, into)
-                done += len(batch)
+                batch = self._read_batch(conn, ids, offset, done, into)
+                done += len(batch.data)
                 yield batch
             finished = True
         except (OSError, EOFError) as exc:
@@ -230,63 +254,80 @@ class BulkClient:
             else:
                 conn.close()  # mid-reply: the stream position is unknown
 
-
-    def _read_batch(self, conn: _Conn, ids: Sequence[str], first: int, into: Into | None) -> list[BulkItem]:
+    def _read_batch(self, conn: _Conn, ids: ReadIds, offset: int, first: int, into: Into | None) -> BulkBatch:
         """Read one BATCH answering ``ids[first:first + count]``: its headers, then every payload
         in one scatter read straight into its destination."""
         head = memoryview(conn.header)[: BATCH.size]
         recv_exact(conn.sock, head)
         count, payload_bytes = BATCH.unpack(head)
-        if not 0 < count <= min(MAX_BATCH_ITEMS, len(ids) - first):
+        if not 0 < count <= min(conn.max_items, len(ids) - first):
             raise BulkProtocolFailure(self.address, f"a batch of {count} answers, but {len(ids) - first} ids are unanswered "
-                                                    f"(at most {MAX_BATCH_ITEMS} per batch)")
+                                                    f"(at most {conn.max_items} per batch)")
         if payload_bytes > MAX_BATCH_BYTES:
             raise BulkProtocolFailure(self.address, f"a batch declares {payload_bytes} payload bytes, over {MAX_BATCH_BYTES}")
         raw_headers = bytearray(count * HEADER.size)
         recv_exact(conn.sock, memoryview(raw_headers))
         try:
-            headers = decode_headers(raw_headers)
+            h = decode_header_columns(raw_headers)
         except ProtocolError as exc:
             raise BulkProtocolFailure(self.address, str(exc)) from None
-        total = 0
-        for k, (status, _codec, _raw, stored_size, _crc) in enumerate(headers):
-            limit = MAX_PAYLOAD_BYTES if status == OK else MAX_MESSAGE_BYTES
-            if stored_size > limit:
-                what = f"chunk {ids[first + k]}" if status == OK else f"a {STATUS_NAMES[status]} message"
-                raise BulkProtocolFailure(self.address, f"{what} declares {stored_size} bytes, over {limit}")
-            total += stored_size
-        if total != payload_bytes:
-            raise BulkProtocolFailure(self.address, f"batch declares {payload_bytes} payload bytes, its headers {total}")
+        ok = h.status == OK
+        sizes = h.stored_size
+        over = np.flatnonzero(sizes > np.where(ok, MAX_PAYLOAD_BYTES, MAX_MESSAGE_BYTES))
+        if len(over):
+            k = int(over[0])
+            what = f"chunk {ids.hex[first + k]}" if ok[k] else f"a {STATUS_NAMES[int(h.status[k])]} message"
+            raise BulkProtocolFailure(self.address, f"{what} declares {int(sizes[k])} bytes, over "
+                                                    f"{MAX_PAYLOAD_BYTES if ok[k] else MAX_MESSAGE_BYTES}")
+        if int(sizes.sum()) != payload_bytes:
+            raise BulkProtocolFailure(self.address, f"batch declares {payload_bytes} payload bytes, its headers {int(sizes.sum())}")
         # Where each payload goes: the caller's buffer (into) or a slice of the reused scratch.
-        views: list[memoryview | None] = []
-        scratch_need = bounced = 0
-        for k, (status, codec, _raw, stored_size, _crc) in enumerate(headers):
-            view = into(ids[first + k], codec, stored_size) if into is not None and status == OK else None
-            if view is None:
-                scratch_need += stored_size
-                bounced += 1
-            elif len(view) != stored_size:
-                # The caller expected another size: the server's copy differs from what it asked for.
-                raise BulkProtocolFailure(self.address,
-                                          f"into() gave {len(view)} bytes for chunk {ids[first + k]}, which has {stored_size}")
-            views.append(view)
-        if bounced:
-            scratch = conn.buffer(scratch_need)
-            at = 0
-            for k, view in enumerate(views):
+        given = into(offset + first, ok & h.is_raw, sizes) if into is not None else None
+        sizes_list: list[int] = sizes.tolist()
+        in_place = np.zeros(count, dtype=bool)
+        views: list[memoryview]
+        if given is None:
+            scratch = conn.buffer(int(payload_bytes))
+            at = np.cumsum(sizes) - sizes
+            views = [scratch[a : a + n] for a, n in zip(at.tolist(), sizes_list)]
+        else:
+            if len(given) != count:
+                raise BulkProtocolFailure(self.address, f"into() gave {len(given)} buffers for a batch of {count}")
+            scratch = conn.buffer(sum(n for v, n in zip(given, sizes_list) if v is None))
+            views, at = [], 0
+            for k, (view, n) in enumerate(zip(given, sizes_list)):
                 if view is None:
-                    n = headers[k][3]
-                    views[k] = scratch[at : at + n]
+                    views.append(scratch[at : at + n])
                     at += n
-        filled = cast("list[memoryview]", views)
-        recv_into_all(conn.sock, filled)
-        items: list[BulkItem] = []
-        for k, (status, codec, raw_size, _stored, crc) in enumerate(headers):
-            data = filled[k]
-            if status == ERROR:
-                raise BulkProtocolFailure(self.address, "server refused the request: " + bytes(data).decode("utf-8", "replace"))
-            items.append(BulkItem(ids[first + k], status, codec, raw_size, crc, data))
-        return items
+                    continue
+                if len(view) != n:
+                    # The caller expected another size: the server's copy differs from what it asked for.
+                    raise BulkProtocolFailure(self.address, f"into() gave {len(view)} bytes for chunk {ids.hex[first + k]}, "
+                                                            f"which has {n}")
+                views.append(view)
+                in_place[k] = True
+        recv_into_all(conn.sock, views)
+        if (h.status == ERROR).any():
+            k = int(np.flatnonzero(h.status == ERROR)[0])
+            raise BulkProtocolFailure(self.address, "server refused the request: " + bytes(views[k]).decode("utf-8", "replace"))
+        return BulkBatch(offset + first, ids[first : first + count], h, views, in_place)
+
+
+class BulkBatch:
+    """One BATCH: items ``first .. first + len(data) - 1`` of the ids asked for, as columns."""
+
+    __slots__ = ("data", "first", "headers", "in_place", "_ids")
+
+    def __init__(self, first: int, ids: ReadIds, headers: Headers, data: list[memoryview], in_place: np.ndarray) -> None:
+        self.first = first
+        self._ids = ids
+        self.headers = headers
+        self.data = data  # OK: the stored bytes; else the reason, utf-8
+        self.in_place = in_place  # the item's data is the buffer into() gave
+
+    @property
+    def ids(self) -> list[str]:
+        return self._ids.hex
 
 
 class BulkPool:
@@ -329,4 +370,5 @@ class BulkPool:
             client.close()
 
 
-__all__ = ["BulkClient", "BulkPool", "BulkItem", "BulkError", "BulkUnavailable", "BulkUnauthenticated", "BulkProtocolFailure", "Into"]
+__all__ = ["BulkBatch", "BulkClient", "BulkPool", "BulkItem", "BulkError", "BulkUnavailable", "BulkUnauthenticated",
+           "BulkProtocolFailure"]

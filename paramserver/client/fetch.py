@@ -1,13 +1,17 @@
 """The one chunk-fetch engine: the planner's decisions carried out over a transport into a sink.
 
-``FetchEngine.fetch(refs, placement, members, sink)`` reads every chunk of ``refs`` (distinct
-ids from a manifest proven by its content id) from its replicas and hands each verified chunk
-to ``sink``. The decisions -- which replica, what after a failure -- come from the pure
-:class:`paramserver.client.fetch_plan.FetchPlanner`; this module only does the I/O: reads run on
-a few threads per replica (a lane each), arrivals are verified (:class:`Verifier`) and become
-planner events.
+``FetchEngine.fetch(chunks, wants, members, sink)`` reads every chunk of ``chunks`` (distinct ids,
+rows of a manifest's table proven by its content id, in fetch order) from its replicas and hands
+each verified chunk to ``sink``. The decisions -- which replica, what after a failure -- come
+from the pure :class:`paramserver.client.fetch_plan.FetchPlanner`; this module only does the
+I/O: reads run on a few threads per replica (a lane each), arrivals are verified
+(:class:`Verifier`) and become planner events.
 
-A sink receives the bytes straight into their destination when it can (``region``: the place
+Chunks are named by their slot (position in the fetch) towards the planner and by their table
+row towards the sink, and a batch that arrived together is handled with array operations: no
+object or dict entry per chunk, so 4 KiB chunks cost little more than their bytes.
+
+A sink receives the bytes straight into their destination when it can (``regions``: the place
 of a raw chunk in a tensor, a file's pages), and otherwise gets verified raw bytes to copy
 (``write``): host tensors (``paramserver.client.sinks``), a ``.safetensors`` file, the worker's
 tensors, pinned staging and cache.
@@ -19,12 +23,14 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
-from chunking.chunk_table import collector_paused
+import numpy as np
+
+from chunking.chunk_table import ChunkRows, collector_paused
 from chunking.errors import ChunkCorrupt
 from chunking.hashing import Buffer, bytes_like
-from chunking.manifest import ChunkRef
+from paramserver.client.arrivals import Arrivals, ReadIds
 from paramserver.client.errors import ChunkDataLoss, ChunkUnavailable
 from paramserver.client.fetch_plan import (
     Decision,
@@ -37,22 +43,24 @@ from paramserver.client.fetch_plan import (
     ReadFailed,
     Refused,
     ReportCorrupt,
-    Want,
+    Wants,
 )
 from paramserver.client.transport import ChunkTransport, ReadBroken
-from paramserver.client.verify import Arrival, Verifier
+from paramserver.client.verify import Verifier
 
 
 class ChunkSink(Protocol):
-    def region(self, ref: ChunkRef) -> memoryview | None:
-        """Where a raw chunk's bytes may be received directly (its whole destination), or None."""
+    def regions(self, rows: np.ndarray) -> Sequence[memoryview | None] | None:
+        """For raw chunks about to arrive (their table rows): where each one's bytes may be received
+        directly (its whole destination, exactly its size), or None; None for none of them."""
 
-    def landed_in_place(self, chunks: Sequence[tuple[ChunkRef, memoryview]]) -> None:
-        """The bytes received into each ``region`` (what ``region(ref)`` gave) verified: those chunks
+    def landed_in_place(self, rows: np.ndarray) -> None:
+        """The chunks of ``rows`` were received into what ``regions`` gave and verified there: they
         count from now on (a batch that arrived together)."""
 
-    def write(self, ref: ChunkRef, raw: Buffer) -> None:
-        """Verified raw bytes of ``ref``; a view of a buffer reused after the call: copy what must stay."""
+    def write(self, row: int, raw: Buffer) -> None:
+        """Verified raw bytes of the chunk of table row ``row``; a view of a buffer reused after the
+        call: copy what must stay."""
 
 
 @dataclass
@@ -74,8 +82,7 @@ class EngineOptions:
     min_bytes_per_s: float = 50e6  # a replica slower than this is treated as failed and left
     max_lanes: int = 16
     # Pause the cyclic garbage collector while a fetch runs (chunking.chunk_table.collector_paused):
-    # a fetch makes a few acyclic objects per chunk, and at 4 KiB chunks the collector's passes
-    # over them took a third of a load.
+    # at 4 KiB chunks the collector's passes over a load's objects took a third of it.
     pause_collector: bool = True
 
 
@@ -83,26 +90,32 @@ Report = Callable[[str, tuple[str, ...], str], None]  # (server, chunk ids, reas
 
 
 class _Fetch:
-    def __init__(self, engine: FetchEngine, refs: Sequence[ChunkRef], placement: Callable[[str], Sequence[str]],
-                 members: Sequence[str], sink: ChunkSink, tensors_of: Callable[[ChunkRef], Sequence[str]] | None,
-                 verifier: Verifier, extras: Callable[[str], Sequence[str]] | None = None, salt: int = 0) -> None:
+    def __init__(self, engine: FetchEngine, chunks: ChunkRows, wants: Wants, members: Sequence[str], sink: ChunkSink,
+                 tensors_of: Callable[[int], Sequence[str]] | None, verifier: Verifier, salt: int = 0) -> None:
         self.engine = engine
         self.verifier = verifier
         self.sink = sink
         self.tensors_of = tensors_of
-        self.refs = {r.id: r for r in refs}
-        wants = [Want(r.id, r.stored_size, tuple(placement(r.id)), tuple(extras(r.id)) if extras is not None else ())
-                 for r in refs]
-        self.extras = {w.id: frozenset(w.extras) - frozenset(w.replicas) for w in wants if w.extras}
+        table = chunks.table
+        self.table = table
+        self.rows = chunks.rows
+        # The manifest's columns in slot order, gathered once.
+        self.crc = table.crc32c[self.rows]
+        self.stored = table.stored_size[self.rows]
+        self.raw = table.raw_rows[self.rows]
+        self.extras = wants.extras  # slot -> servers with an extra copy of a hot chunk
         self.planner = FetchPlanner(wants, list(members), engine.reads_per_server, engine.options.max_read_bytes, salt)
+        self.landed = np.zeros(len(self.rows), dtype=bool)
         self.lock = threading.Lock()
         self.finished = threading.Condition(self.lock)
         self.queues: dict[str, collections.deque[Read]] = {}
         self.lanes: dict[str, int] = {}
         self.error: BaseException | None = None
         self.stats = FetchStats()
-        self.direct: dict[str, memoryview] = {}  # chunk id -> the destination it is being received into
         self.pool = ThreadPoolExecutor(max_workers=engine.options.max_lanes, thread_name_prefix="fetch")
+
+    def chunk_id(self, slot: int) -> str:
+        return bytes(self.table.digests[int(self.rows[slot])]).hex()  # not the whole table's hex ids
 
     # ---------------------------------------------------------------- driving the planner
 
@@ -136,21 +149,21 @@ class _Fetch:
                 self.queues.setdefault(d.server, collections.deque()).append(d)
                 self._start_lanes(d.server)
             elif isinstance(d, ReportCorrupt):
-                self.stats.corrupt_reports += len(d.ids)
+                self.stats.corrupt_reports += len(d.slots)
                 if self.engine.report is not None:
-                    self.pool.submit(self._report, d)
+                    self.pool.submit(self._report, d.server, tuple(self.chunk_id(s) for s in d.slots), d.reason)
             elif isinstance(d, GiveUp) and self.error is None:
-                ref = self.refs[d.chunk_id]
-                tensors = tuple(self.tensors_of(ref)) if self.tensors_of else ()
+                row = int(self.rows[d.slot])
+                tensors = tuple(self.tensors_of(row)) if self.tensors_of else ()
                 cls = ChunkDataLoss if d.data_loss else ChunkUnavailable
-                self.error = cls(d.chunk_id, d.attempts, tensors)
+                self.error = cls(self.chunk_id(d.slot), d.attempts, tensors)
         if self.planner.done or self.error is not None:
             self.finished.notify_all()
 
-    def _report(self, d: ReportCorrupt) -> None:
+    def _report(self, server: str, ids: tuple[str, ...], reason: str) -> None:
         try:
             assert self.engine.report is not None
-            self.engine.report(d.server, d.ids, d.reason)
+            self.engine.report(server, ids, reason)
         except Exception:  # noqa: BLE001 - best effort: the scrubber finds bad copies too
             pass
 
@@ -182,27 +195,37 @@ class _Fetch:
                         self.error = exc
                     self.finished.notify_all()
 
-    def _into(self, chunk_id: str, codec: str, stored_size: int) -> memoryview | None:
-        ref = self.refs.get(chunk_id)
-        if ref is None or codec != "raw" or ref.codec != "raw" or stored_size != ref.stored_size:
-            return None
-        region = self.sink.region(ref)
-        if region is not None:
-            self.direct[chunk_id] = region
-        return region
-
     def _read(self, read: Read) -> None:
         options = self.engine.options
         timeout = options.call_timeout_s + read.nbytes / options.min_bytes_per_s
         with self.lock:
             self.stats.reads += 1
-        batches = self.engine.transport.read(read.server, read.ids, self._into, timeout)
-        asked = frozenset(read.ids)  # a read names up to max_read_bytes of chunks: thousands of small ones
+        rows = self.rows[read.slots]
+        raw, stored, sink = self.raw[read.slots], self.stored[read.slots], self.sink
+
+        def into(first: int, ok_raw: np.ndarray, sizes: np.ndarray) -> Sequence[memoryview | None] | None:
+            # A raw chunk of the size the manifest says goes straight to its destination.
+            end = first + len(sizes)
+            if end > len(rows):
+                return None
+            direct = ok_raw & raw[first:end] & (sizes == stored[first:end])
+            if not direct.any():
+                return None
+            picked = np.flatnonzero(direct)
+            given = sink.regions(rows[first + picked])
+            if given is None:
+                return None
+            out: list[memoryview | None] = [None] * len(sizes)
+            for k, view in zip(picked.tolist(), given):
+                out[k] = view
+            return out
+
+        batches = self.engine.transport.read(read.server, ReadIds(self.table.digests[rows]), into, timeout)
         try:
             for arrivals in batches:
                 if self.error is not None:
                     return
-                self._arrive(read, asked, arrivals)
+                self._arrive(read, arrivals)
         except ReadBroken as exc:
             self._step(ReadFailed(read.read, f"{exc.reason}", exc.replica_down))
             return
@@ -212,50 +235,69 @@ class _Fetch:
                 close()
         self._step(ReadEnded(read.read))
 
-    def _arrive(self, read: Read, asked: frozenset[str], arrivals: Sequence[Arrival]) -> None:
+    def _arrive(self, read: Read, a: Arrivals) -> None:
         """One batch that arrived together: verified, handed to the sink and told to the planner in
-        one step each, so a chunk of 4 KiB costs little more than its bytes."""
-        refs, direct, verifier, sink = self.refs, self.direct, self.verifier, self.sink
-        landed: list[str] = []
-        in_place: list[tuple[ChunkRef, memoryview]] = []
+        one step each."""
+        positions = a.positions
+        fits = (positions >= 0) & (positions < len(read.slots))
+        if not fits.all():  # not asked for: never trusted
+            keep = np.flatnonzero(fits)
+            a = Arrivals(positions[keep], a.ok[keep], a.corrupt[keep], [a.codecs[k] for k in keep.tolist()], a.crcs[keep],
+                         [a.data[k] for k in keep.tolist()], a.in_place[keep], [a.messages[k] for k in keep.tolist()])
+            positions = a.positions
+        slots = read.slots[positions]
+        fresh = a.ok & ~self.landed[slots]  # a chunk another read delivered meanwhile is not taken twice
         refused: list[Refused] = []
-        nbytes = extra_bytes = 0
-        extras = self.extras
-        for arrival in arrivals:
-            ref = refs.get(arrival.id)
-            if ref is None or arrival.id not in asked:
-                continue  # not asked for: never trusted
-            if not arrival.ok:
-                refused.append(Refused(read.read, arrival.id, arrival.message[:300], corrupt=arrival.corrupt))
-                continue
+        for k in np.flatnonzero(~a.ok).tolist():
+            refused.append(Refused(read.read, int(slots[k]), a.messages[k][:300], corrupt=bool(a.corrupt[k])))
+        landed = np.zeros(len(slots), dtype=bool)
+        placed = np.flatnonzero(fresh & a.in_place)
+        if len(placed):
+            ps = slots[placed]
+            ids = [self.chunk_id(int(s)) for s in ps] if self.verifier.mode == "content" else ()
+            # in_place items' data is the memoryview ``into`` gave
+            views = [cast(memoryview, a.data[k]) for k in placed.tolist()]
+            good = self.verifier.check_in_place(self.crc[ps], a.crcs[placed], views, ids)
+            landed[placed[good]] = True
+            for k in placed[~good].tolist():
+                refused.append(Refused(read.read, int(slots[k]), "corrupt bytes (CRC32C of the received bytes does not "
+                                                                 "match the manifest)", corrupt=True, report=True))
+        bounced = np.flatnonzero(fresh & ~a.in_place)
+        for k in bounced.tolist():
+            slot = int(slots[k])
+            row = int(self.rows[slot])
             try:
-                region = direct.pop(arrival.id, None)
-                if region is not None and arrival.data is region:
-                    verifier.check_in_place(ref, arrival, region)
-                    in_place.append((ref, region))
-                else:
-                    sink.write(ref, verifier.raw(ref, arrival))
+                raw = self.verifier.raw(self.table[row], a.codecs[k], int(a.crcs[k]), a.data[k])
             except ChunkCorrupt as exc:
                 # Bytes that fail the manifest's checks never count; that replica is told.
-                refused.append(Refused(read.read, arrival.id, f"corrupt bytes ({exc.reason})", corrupt=True, report=True))
+                refused.append(Refused(read.read, slot, f"corrupt bytes ({exc.reason})", corrupt=True, report=True))
                 continue
-            landed.append(arrival.id)
-            data = arrival.data
-            size = data.nbytes if type(data) is memoryview else len(memoryview(bytes_like(data)))
-            nbytes += size
-            if extras and read.server in extras.get(arrival.id, ()):
-                extra_bytes += size
-        if in_place:
-            sink.landed_in_place(in_place)
+            self.sink.write(row, raw)
+            landed[k] = True
+        done = np.flatnonzero(landed)
+        if len(placed):
+            in_place = slots[placed][landed[placed]]
+            if len(in_place):
+                self.sink.landed_in_place(self.rows[in_place])
+        nbytes = sum(len(memoryview(bytes_like(a.data[k]))) for k in bounced.tolist() if landed[k])
+        nbytes += int(self.stored[slots[placed]][landed[placed]].sum()) if len(placed) else 0
+        extra_bytes = 0
+        if self.extras:
+            extras = self.extras
+            server = read.server
+            for k in done.tolist():
+                if server in extras.get(int(slots[k]), ()):
+                    extra_bytes += int(self.stored[slots[k]])
         with self.lock:
-            if landed:
+            if len(done):
+                self.landed[slots[done]] = True
                 stats = self.stats
-                stats.chunks += len(landed)
-                stats.in_place += len(in_place)
+                stats.chunks += len(done)
+                stats.in_place += int(landed[placed].sum()) if len(placed) else 0
                 stats.stored_bytes += nbytes
                 stats.by_server[read.server] = stats.by_server.get(read.server, 0) + nbytes
                 stats.extra_bytes += extra_bytes
-                self._apply(self.planner.step(Landed(read.read, tuple(landed))))
+                self._apply(self.planner.step(Landed(read.read, slots[done])))
             for event in refused:
                 self._apply(self.planner.step(event))
 
@@ -271,18 +313,19 @@ class FetchEngine:
         self.reads_per_server = reads_per_server
         self.report = report
 
-    def fetch(self, refs: Sequence[ChunkRef], placement: Callable[[str], Sequence[str]], members: Sequence[str],
-              sink: ChunkSink, *, verifier: Verifier | None = None,
-              tensors_of: Callable[[ChunkRef], Sequence[str]] | None = None,
-              extras: Callable[[str], Sequence[str]] | None = None, salt: int = 0) -> FetchStats:
-        """Fetch ``refs`` (distinct ids) into ``sink``; raises ChunkUnavailable / ChunkDataLoss naming
-        the first chunk no replica could serve intact, or what the sink or transport raised.
-        ``extras(id)``: servers with an extra copy of a hot chunk (read from as readily as its
-        replicas; ``salt`` orders them on ties, vary it per fetch)."""
-        if not refs:
+    def fetch(self, chunks: ChunkRows, wants: Wants, members: Sequence[str], sink: ChunkSink, *,
+              verifier: Verifier | None = None, tensors_of: Callable[[int], Sequence[str]] | None = None,
+              salt: int = 0) -> FetchStats:
+        """Fetch ``chunks`` (distinct ids; ``wants``: their sizes and replicas, slot by slot) into
+        ``sink``; raises ChunkUnavailable / ChunkDataLoss naming the first chunk no replica could
+        serve intact, or what the sink or transport raised. ``tensors_of(row)`` names a failed
+        chunk's tensors; ``salt`` orders the holders of hot chunks on ties (vary it per fetch)."""
+        if len(wants) != len(chunks):
+            raise ValueError(f"wants describe {len(wants)} chunks, the fetch has {len(chunks)}")
+        if not len(chunks):
             return FetchStats()
         with collector_paused(self.options.pause_collector):
-            return _Fetch(self, refs, placement, members, sink, tensors_of, verifier or self.verifier, extras, salt).run()
+            return _Fetch(self, chunks, wants, members, sink, tensors_of, verifier or self.verifier, salt).run()
 
 
 __all__ = ["ChunkSink", "EngineOptions", "FetchEngine", "FetchStats"]

@@ -25,11 +25,13 @@ from pathlib import Path
 
 import blake3
 import grpc
+import numpy as np
 import torch
 
+from chunking.chunk_table import ChunkRows
 from chunking.errors import ChunkingError
 from chunking.hashing import Buffer, bytes_like
-from chunking.manifest import ChunkRef, FileEntry, Manifest, TensorEntry
+from chunking.manifest import FileEntry, Manifest, TensorEntry
 from paramserver.client.cluster_view import ClusterOptions
 from paramserver.client.errors import NotFound, PullError, TransferError
 from paramserver.client.hostmem import Targets
@@ -52,19 +54,20 @@ class FileSink:
         for f in files:
             for c in f.chunks:
                 self._at.setdefault(c.id, []).append((f.path, c.index * chunk_size))
+        self.chunks = ChunkRows.of_refs(list({c.id: c for f in files for c in f.chunks}.values()))
         self._into = into
         self._lock = threading.Lock()
 
-    def region(self, ref: ChunkRef) -> memoryview | None:
+    def regions(self, rows: np.ndarray) -> None:
         return None
 
-    def landed_in_place(self, chunks: Sequence[tuple[ChunkRef, memoryview]]) -> None:  # never: region() gives none
+    def landed_in_place(self, rows: np.ndarray) -> None:  # never: regions() gives none
         raise AssertionError("file chunks are never received in place")
 
-    def write(self, ref: ChunkRef, raw: Buffer) -> None:
+    def write(self, row: int, raw: Buffer) -> None:
         data = raw if isinstance(raw, bytes) else bytes(memoryview(bytes_like(raw)).cast("B"))
         with self._lock:
-            for path, offset in self._at[ref.id]:
+            for path, offset in self._at[self.chunks.table.ids[row]]:
                 target = self._into[path]
                 if isinstance(target, bytearray):
                     target[offset:offset + len(data)] = data
@@ -93,9 +96,9 @@ def read_file(client: ClusterClient, manifest: Manifest, path: str) -> bytes:
         have = ", ".join(f.path for f in manifest.files[:20]) or "none (it was pushed from a weights file, not a folder)"
         raise NotFound(f"{manifest.model} v{manifest.version} has no file {path!r}; its files: {have}")
     buf = bytearray(entry.size)
-    refs = list({c.id: c for c in entry.chunks}.values())
-    if refs:
-        client.fetch(refs, FileSink([entry], manifest.chunk_size, {path: buf}), algorithm=manifest.hash_algorithm)
+    if entry.chunks:
+        sink = FileSink([entry], manifest.chunk_size, {path: buf})
+        client.fetch(sink.chunks, sink, algorithm=manifest.hash_algorithm)
     data = bytes(buf)
     _check_hash(entry, data, None)
     return data
@@ -184,8 +187,8 @@ def _pull_files(client: ClusterClient, manifest: Manifest, staging: Path) -> int
             handles[f.path] = handle
             os.ftruncate(handle.fileno(), f.size)
         try:
-            client.fetch(list(manifest.file_chunks()), FileSink(manifest.files, manifest.chunk_size, handles),
-                         algorithm=manifest.hash_algorithm)
+            sink = FileSink(manifest.files, manifest.chunk_size, handles)
+            client.fetch(sink.chunks, sink, algorithm=manifest.hash_algorithm)
         except ChunkingError as exc:
             raise PullError(f"{manifest.model} v{manifest.version}: {exc}", grpc.StatusCode.DATA_LOSS) from None
         for handle in handles.values():

@@ -19,6 +19,7 @@ from typing import Mapping
 import grpc
 import torch
 
+from chunking.chunk_table import ChunkRows
 from chunking.errors import ChunkingError
 from chunking.manifest import Manifest
 from paramserver.client.cluster_view import ClusterOptions, parse_seeds
@@ -143,14 +144,13 @@ def _pull(
         else:
             targets = allocate_targets(manifest, pool=None if options.recycle_memory else ArenaPool(HostMemoryConfig(keep_bytes=0)))
         tensors = targets.tensors
-        refs = manifest.unique_chunks()
-        total = sum(r.raw_size for r in refs)
+        chunks = ChunkRows.of(manifest.chunks)
+        total = int(manifest.chunks.raw_size[chunks.rows].sum())
         sink = TensorSink(manifest, tensors, on_bytes=lambda done: progress("fetch", done, total))
         t_fetch = time.perf_counter()
         prefault = targets.prefaulter().start()
         try:
-            stats = client.fetch(refs, sink, algorithm=manifest.hash_algorithm,
-                                 tensors_of=lambda r: manifest.tensors_of_chunk(r.index))
+            stats = client.fetch(chunks, sink, algorithm=manifest.hash_algorithm, tensors_of=manifest.tensors_of_chunk)
             sink.assembler.raise_if_incomplete()
         except ChunkingError as exc:
             raise PullError(f"{target}: {exc}", grpc.StatusCode.DATA_LOSS) from None
@@ -170,7 +170,7 @@ def _pull(
             bytes_total=manifest.raw_bytes,
             bytes_fetched=stats.stored_bytes,
             chunks_total=len(manifest.chunks),
-            chunks_unique=len(refs),
+            chunks_unique=len(chunks),
             seconds=time.perf_counter() - t0,
             fetch_seconds=fetch_s,
             save_seconds=0.0,

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, TypeVar, cast
 import grpc
 
 from chunking.errors import ManifestError
-from chunking.manifest import ChunkRef, Manifest
+from chunking.chunk_table import ChunkRows
+from chunking.manifest import Manifest
 from paramserver.client.cluster_view import ClusterOptions, ClusterView, parse_seeds, start_background
 from paramserver.client.errors import (
     ClientClosed,
@@ -512,21 +513,21 @@ class ClusterClient:
 
     # ------------------------------------------------------------ chunks
 
-    def fetch(self, refs: Sequence[ChunkRef], sink: ChunkSink, *, algorithm: str = "blake3",
-              tensors_of: Callable[[ChunkRef], Sequence[str]] | None = None) -> FetchStats:
-        """Fetch and verify ``refs`` (distinct ids from a proven manifest) into ``sink``.
+    def fetch(self, chunks: ChunkRows, sink: ChunkSink, *, algorithm: str = "blake3",
+              tensors_of: Callable[[int], Sequence[str]] | None = None) -> FetchStats:
+        """Fetch and verify ``chunks`` (distinct ids: rows of a proven manifest's table) into ``sink``.
 
         Raises ChunkDataLoss / ChunkUnavailable naming the first chunk that no replica could serve
-        intact; an exception from the sink aborts the fetch and is re-raised.
+        intact; an exception from the sink aborts the fetch and is re-raised. ``tensors_of(row)``
+        names a failed chunk's tensors in that error.
         """
         view = self.view()
         members = sorted(sid for sid, m in view.members.items() if m.state == "up")
         others = sorted(sid for sid in view.members if sid not in members)
         verifier = Verifier(self.verify, algorithm)
         hot = self.hot_chunks(view) if self.config.hot_chunks else {}
-        placed = view.replicas_many([r.id for r in refs])
-        stats = self.engine.fetch(refs, placed.__getitem__, members + others, sink, verifier=verifier, tensors_of=tensors_of,
-                                  extras=(lambda cid: hot.get(cid, ())) if hot else None, salt=random.getrandbits(32))
+        stats = self.engine.fetch(chunks, view.wants(chunks, hot), members + others, sink, verifier=verifier,
+                                  tensors_of=tensors_of, salt=random.getrandbits(32))
         with self._lock:
             s = self.stats
             s.chunks += stats.chunks
@@ -539,7 +540,6 @@ class ClusterClient:
             for k, v in stats.by_server.items():
                 s.by_server[k] = s.by_server.get(k, 0) + v
         return stats
-
 
     def hot_chunks(self, view: ClusterView | None = None, *, wait: bool = True) -> dict[str, tuple[str, ...]]:
         """The hot chunks the servers advertise (id -> members with an extra copy).

@@ -10,11 +10,12 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from chunking.assembler import Assembler
 from chunking.hashing import Buffer
-from chunking.manifest import ChunkRef, Manifest
+from chunking.manifest import Manifest
 
 Progress = Callable[[int], None]  # raw bytes landed so far
 
@@ -22,24 +23,24 @@ Progress = Callable[[int], None]  # raw bytes landed so far
 class TensorSink:
     def __init__(self, manifest: Manifest, targets: Mapping[str, torch.Tensor], *, on_bytes: Progress | None = None) -> None:
         self.assembler = Assembler(manifest, targets, private_targets=True)
-        self.indices = self.assembler.indices_by_id
+        self._table = manifest.chunks
         self._on_bytes = on_bytes
         self._lock = threading.Lock()
         self.raw_done = 0
 
-    def region(self, ref: ChunkRef) -> memoryview | None:
-        return self.assembler.direct_view(self.indices[ref.id][0])
+    def regions(self, rows: np.ndarray) -> Sequence[memoryview | None]:
+        direct_view = self.assembler.direct_view
+        return [direct_view(row) for row in rows.tolist()]
 
-    def landed_in_place(self, chunks: Sequence[tuple[ChunkRef, memoryview]]) -> None:
-        indices = self.indices
-        for ref, _region in chunks:
-            self.assembler.commit_direct(indices[ref.id][0])
-        self._count(sum(ref.raw_size for ref, _ in chunks))
+    def landed_in_place(self, rows: np.ndarray) -> None:
+        for row in rows.tolist():
+            self.assembler.commit_direct(row)
+        self._count(int(self._table.raw_size[rows].sum()))
 
-    def write(self, ref: ChunkRef, raw: Buffer) -> None:
-        for index in self.indices[ref.id]:
+    def write(self, row: int, raw: Buffer) -> None:
+        for index in self._table.rows_of(row):
             self.assembler.write_chunk(index, raw)
-        self._count(ref.raw_size)
+        self._count(int(self._table.raw_size[row]))
 
     def _count(self, n: int) -> None:
         with self._lock:

@@ -1,10 +1,11 @@
 """Chunk transports behind one interface: the bulk TCP port and gRPC GetChunks.
 
-``ChunkTransport.read(server, ids, into, timeout_s)`` yields lists of :class:`Arrival`, one per
-id it answers, in order, each list what arrived together (one bulk batch, one GetChunks message:
-the engine handles a list in one step), and raises :class:`ReadBroken` when the read cannot go on (the ids not yet
-answered then go to another replica). ``into(id, codec, stored_size)`` may offer the final
-destination of a raw chunk so its bytes are received straight there.
+``ChunkTransport.read(server, ids, into, timeout_s)`` yields :class:`Arrivals`, each what arrived
+together (one bulk batch, one GetChunks message: the engine handles it in one step), every item
+naming its position in ``ids``, each position answered at most once; it raises
+:class:`ReadBroken` when the read cannot go on (the ids not yet answered then go to another
+replica). ``into`` may offer the final destination of raw chunks so their bytes are received
+straight there (``paramserver.client.arrivals``).
 
 :class:`ClusterTransport` is the one the engine uses against a real cluster: a server's bulk
 port when it advertises one (and TLS is off), falling back to GetChunks for the rest of the
@@ -14,17 +15,20 @@ chunks from a dict, with scripted faults, for tests without sockets.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import grpc
 
-from paramserver.client.bulk_transport import BulkError, BulkPool, BulkUnauthenticated, Into
+import numpy as np
+
+from chunking.hashing import Buffer
+from paramserver.client.arrivals import Arrivals, Into, ReadIds
+from paramserver.client.bulk_transport import BulkError, BulkPool, BulkUnauthenticated
 from paramserver.client.errors import AuthFailed, from_rpc, rpc_code, rpc_details
 from paramserver.client.getchunks_transport import get_chunks_raw, open_channel
-from paramserver.client.verify import Arrival
 from paramserver.wire import bulk_frames
 from paramserver.wire.proto import pb
 
@@ -39,7 +43,7 @@ class ReadBroken(Exception):
 
 
 class ChunkTransport(Protocol):
-    def read(self, server: str, ids: Sequence[str], into: Into | None, timeout_s: float) -> Iterator[list[Arrival]]: ...
+    def read(self, server: str, ids: ReadIds, into: Into | None, timeout_s: float) -> Iterator[Arrivals]: ...
 
 
 @dataclass
@@ -79,39 +83,39 @@ class ClusterTransport:
         return (self.bulk is not None and member is not None and bool(member.bulk_address)
                 and self.bulk.client(member.bulk_address) is not None)
 
-    def read(self, server: str, ids: Sequence[str], into: Into | None, timeout_s: float) -> Iterator[list[Arrival]]:
+    def read(self, server: str, ids: ReadIds, into: Into | None, timeout_s: float) -> Iterator[Arrivals]:
         member = self._members().get(server)
         if member is None:
             raise ReadBroken(f"{server} is no longer a member")
-        owed = list(ids)
+        start = 0
         if self.bulk is not None and member.bulk_address:
-            owed = yield from self._bulk(member.bulk_address, owed, into)
-            if not owed:
+            start = yield from self._bulk(member.bulk_address, ids, into)
+            if start >= len(ids):
                 return
-        yield from self._grpc(member.grpc_address, owed, timeout_s)
+        yield from self._grpc(member.grpc_address, ids, start, timeout_s)
 
-    def _bulk(self, address: str, ids: list[str], into: Into | None) -> Generator[list[Arrival], None, list[str]]:
-        """Generator returning the ids the bulk port did not answer (they go over gRPC)."""
+    def _bulk(self, address: str, ids: ReadIds, into: Into | None) -> Generator[Arrivals, None, int]:
+        """Generator returning how many ids the bulk port answered (the rest go over gRPC)."""
         assert self.bulk is not None
         client = self.bulk.client(address)
         if client is None:
-            return ids
+            return 0
         answered = 0
         got = 0
         try:
             ok = bulk_frames.OK
             for batch in client.fetch_batches(ids, into):
-                arrivals = []
-                for item in batch:
-                    if item.status == ok:
-                        got += len(item.data)
-                        arrivals.append(Arrival(item.id, True, False, item.codec, item.crc32c, item.data))
-                    else:
-                        arrivals.append(Arrival(item.id, False, item.status == bulk_frames.CORRUPT, "", 0, b"",
-                                                f"{item.status_name} {item.message}"))
+                h = batch.headers
+                good = h.status == ok
+                n = len(batch.data)
+                got += int(h.stored_size[good].sum())
+                messages = [""] * n
+                for k in np.flatnonzero(~good).tolist():
+                    messages[k] = f"{bulk_frames.STATUS_NAMES[int(h.status[k])]} " + bytes(batch.data[k]).decode("utf-8", "replace")
+                yield Arrivals(np.arange(batch.first, batch.first + n, dtype=np.int64), good, h.status == bulk_frames.CORRUPT,
+                               h.codecs, h.crc32c, batch.data, batch.in_place, messages)
                 # Counted as answered only once handed over: a batch the engine never took is owed still.
-                yield arrivals
-                answered += len(batch)
+                answered = batch.first + n
         except BulkUnauthenticated as exc:
             raise AuthFailed(str(exc)) from None
         except BulkError:
@@ -121,24 +125,32 @@ class ClusterTransport:
         finally:
             with self._lock:
                 self.stats.bulk_bytes += got
-        return ids[answered:]
+        return answered
 
-    def _grpc(self, address: str, ids: list[str], timeout_s: float) -> Iterator[list[Arrival]]:
+    def _grpc(self, address: str, ids: ReadIds, start: int, timeout_s: float) -> Iterator[Arrivals]:
         ca, cert, key = self._tls_files
+        hex_ids = ids.hex
+        # Each id answered once, and only ids asked for: anything else is never trusted.
+        position = {cid: k for k, cid in enumerate(hex_ids[start:], start)}
         # A channel per read: parallel reads then use separate connections (and HTTP/2 windows).
         channel = open_channel(address, token=self._token, max_message_bytes=self._max_message_bytes, tls=self._tls,
                                tls_ca=ca, tls_cert=cert, tls_key=key)
         got = 0
         try:
-            for chunks, errors in get_chunks_raw(channel, ids, max_message_bytes=self._get_message_bytes, timeout=timeout_s):
-                arrivals = []
+            for chunks, errors in get_chunks_raw(channel, hex_ids[start:], max_message_bytes=self._get_message_bytes,
+                                                 timeout=timeout_s):
+                items: list[tuple[int, bool, bool, str, int, Buffer, bool, str]] = []
                 for chunk in chunks:
-                    got += len(chunk.data)
-                    arrivals.append(Arrival(chunk.id, True, False, chunk.codec, chunk.crc32c, chunk.data))
+                    k = position.pop(chunk.id, None)
+                    if k is not None:
+                        got += len(chunk.data)
+                        items.append((k, True, False, chunk.codec, chunk.crc32c, chunk.data, False, ""))
                 for ack in errors:
-                    arrivals.append(Arrival(ack.id, False, ack.status == pb.CORRUPT, "", 0, b"",
-                                            f"{pb.ChunkStatus.Name(ack.status)} {ack.message}"))
-                yield arrivals
+                    k = position.pop(ack.id, None)
+                    if k is not None:
+                        items.append((k, False, ack.status == pb.CORRUPT, "", 0, b"", False,
+                                      f"{pb.ChunkStatus.Name(ack.status)} {ack.message}"))
+                yield Arrivals.of(items)
         except grpc.RpcError as exc:
             code = rpc_code(exc)
             if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
@@ -170,46 +182,48 @@ class MemoryTransport:
     lock: threading.Lock = field(default_factory=threading.Lock)
     batch: int = 3  # arrivals per yielded list (a bulk batch holds up to 64)
 
-    def read(self, server: str, ids: Sequence[str], into: Into | None, timeout_s: float) -> Iterator[list[Arrival]]:
-        batch: list[Arrival] = []
+    def read(self, server: str, ids: ReadIds, into: Into | None, timeout_s: float) -> Iterator[Arrivals]:
+        batch: list[tuple[int, bool, bool, str, int, Buffer, bool, str]] = []
         try:
-            for arrival in self._arrivals(server, ids, into, timeout_s):
-                batch.append(arrival)
+            for item in self._items(server, ids, into, timeout_s):
+                batch.append(item)
                 if len(batch) >= self.batch:
-                    yield batch
+                    yield Arrivals.of(batch)
                     batch = []
         except ReadBroken:
             if batch:
-                yield batch  # what arrived before the break still counts
+                yield Arrivals.of(batch)  # what arrived before the break still counts
             raise
         if batch:
-            yield batch
+            yield Arrivals.of(batch)
 
-    def _arrivals(self, server: str, ids: Sequence[str], into: Into | None, timeout_s: float) -> Iterator[Arrival]:
+    def _items(self, server: str, ids: ReadIds, into: Into | None,
+               timeout_s: float) -> Iterator[tuple[int, bool, bool, str, int, Buffer, bool, str]]:
         with self.lock:
-            self.calls.append((server, tuple(ids)))
+            self.calls.append((server, tuple(ids.hex)))
         if server in self.dead:
             raise ReadBroken(f"{server}: UNAVAILABLE connection refused")
         if server in self.slow:
             raise ReadBroken(f"{server}: DEADLINE_EXCEEDED after {timeout_s:.1f}s")
         held = self.chunks.get(server, {})
-        for n, cid in enumerate(ids):
+        for n, cid in enumerate(ids.hex):
             if self.die_after.get(server) == n:
                 del self.die_after[server]  # once: the replica comes back
                 raise ReadBroken(f"{server}: connection reset mid-stream")
             found = held.get(cid)
             if found is None:
-                yield Arrival(cid, False, False, "", 0, b"", "MISSING not stored here")
+                yield n, False, False, "", 0, b"", False, "MISSING not stored here"
                 continue
             codec, crc, data = found
             if cid in self.corrupt.get(server, set()):
                 data = bytes([data[0] ^ 0xFF]) + data[1:] if data else data
-            region = into(cid, codec, len(data)) if into is not None else None
+            given = into(n, np.array([codec == "raw"]), np.array([len(data)], dtype=np.int64)) if into is not None else None
+            region = given[0] if given else None
             if region is not None:
                 region[:] = data
-                yield Arrival(cid, True, False, codec, crc, region)
+                yield n, True, False, codec, crc, region, True, ""
             else:
-                yield Arrival(cid, True, False, codec, crc, memoryview(data))
+                yield n, True, False, codec, crc, memoryview(data), False, ""
 
 
 __all__ = ["ChunkTransport", "ClusterTransport", "MemoryTransport", "ReadBroken", "TransportStats"]

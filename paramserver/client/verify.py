@@ -13,27 +13,16 @@ id in either mode.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
+
+import numpy as np
 
 from chunking.codec import decode_chunk
-from chunking.errors import ChunkCorrupt
 from chunking.hashing import Buffer, bytes_like, content_id, crc32c
 from chunking.manifest import ChunkRef
 from paramserver.client.errors import ConfigError
 
 VERIFY_MODES = ("crc", "content")
-
-
-class Arrival(NamedTuple):
-    """One chunk as a transport delivered it: OK with its stored bytes, or refused."""
-
-    id: str
-    ok: bool
-    corrupt: bool  # refused because the server's copy failed its own check
-    codec: str
-    crc32c: int
-    data: Buffer  # OK: stored bytes (a view that may be reused once consumed); else unused
-    message: str = ""
 
 
 class Verifier:
@@ -43,20 +32,27 @@ class Verifier:
         self.mode = mode
         self.algorithm = algorithm
 
-    def check_in_place(self, ref: ChunkRef, arrival: Arrival, region: memoryview) -> None:
-        """A raw chunk received straight into ``region`` (its destination): check it there."""
-        if arrival.codec != "raw" or arrival.crc32c != ref.crc32c or crc32c(region) != ref.crc32c:
-            raise ChunkCorrupt(ref.id, "CRC32C of the received bytes does not match the manifest", (), ref.index)
-        if self.mode == "content" and content_id(region, self.algorithm) != ref.id:
-            raise ChunkCorrupt(ref.id, "content id of the received bytes does not match the manifest", (), ref.index)
+    def check_in_place(self, expected_crcs: np.ndarray, server_crcs: np.ndarray, regions: Sequence[memoryview],
+                       ids: Sequence[str]) -> np.ndarray:
+        """Raw chunks received straight into their destinations (``regions``): per chunk, whether
+        its bytes there match the manifest (``expected_crcs``; ``ids`` in ``content`` mode); the
+        server's own CRC (``server_crcs``) must match too."""
+        got = np.fromiter(map(crc32c, regions), dtype=np.uint32, count=len(regions))
+        good: np.ndarray = (got == expected_crcs) & (server_crcs == expected_crcs)
+        if self.mode == "content":
+            for k in np.flatnonzero(good).tolist():
+                if content_id(regions[k], self.algorithm) != ids[k]:
+                    good[k] = False
+        return good
 
-    def raw(self, ref: ChunkRef, arrival: Arrival) -> Buffer:
-        """The verified raw bytes of a chunk received into a bounce buffer (may be a view of it)."""
+    def raw(self, ref: ChunkRef, codec: str, crc: int, data: Buffer) -> Buffer:
+        """The verified raw bytes of a chunk received into a bounce buffer (may be a view of it);
+        ChunkCorrupt when they do not match the manifest."""
         content = self.mode == "content"
-        if arrival.codec == ref.codec and arrival.crc32c == ref.crc32c:
-            return decode_chunk(ref, arrival.data, algorithm=self.algorithm, check_id=content)
-        theirs = ref._replace(codec=arrival.codec, crc32c=arrival.crc32c, stored_size=len(memoryview(bytes_like(arrival.data))))
-        return decode_chunk(theirs, arrival.data, algorithm=self.algorithm, check_id=True)
+        if codec == ref.codec and crc == ref.crc32c:
+            return decode_chunk(ref, data, algorithm=self.algorithm, check_id=content)
+        theirs = ref._replace(codec=codec, crc32c=crc, stored_size=len(memoryview(bytes_like(data))))
+        return decode_chunk(theirs, data, algorithm=self.algorithm, check_id=True)
 
 
-__all__ = ["Arrival", "VERIFY_MODES", "Verifier"]
+__all__ = ["VERIFY_MODES", "Verifier"]

@@ -37,6 +37,7 @@ from typing import Mapping, cast
 
 import numpy as np
 
+from chunking.hashing import hex_ids
 from paramserver.server.auth import AuthConfig
 from paramserver.server.dataplane import RateLimitedLog
 from paramserver.server.errors import (
@@ -49,11 +50,12 @@ from paramserver.wire.address import split_host_port
 from paramserver.wire.auth import ADMIN_TOKEN_ENV, READ_TOKEN_ENV
 from paramserver.wire.bulk_frames import (
     A_ACKS, ACK_HEAD, ALREADY_PRESENT, CORRUPT, CORRUPT_IN_TRANSIT, ERROR, FAILED, FULL, HELLO, ID_BYTES, INVALID,
-    E_BUSY, E_MALFORMED, MAGIC, MAX_BATCH_ITEMS, MAX_IDS, MAX_PUT_BYTES, MAX_PUT_ITEMS, MAX_ROUTE_BYTES,
-    MAX_TOKEN_BYTES, MISSING, OK, PUT_HEAD, PUT_ITEM, REQUEST, SEND_BATCH_BYTES, SOCKET_BUFFER_BYTES, STORED, VERSION, W_BAD_HELLO, W_OK,
-    W_UNAUTHENTICATED, WELCOME, WRITE_MAGIC, WRITE_VERSION, ProtocolError, PutBatch, decode_acks, decode_route, encode_ack_error,
-    encode_acks, encode_batch, encode_header, encode_message, encode_put, encode_route, encode_welcome, encode_write_hello,
-    encode_write_welcome, recv_ack_frame, recv_exact, recv_exact_by, send_all,
+    E_BUSY, E_MALFORMED, MAGIC, MAX_IDS, MAX_PUT_BYTES, MAX_PUT_ITEMS, MAX_ROUTE_BYTES, MAX_TOKEN_BYTES, MISSING, OK,
+    PUT_HEAD, PUT_ITEM, READ_VERSIONS, REQUEST, SEND_BATCH_BYTES, SOCKET_BUFFER_BYTES, STORED, W_BAD_HELLO, W_OK,
+    W_UNAUTHENTICATED, WELCOME, WRITE_MAGIC, WRITE_VERSION, ProtocolError, PutBatch, decode_acks, decode_route,
+    encode_ack_error, encode_acks, encode_batch, encode_header, encode_message, encode_put, encode_route,
+    encode_welcome, encode_write_hello, encode_write_welcome, recv_ack_frame, recv_exact, recv_exact_by, send_all,
+    batch_items,
 )
 
 log = logging.getLogger(__name__)
@@ -307,8 +309,8 @@ class BulkServer:
                 self._log_refusal(peer, "hello_timeout", f"no complete hello within {self.config.hello_timeout_s:g} s")
                 return
             conn.settimeout(self.config.io_timeout_s)
-            if mode == "read":
-                self._requests(conn)
+            if mode is not None and mode.startswith("read:"):
+                self._requests(conn, batch_items(int(mode[len("read:"):])))
             elif mode is not None and mode.startswith("write:"):
                 try:
                     with self._lock:
@@ -328,7 +330,8 @@ class BulkServer:
             self._slots.release()
 
     def _handshake(self, conn: socket.socket, peer: tuple[str, int]) -> str | None:
-        """"read", or "write:" + the token, once welcomed; None when turned away (answered and logged)."""
+        """"read:" + the protocol version, or "write:" + the token, once welcomed; None when turned
+        away (answered and logged)."""
         deadline = time.monotonic() + self.config.hello_timeout_s
         magic, version, token_len = HELLO.unpack(_recv_by(conn, HELLO.size, deadline))
         if magic == WRITE_MAGIC:
@@ -337,16 +340,17 @@ class BulkServer:
             return self._turn_away(conn, peer, W_BAD_HELLO, "bad_hello",
                                    "not a bulk hello (bad magic): this port speaks the paramserver bulk protocol, "
                                    "use the gRPC port for gRPC")
-        if version != VERSION or token_len > MAX_TOKEN_BYTES:
+        if version not in READ_VERSIONS or token_len > MAX_TOKEN_BYTES:
             return self._turn_away(conn, peer, W_BAD_HELLO, "bad_hello", f"bulk protocol version {version} is not served here "
-                                                                         f"(this server speaks {VERSION}); fall back to GetChunks")
+                                                                         f"(this server speaks {', '.join(map(str, READ_VERSIONS))}); "
+                                                                         "fall back to GetChunks")
         token = _recv_by(conn, token_len, deadline).decode("utf-8", "replace")
         conn.settimeout(self.config.io_timeout_s)
         problem = check_token(token, self.auth)
         if problem is not None:
             return self._turn_away(conn, peer, W_UNAUTHENTICATED, "unauthenticated", problem)
         conn.sendall(encode_welcome(W_OK))
-        return "read"
+        return f"read:{version}"
 
     def _write_handshake(self, conn: socket.socket, peer: tuple[str, int], version: int, token_len: int,
                          deadline: float) -> str | None:
@@ -385,7 +389,7 @@ class BulkServer:
         raw = encode_message(message)
         send_all(conn, encode_batch([encode_header(ERROR, stored_size=len(raw))], [raw]))
 
-    def _requests(self, conn: socket.socket) -> None:
+    def _requests(self, conn: socket.socket, max_items: int) -> None:
         while not self._stopped.is_set():
             conn.settimeout(self.config.idle_timeout_s)
             try:
@@ -408,19 +412,18 @@ class BulkServer:
             except EOFError:
                 return  # truncated request: nothing to answer
             conn.settimeout(self.config.io_timeout_s)
-            self._answer(conn, [raw_ids[i : i + ID_BYTES].hex() for i in range(0, len(raw_ids), ID_BYTES)])
+            self._answer(conn, hex_ids(raw_ids), max_items)
 
-    def _answer(self, conn: socket.socket, ids: list[str]) -> None:
+    def _answer(self, conn: socket.socket, ids: list[str], max_items: int) -> None:
         # Each batch is read from the store in one call (adjacent small records in one pread), so
-        # it is cut first, by the records' sizes: at most MAX_BATCH_ITEMS, closed once it holds
+        # it is cut first, by the records' sizes: at most ``max_items``, closed once it holds
         # SEND_BATCH_BYTES, as a batch of chunks read one by one would be.
-        sizes = self.store.record_sizes(ids)
+        ends = np.cumsum(self.store.record_sizes(ids))
         start = 0
         while start < len(ids):
-            stop, nbytes = start, 0
-            while stop < len(ids) and stop - start < MAX_BATCH_ITEMS and nbytes < SEND_BATCH_BYTES:
-                nbytes += sizes[stop]
-                stop += 1
+            # the first id that brings the batch to SEND_BATCH_BYTES closes it
+            before = int(ends[start - 1]) if start else 0
+            stop = min(int(np.searchsorted(ends, before + SEND_BATCH_BYTES, side="left")) + 1, start + max_items, len(ids))
             block = ids[start:stop]
             headers: list[bytes] = []
             payloads: list[bytes | memoryview] = []

@@ -8,8 +8,9 @@ sessions, below), it is advertised in the member record (``bulk_address``), it i
 is configured (it has no encryption), and clients fall back to GetChunks / PutChunks on any
 error here.
 
-Read protocol, version 2. All integers little-endian; one TCP connection per (client, server),
-long-lived and reused for many requests.
+Read protocol, version 3 (version 2 is the same with at most 64 items per batch; servers serve
+both, a client whose version-3 hello is refused says hello again in version 2). All integers
+little-endian; one TCP connection per (client, server), long-lived and reused for many requests.
 
     client -> server  HELLO    magic "PDBK" | version u16 | token_len u16 | token (utf-8, <= 1024 B)
     server -> client  WELCOME  magic "PDBK" | status u8 (0 ok, 1 unauthenticated, 2 bad hello)
@@ -18,7 +19,7 @@ long-lived and reused for many requests.
     client -> server  REQUEST  count u32 (1..MAX_IDS) | count x 32-byte binary chunk ids
                       count 0 is a polite goodbye: the server closes the connection.
     server -> client  the answers for the requested ids, in request order, in BATCHes:
-                      BATCH    count u32 (1..MAX_BATCH_ITEMS) | payload_bytes u32
+                      BATCH    count u32 (1..batch_items(version)) | payload_bytes u32
                                | count x HEADER | the count payloads back to back
                       HEADER   status u8 | codec_len u8 | codec 18s (ascii, zero padded)
                                | raw_size u64 | stored_size u64 | crc32c u32       (40 bytes)
@@ -29,9 +30,10 @@ long-lived and reused for many requests.
                       truncated ids); its payload is the message; the server closes.
 
 Why batches (version 1 sent a header before each chunk): the client learns where a whole
-batch (~4 MiB) goes from one small read, then receives all of it with one scatter read
+batch (~2 MiB) goes from one small read, then receives all of it with one scatter read
 (``recvmsg_into``) straight into the destination buffers: two system calls and a few
-Python steps per batch instead of two calls per chunk.
+Python steps per batch instead of two calls per chunk. Version 3 lets a batch of 4 KiB chunks
+fill those 2 MiB (512 items, not 64), so the steps per batch are paid an eighth as often.
 
 Reads go through ``ChunkStore.get`` (hot cache, CRC32C checked on every disk read): a corrupt
 chunk is answered CORRUPT and never sent, and the store quarantines it and queues its repair
@@ -89,7 +91,8 @@ from paramserver.wire.errors import ConfigError
 from paramserver.wire.limits import MAX_CODEC_LEN
 
 MAGIC = b"PDBK"
-VERSION = 2
+VERSION = 3
+READ_VERSIONS = (2, 3)  # what a server serves
 MAX_TOKEN_BYTES = 1024
 MAX_IDS = 4096
 ID_BYTES = 32
@@ -99,7 +102,8 @@ WELCOME = struct.Struct("<4sBH")
 REQUEST = struct.Struct("<I")
 HEADER = struct.Struct(f"<BB{MAX_CODEC_LEN}sQQI")  # 40 bytes
 BATCH = struct.Struct("<II")
-MAX_BATCH_ITEMS = 64  # well under IOV_MAX (1024) for the client's scatter read
+MAX_BATCH_ITEMS = 512  # version 3; under IOV_MAX (1024) for the client's scatter read
+_BATCH_ITEMS = {2: 64, 3: MAX_BATCH_ITEMS}
 MAX_MESSAGE_BYTES = 4096  # a MISSING / CORRUPT / ERROR payload
 MAX_CHUNK_BYTES = 65 << 20  # chunking's largest chunk is 64 MiB
 # A server closes a batch once it holds SEND_BATCH_BYTES (or MAX_BATCH_ITEMS), so no batch is
@@ -149,11 +153,16 @@ class ProtocolError(Exception):
     """The peer sent something this protocol does not allow."""
 
 
-def encode_hello(token: str | None) -> bytes:
+def batch_items(version: int) -> int:
+    """The most items a BATCH may hold on a read connection of that protocol version."""
+    return _BATCH_ITEMS[version]
+
+
+def encode_hello(token: str | None, version: int = VERSION) -> bytes:
     raw = (token or "").encode()
     if len(raw) > MAX_TOKEN_BYTES:
         raise ConfigError(f"token is {len(raw)} bytes; the bulk protocol takes at most {MAX_TOKEN_BYTES}")
-    return HELLO.pack(MAGIC, VERSION, len(raw)) + raw
+    return HELLO.pack(MAGIC, version, len(raw)) + raw
 
 
 def encode_welcome(status: int, message: str = "") -> bytes:
@@ -162,13 +171,20 @@ def encode_welcome(status: int, message: str = "") -> bytes:
 
 
 def encode_request(ids: Sequence[str]) -> bytes:
-    if not 0 < len(ids) <= MAX_IDS:
-        raise ValueError(f"a bulk request carries 1..{MAX_IDS} ids, got {len(ids)}; split it")
     # One conversion for the whole request (thousands of 4 KiB chunks' ids), after a length check
     # of each id so that ids of wrong lengths cannot run together into valid-looking ones.
     if set(map(len, ids)) != {2 * ID_BYTES}:
         raise ValueError(f"bulk requests carry {ID_BYTES}-byte content ids (64 hex digits)")
-    return REQUEST.pack(len(ids)) + bytes.fromhex("".join(ids))
+    return encode_request_digests(np.frombuffer(bytes.fromhex("".join(ids)), dtype=np.uint8).reshape(-1, ID_BYTES))
+
+
+def encode_request_digests(digests: np.ndarray) -> bytes:
+    """A REQUEST for the binary ids in the rows of ``digests`` (an (n, 32) uint8 array)."""
+    if not 0 < len(digests) <= MAX_IDS:
+        raise ValueError(f"a bulk request carries 1..{MAX_IDS} ids, got {len(digests)}; split it")
+    if digests.ndim != 2 or digests.shape[1] != ID_BYTES:
+        raise ValueError(f"bulk requests carry {ID_BYTES}-byte content ids")
+    return REQUEST.pack(len(digests)) + np.ascontiguousarray(digests, dtype=np.uint8).tobytes()
 
 
 def encode_header(status: int, codec: str = "", raw_size: int = 0, stored_size: int = 0, crc: int = 0) -> bytes:
@@ -200,6 +216,55 @@ def decode_headers(buf: bytes | bytearray | memoryview) -> list[tuple[int, str, 
 
 
 _CODEC_NAMES: dict[tuple[int, bytes], str] = {}
+
+# HEADER as a numpy record, to decode a batch's headers as columns
+HEADER_DTYPE = np.dtype([("status", "u1"), ("codec_len", "u1"), ("codec", f"S{MAX_CODEC_LEN}"), ("raw_size", "<u8"),
+                         ("stored_size", "<u8"), ("crc32c", "<u4")])
+assert HEADER_DTYPE.itemsize == HEADER.size
+
+
+class Headers:
+    """A batch's headers as columns (``decode_header_columns``); ``codecs`` are names, one per header."""
+
+    __slots__ = ("codecs", "crc32c", "raw_size", "status", "stored_size", "is_raw")
+
+    def __init__(self, status: np.ndarray, codecs: list[str], is_raw: np.ndarray, raw_size: np.ndarray,
+                 stored_size: np.ndarray, crc32c: np.ndarray) -> None:
+        self.status = status
+        self.codecs = codecs
+        self.is_raw = is_raw
+        self.raw_size = raw_size
+        self.stored_size = stored_size
+        self.crc32c = crc32c
+
+
+def decode_header_columns(buf: bytes | bytearray | memoryview) -> Headers:
+    """``decode_headers`` as columns, with one array pass per field: a batch of 4 KiB chunks pays
+    little per header beyond its name look-up."""
+    if len(buf) % HEADER.size:
+        raise ProtocolError(f"chunk headers are {HEADER.size} bytes each, got {len(buf)} bytes")
+    rec = np.frombuffer(buf, dtype=HEADER_DTYPE)
+    status, codec_len, codec = rec["status"], rec["codec_len"], rec["codec"]
+    if len(rec) and (int(status.max()) >= len(STATUS_NAMES) or int(codec_len.max()) > MAX_CODEC_LEN
+                     or bool((np.char.str_len(codec) != codec_len).any())):
+        bad = int(np.flatnonzero((status >= len(STATUS_NAMES)) | (codec_len > MAX_CODEC_LEN)
+                                 | (np.char.str_len(codec) != codec_len))[0])
+        raise ProtocolError(f"bad chunk header (status {int(status[bad])}, codec length {int(codec_len[bad])})")
+    raw_size, stored_size = rec["raw_size"], rec["stored_size"]
+    if len(rec) and max(int(raw_size.max()), int(stored_size.max())) >= 1 << 62:
+        raise ProtocolError("a chunk header declares a size beyond any chunk")
+    names = []
+    for raw in codec.tolist():
+        name = _CODEC_BY_BYTES.get(raw)
+        if name is None:
+            name = raw.decode("ascii", "replace")
+            if len(_CODEC_BY_BYTES) < 64:  # a handful of distinct values: remembered
+                _CODEC_BY_BYTES[raw] = name
+        names.append(name)
+    return Headers(status, names, codec == b"raw", raw_size.astype(np.int64), stored_size.astype(np.int64), rec["crc32c"])
+
+
+_CODEC_BY_BYTES: dict[bytes, str] = {}
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:

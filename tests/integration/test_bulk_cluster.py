@@ -13,6 +13,7 @@ from typing import Iterator
 import pytest
 import torch
 
+from chunking.chunk_table import ChunkRows
 from chunking.hashing import crc32c
 from chunking.manifest import Manifest
 from deploy.local import LocalCluster, LocalClusterConfig
@@ -207,7 +208,7 @@ def test_unreachable_bulk_port_falls_back_to_grpc(cluster: LocalCluster) -> None
             view.members[sid] = broken
         targets = allocate_targets(manifest).tensors
         sink = TensorSink(manifest, targets)
-        client.fetch(manifest.unique_chunks(), sink)
+        client.fetch(ChunkRows.of(manifest.chunks), sink)
         sink.assembler.raise_if_incomplete()
         stats = client.transport.stats
     assert stats.bulk_bytes == 0 and stats.bulk_fallbacks >= 1

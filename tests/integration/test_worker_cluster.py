@@ -24,7 +24,8 @@ from paramserver.server.segments import ChunkLocation, corrupt_stored
 from tests.conftest import stop_process
 from tests.integration.test_worker_harness import REPO, Cluster, running_cluster
 from paramserver.client.session import ClusterClient
-from paramserver.client.fetch_plan import FetchPlanner, Read, Want
+from chunking.chunk_table import ChunkRows
+from paramserver.client.fetch_plan import FetchPlanner, Read
 from paramserver.client.session import SessionConfig
 from worker.config import CacheConfig, PrefetchConfig
 from worker.prefetch import unique_order
@@ -229,9 +230,10 @@ def test_corrupt_replica_is_detected_read_elsewhere_and_reported(cluster: Cluste
         manifest: Manifest = c.manifest(info.manifest_id)
         victim_chunk = manifest.chunks[2].id
         # The planner is deterministic: corrupt the copy on the replica it will read first.
-        order = unique_order(manifest, None)
-        first = FetchPlanner([Want(r.id, r.stored_size, tuple(c.replicas(r.id))) for r in order], sorted(c.members())).start()
-        bad = next(d.server for d in first if isinstance(d, Read) and victim_chunk in d.ids)
+        order = ChunkRows.of(manifest.chunks, unique_order(manifest, None))
+        first = FetchPlanner(c.view().wants(order), sorted(c.members())).start()
+        victim_slot = [r.id for r in order.refs()].index(victim_chunk)
+        bad = next(d.server for d in first if isinstance(d, Read) and victim_slot in d.slots.tolist())
         _rewrite_stored(cluster.chunk_location(bad, victim_chunk), 1000, fix_crc=True)
         loaded = load(c, "corrupt:prod")
         assert_bit_exact(loaded.tensors, sd)

@@ -125,11 +125,20 @@ def test_round_trip_many_chunks_in_order_with_missing(store: ChunkStore, server:
     client.close()
 
 
+def into_by_id(ids: list[str], buffers: dict[str, bytearray]):  # type: ignore[no-untyped-def]
+    """An ``into`` that offers each OK raw chunk its caller buffer, by id (None where there is none)."""
+    def into(first, ok_raw, sizes):  # type: ignore[no-untyped-def]
+        return [memoryview(buffers[ids[first + k]]) if ok_raw[k] and ids[first + k] in buffers else None
+                for k in range(len(sizes))]
+    return into
+
+
 def test_into_receives_straight_into_caller_buffers(store: ChunkStore, server: BulkServer) -> None:
     chunks = [put(store, 100_000 + i) for i in range(5)]
     buffers = {cid: bytearray(len(data)) for cid, data in chunks}
     client = BulkClient(server.address)
-    for item in client.fetch([c for c, _ in chunks], into=lambda cid, codec, n: memoryview(buffers[cid])):
+    ids = [c for c, _ in chunks]
+    for item in client.fetch(ids, into=into_by_id(ids, buffers)):
         assert item.data.obj is buffers[item.id]
     assert all(bytes(buffers[cid]) == data for cid, data in chunks)
     client.close()
@@ -298,7 +307,7 @@ def test_many_chunks_arrive_in_several_batches_into_caller_buffers_and_scratch(s
     buffers = {cid: bytearray(len(data)) for i, (cid, data) in enumerate(chunks) if i % 2 == 0}
     client = BulkClient(server.address)
     seen = []
-    for item in client.fetch(ids, into=lambda cid, codec, n: memoryview(buffers[cid]) if cid in buffers else None):
+    for item in client.fetch(ids, into=into_by_id(ids, buffers)):
         seen.append(item.id)
         if item.id == missing:
             assert item.status == MISSING
@@ -371,3 +380,34 @@ def test_scatter_read_fills_every_buffer_across_partial_reads() -> None:
         recv_into_all(b, [memoryview(bytearray(10))])
     t.join(5)
     b.close()
+
+
+def test_version_3_fills_a_batch_with_up_to_512_small_chunks(store: ChunkStore, server: BulkServer) -> None:
+    chunks = [put(store, 4096) for _ in range(600)]
+    ids = [c for c, _ in chunks]
+    client = BulkClient(server.address)
+    sizes = [len(b.data) for b in client.fetch_batches(ids)]
+    # about 2 MiB of 4 KiB chunks (with their record headers) in the first: more than version 2's 64
+    assert len(sizes) == 2 and 64 < sizes[0] <= 512 and sum(sizes) == 600
+    assert [bytes(i.data) for i in client.fetch(ids)] == [d for _, d in chunks]
+    client.close()
+
+
+def test_a_server_that_speaks_only_version_2_is_asked_again_in_version_2(store: ChunkStore, server: BulkServer,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import paramserver.server.bulk_port as bulk_port
+
+    monkeypatch.setattr(bulk_port, "READ_VERSIONS", (2,))  # a server from before version 3
+    chunks = [put(store, 4096) for _ in range(100)]
+    ids = [c for c, _ in chunks]
+    client = BulkClient(server.address)
+    sizes = [len(b.data) for b in client.fetch_batches(ids)]
+    assert sizes == [64, 36]  # batches of at most 64, as version 2 has them
+    assert [bytes(i.data) for i in client.fetch(ids)] == [d for _, d in chunks]
+    client.close()
+    # A hello of a version no server speaks is still refused, with the versions it does.
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    sock.sendall(encode_hello(None, 9))
+    magic, status, n = WELCOME.unpack(sock.recv(WELCOME.size, socket.MSG_WAITALL))
+    assert status == W_BAD_HELLO and b"speaks 2" in sock.recv(n, socket.MSG_WAITALL)
+    sock.close()

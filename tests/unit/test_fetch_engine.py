@@ -11,7 +11,8 @@ from chunking.pack import pack
 from chunking.synthetic import synthetic_state_dict
 from paramserver.client.errors import ChunkDataLoss, ChunkUnavailable
 from paramserver.client.fetch import FetchEngine
-from paramserver.client.fetch_plan import FetchPlanner, GiveUp, Landed, Read, ReadFailed, Refused, ReportCorrupt, Want
+from chunking.chunk_table import ChunkRows
+from paramserver.client.fetch_plan import FetchPlanner, GiveUp, Landed, Read, ReadFailed, Refused, ReportCorrupt, Want, Wants
 from paramserver.client.hostmem import allocate_targets
 from paramserver.client.sinks import TensorSink
 from paramserver.client.transport import MemoryTransport
@@ -39,13 +40,18 @@ def ring(cid: str) -> list[str]:
     return [SERVERS[(start + i) % 3] for i in range(3)]
 
 
+def placed(chunks: ChunkRows) -> Wants:
+    """The fetch's wants, each chunk on ``ring``."""
+    return Wants.of([Want(r.id, r.stored_size, tuple(ring(r.id))) for r in chunks.refs()])
+
+
 def fetch(packed, transport, mode: str = "crc"):  # type: ignore[no-untyped-def]
     targets = allocate_targets(packed.manifest).tensors
     sink = TensorSink(packed.manifest, targets)
     reports: list[tuple[str, tuple[str, ...]]] = []
     engine = FetchEngine(transport, Verifier(mode), report=lambda s, ids, _r: reports.append((s, ids)))
-    refs = packed.manifest.unique_chunks()
-    stats = engine.fetch(refs, ring, SERVERS, sink, tensors_of=lambda r: packed.manifest.tensors_of_chunk(r.index))
+    chunks = ChunkRows.of(packed.manifest.chunks)
+    stats = engine.fetch(chunks, placed(chunks), SERVERS, sink, tensors_of=packed.manifest.tensors_of_chunk)
     sink.assembler.raise_if_incomplete()
     return targets, stats, reports
 
@@ -68,25 +74,49 @@ def test_planner_spreads_chunks_and_finishes_when_all_land() -> None:
     p = FetchPlanner(wants(), SERVERS)
     reads = [d for d in p.start() if isinstance(d, Read)]
     assert sorted({r.server for r in reads}) == SERVERS
+    assert sorted(s for r in reads for s in r.slots.tolist()) == list(range(6))  # each chunk asked once
     for r in reads:
-        for cid in r.ids:
-            assert p.step(Landed(r.read, (cid,))) == []
+        for slot in r.slots.tolist():
+            assert p.step(Landed(r.read, (slot,))) == []
     assert p.done and p.landed_all
+
+
+def test_planner_runs_of_neighbours_stay_on_one_replica_and_the_load_balances() -> None:
+    # 3,000 chunks of 1 KiB, each on all three servers with a rotating primary: the plan asks each
+    # server for long runs of neighbours (one pread on the server), and for about a third of the bytes.
+    many = [Want(f"c{i}", 1024, tuple(SERVERS[(i + k) % 3] for k in range(3))) for i in range(3000)]
+    reads = [d for d in FetchPlanner(many, SERVERS).start() if isinstance(d, Read)]
+    per_server = {s: sum(r.nbytes for r in reads if r.server == s) for s in SERVERS}
+    assert max(per_server.values()) - min(per_server.values()) <= 3 * 2 * 64 * 1024  # within a few blocks
+    assert sorted(s for r in reads for s in r.slots.tolist()) == list(range(3000))
+    owner = {s: r.server for r in reads for s in r.slots.tolist()}
+    switches = sum(1 for i in range(1, 3000) if owner[i] != owner[i - 1])
+    assert switches < 3000 // 32  # runs, not a chunk at a time
+
+
+def test_planner_a_block_goes_only_where_all_its_chunks_live() -> None:
+    # Five servers, each chunk on three of them: every chunk is read from one of its own replicas.
+    five = [f"ps{i}" for i in range(1, 6)]
+    many = [Want(f"c{i}", 100 + i % 7, tuple(five[(i * 7 + k) % 5] for k in range(3))) for i in range(500)]
+    reads = [d for d in FetchPlanner(many, five).start() if isinstance(d, Read)]
+    for r in reads:
+        for slot in r.slots.tolist():
+            assert r.server in many[slot].replicas
 
 
 def test_planner_replica_dying_mid_stream_moves_the_rest_once() -> None:
     p = FetchPlanner(wants(9), SERVERS)
     reads = {r.server: r for r in p.start() if isinstance(r, Read)}
     dying = reads["ps1"]
-    p.step(Landed(dying.read, (dying.ids[0],)))
+    p.step(Landed(dying.read, dying.slots[:1]))
     again = [d for d in p.step(ReadFailed(dying.read, "connection reset")) if isinstance(d, Read)]
-    moved = [cid for r in again for cid in r.ids]
-    assert sorted(moved) == sorted(dying.ids[1:])  # the landed one is not asked again
+    moved = [slot for r in again for slot in r.slots.tolist()]
+    assert sorted(moved) == sorted(dying.slots[1:].tolist())  # the landed one is not asked again
     assert all(r.server != "ps1" for r in again) and "ps1" in p.down()
-    assert p.step(Landed(dying.read, (dying.ids[1],))) == []  # a late event from the dead read is ignored
+    assert p.step(Landed(dying.read, dying.slots[1:2])) == []  # a late event from the dead read is ignored
     for r in [*again, *(reads[s] for s in ("ps2", "ps3"))]:
-        for cid in r.ids:
-            p.step(Landed(r.read, (cid,)))
+        for slot in r.slots.tolist():
+            p.step(Landed(r.read, (slot,)))
     assert p.done and p.landed_all
 
 
@@ -94,14 +124,14 @@ def test_planner_corrupt_copy_is_reported_and_read_elsewhere_then_data_loss() ->
     p = FetchPlanner([Want("x", 10, ("ps1", "ps2"))], SERVERS)
     (r1,) = p.start()
     assert isinstance(r1, Read) and r1.server == "ps1"
-    out = p.step(Refused(r1.read, "x", "crc mismatch", corrupt=True, report=True))
-    assert ReportCorrupt("ps1", ("x",), "crc mismatch") in out
+    out = p.step(Refused(r1.read, 0, "crc mismatch", corrupt=True, report=True))
+    assert ReportCorrupt("ps1", (0,), "crc mismatch") in out
     (r2,) = [d for d in out if isinstance(d, Read)]
     assert r2.server == "ps2"
-    (r3,) = [d for d in p.step(Refused(r2.read, "x", "CORRUPT", corrupt=True)) if isinstance(d, Read)]
+    (r3,) = [d for d in p.step(Refused(r2.read, 0, "CORRUPT", corrupt=True)) if isinstance(d, Read)]
     assert r3.server == "ps3"  # every ring replica failed: any other member may hold a copy
-    (give_up,) = p.step(Refused(r3.read, "x", "CORRUPT", corrupt=True))
-    assert isinstance(give_up, GiveUp) and give_up.chunk_id == "x" and give_up.data_loss
+    (give_up,) = p.step(Refused(r3.read, 0, "CORRUPT", corrupt=True))
+    assert isinstance(give_up, GiveUp) and give_up.slot == 0 and give_up.data_loss
     assert set(give_up.attempts) == set(SERVERS) and p.done and not p.landed_all
 
 
@@ -200,7 +230,7 @@ def test_batches_of_every_size_land_each_chunk_once_bit_exact() -> None:
         transport = MemoryTransport({s: held(packed) for s in SERVERS}, batch=batch)
         got, stats, _ = fetch(packed, transport)
         same(got, state)
-        assert stats.chunks == len(packed.manifest.unique_chunks())
+        assert stats.chunks == len(packed.manifest.chunks.first_rows)
 
 
 def test_a_fetch_pauses_the_collector_and_restores_it() -> None:
@@ -214,11 +244,11 @@ def test_a_fetch_pauses_the_collector_and_restores_it() -> None:
     seen: list[bool] = []
 
     class Watching(TensorSink):
-        def write(self, ref, raw):  # type: ignore[no-untyped-def]
+        def write(self, row, raw):  # type: ignore[no-untyped-def]
             seen.append(gc.isenabled())
-            super().write(ref, raw)
+            super().write(row, raw)
 
-        def region(self, ref):  # type: ignore[no-untyped-def]
+        def regions(self, rows):  # type: ignore[no-untyped-def]
             return None  # every chunk through write()
 
     assert gc.isenabled()
@@ -227,7 +257,8 @@ def test_a_fetch_pauses_the_collector_and_restores_it() -> None:
         engine = FetchEngine(MemoryTransport({s: held(packed) for s in SERVERS}), Verifier("crc"),
                              options=EngineOptions(pause_collector=pause))
         sink = Watching(packed.manifest, allocate_targets(packed.manifest).tensors)
-        engine.fetch(packed.manifest.unique_chunks(), ring, SERVERS, sink)
+        chunks = ChunkRows.of(packed.manifest.chunks)
+        engine.fetch(chunks, placed(chunks), SERVERS, sink)
         assert seen and set(seen) == {not pause}
         assert gc.isenabled()
     # Nested from several threads: back on only when the last one leaves; a fetch that fails too.

@@ -10,7 +10,7 @@ import pytest
 
 from chunking.hashing import content_id, crc32c
 from consensus.records import MemberRecord
-from paramserver.client.fetch_plan import FetchPlanner, Read, Refused, Want, spread_rank
+from paramserver.client.fetch_plan import FetchPlanner, Read, Refused, Want, Wants, spread_rank
 from paramserver.server.errors import ConfigError
 from paramserver.server.hot_chunks import ExtraCopies, HotChunks, HotConfig, HotPolicy, RateTracker
 from paramserver.server.store import ChunkStore
@@ -356,8 +356,8 @@ def first_reads(wants: list[Want], salt: int) -> dict[str, str]:
     out: dict[str, str] = {}
     for d in FetchPlanner(wants, SERVERS, salt=salt).start():
         if isinstance(d, Read):
-            for cid in d.ids:
-                out[cid] = d.server
+            for slot in d.slots.tolist():
+                out[wants[slot].id] = d.server
     return out
 
 
@@ -380,17 +380,18 @@ def test_least_loaded_still_wins_over_the_salt() -> None:
 
 
 def test_an_extra_holder_that_dropped_its_copy_sends_the_read_to_a_replica() -> None:
+    key = int(Wants.of([Want("a", 10, ("ps1",))]).keys[0])  # type: ignore[index]
     p = FetchPlanner([Want("a", 10, ("ps1",), extras=("ps3",))], SERVERS, salt=next(
-        s for s in range(100) if spread_rank(s, "a", "ps3") < spread_rank(s, "a", "ps1")))
+        s for s in range(100) if spread_rank(s, key, "ps3") < spread_rank(s, key, "ps1")))
     (read,) = p.start()
     assert isinstance(read, Read) and read.server == "ps3"
-    (again,) = p.step(Refused(read.read, "a", "MISSING: not on this server"))
+    (again,) = p.step(Refused(read.read, 0, "MISSING: not on this server"))
     assert isinstance(again, Read) and again.server == "ps1"
 
 
 def test_spread_rank_is_deterministic() -> None:
-    assert spread_rank(7, "a", "ps1") == spread_rank(7, "a", "ps1")
-    assert len({spread_rank(s, "a", "ps1") for s in range(20)}) == 20
+    assert spread_rank(7, 12345, "ps1") == spread_rank(7, 12345, "ps1")
+    assert len({spread_rank(s, 12345, "ps1") for s in range(20)}) == 20
 
 
 # ------------------------------------------------------------------ metrics

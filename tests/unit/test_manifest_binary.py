@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from chunking import ChunkingConfig, Manifest, ManifestError, pack, unpack
-from chunking.chunk_table import ChunkTable
+from chunking.chunk_table import ChunkRows, ChunkTable
 from chunking.dtypes import DTYPES
 from chunking.layout import chunk_raw_sizes, place_tensors, plan_chunks
 from chunking.manifest_binary import MAGIC
@@ -160,6 +160,19 @@ def test_first_rows_find_repeats_even_when_ids_share_a_prefix() -> None:
     ids = table.ids
     assert table.first_rows.tolist() == [i for i, x in enumerate(ids) if ids.index(x) == i]
     assert 250 in table.first_rows.tolist() and 100 not in table.first_rows.tolist()
+    # The row-level views a fetch uses, against their per-id definitions.
+    assert table.repeats == {7: (7, 100, 400)}
+    assert table.rows_of(7) == (7, 100, 400) and table.rows_of(9) == (9,)
+    assert table.first_row_of == {cid: ids.index(cid) for cid in ids}
+    assert [int(k) for k in table.ring_keys] == [int(cid[:16], 16) for cid in ids]
+    assert table.raw_rows.all()
+    picked = ChunkRows.of(table)
+    assert picked.rows.tolist() == table.first_rows.tolist()
+    assert [r.id for r in picked.refs()] == [ids[i] for i in table.first_rows.tolist()]
+    with pytest.raises(IndexError):
+        ChunkRows.of(table, [0, n])
+    own = ChunkRows.of_refs([table[400], table[9]])
+    assert own.rows.tolist() == [0, 1] and own.table.ids == (ids[400], ids[9])
 
 
 def test_a_reordered_or_padded_codec_table_is_not_canonical() -> None:

@@ -109,6 +109,17 @@ def test_placement_groups_are_the_rows_of_each_replica_set(keys: list[str], zone
     assert ring.placement_groups_by_point(np.zeros(0, np.uint64), 3) == {}
 
 
+@pytest.mark.parametrize("zones", [{"a": "", "b": "", "c": ""}, {"a": "z1", "b": "z1", "c": "z2", "d": "z3"}])
+def test_placement_sets_name_the_replicas_of_each_key(keys: list[str], zones: dict[str, str]) -> None:
+    ring = Ring(zones)
+    points = np.array([key_point(i) for i in keys], dtype=np.uint64)
+    for r in (1, 2, 3, 5):
+        sets, set_of = ring.placement_sets(points, r)
+        assert len(set(sets)) == len(sets) and set_of.shape == (len(keys),)
+        assert [list(sets[k]) for k in set_of.tolist()] == [ring.replicas(i, r) for i in keys]
+    assert ring.placement_sets(np.zeros(0, np.uint64), 3)[0] == ()
+
+
 def test_points_of_content_ids_are_their_key_points_and_other_ids_fall_back() -> None:
     ids = [f"{random.Random(i).getrandbits(256):064x}" for i in range(500)]
     points = points_of(ids)

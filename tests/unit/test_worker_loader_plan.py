@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -10,10 +9,11 @@ import pytest
 import torch
 
 from chunking.diff import diff
-from chunking.manifest import ChunkRef
+from chunking.chunk_table import ChunkRows
 from chunking.pack import pack
 from chunking.synthetic import finetune
 from paramserver.client.fetch import ChunkSink, FetchEngine, FetchStats
+from paramserver.client.fetch_plan import Want, Wants
 from paramserver.client.transport import MemoryTransport
 from paramserver.client.verify import Verifier
 from worker.config import CacheConfig, PrefetchConfig
@@ -32,12 +32,14 @@ class FakeClient:
         self.stored = stored
         self.asked: list[str] = []
 
-    def fetch(self, refs: Sequence[ChunkRef], sink: ChunkSink, *, algorithm: str = "blake3",
+    def fetch(self, chunks: ChunkRows, sink: ChunkSink, *, algorithm: str = "blake3",
               tensors_of: object = None) -> FetchStats:
+        refs = list(chunks.refs())
         self.asked.extend(r.id for r in refs)
         held = {r.id: (r.codec, r.crc32c, self.stored[r.id]) for r in refs}
         engine = FetchEngine(MemoryTransport({"fake": held}), Verifier("crc", algorithm))
-        return engine.fetch(refs, lambda _cid: ["fake"], ["fake"], sink)
+        wants = Wants.of([Want(r.id, r.stored_size, ("fake",)) for r in refs])
+        return engine.fetch(chunks, wants, ["fake"], sink)
 
 
 def model(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -106,9 +108,9 @@ def test_heatmap_order_with_repeated_ids_matches_the_row_by_row_rule() -> None:
     for index in prefetch_order(heat, range(n)):
         if table.ids[index] not in seen:
             seen.add(table.ids[index])
-            want.append(index)
-    assert [r.index for r in unique_order(manifest, heat)] == want
-    assert [r.index for r in unique_order(manifest, None)] == table.first_rows.tolist()
+            want.append(int(table.first_of[index]))  # each id named by its first row, in heat order
+    assert unique_order(manifest, heat).tolist() == want
+    assert unique_order(manifest, None).tolist() == table.first_rows.tolist()
 
 
 def test_heatmap_order_is_the_fetch_order() -> None:
@@ -116,7 +118,8 @@ def test_heatmap_order_is_the_fetch_order() -> None:
     n = len(packed.manifest.chunks)
     order = list(reversed(range(n)))
     heat = HeatReport.from_entries("m", 1, [(i, 1, rank) for rank, i in enumerate(order)])
-    assert [r.index for r in unique_order(packed.manifest, heat)][:3] == order[:3]
+    first_of = packed.manifest.chunks.first_of
+    assert unique_order(packed.manifest, heat)[:3].tolist() == [int(first_of[i]) for i in order[:3]]
     _, _, client, _ = run(packed, heat=heat)
     assert client.asked[0] == packed.manifest.chunks[order[0]].id
 
@@ -129,10 +132,10 @@ def test_tensor_ready_before_the_load_ends() -> None:
     gate = threading.Event()
 
     class Slow(FakeClient):
-        def fetch(self, refs, sink, **kw):  # type: ignore[no-untyped-def]
-            super().fetch(refs[:1], sink, **kw)
+        def fetch(self, chunks, sink, **kw):  # type: ignore[no-untyped-def]
+            super().fetch(ChunkRows(chunks.table, chunks.rows[:1]), sink, **kw)
             gate.wait(5)
-            return super().fetch(refs[1:], sink, **kw)
+            return super().fetch(ChunkRows(chunks.table, chunks.rows[1:]), sink, **kw)
 
     targets = empty_targets(packed.manifest, torch.device("cpu"))
     p = Prefetcher(packed.manifest, targets, client=Slow(packed.source()))
