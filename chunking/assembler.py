@@ -67,6 +67,10 @@ class Assembler:
             else:
                 self._cpu.append(None)
                 self._dev.append(u8)
+        # Per chunk: the CPU target it fills whole (received there directly), or -1.
+        cpu_mask = np.array([c is not None for c in self._cpu] or [False], dtype=bool)
+        whole = self._plan.whole
+        self._whole_cpu = np.where((whole >= 0) & cpu_mask[np.maximum(whole, 0)], whole, -1)
         self._lock = threading.Lock()
         self._written = bytearray(self._plan.count)
         self._remaining = [len(c) for c in self._plan.tensor_chunks]
@@ -151,16 +155,23 @@ class Assembler:
         table = self.manifest.chunks
         return table.rows_of(int(table.first_of[index]))
 
-    def _direct_segment(self, index: int) -> Segment | None:
-        if not self.private_targets or self._written[index]:
-            return None
-        segs = self._plan.segments[index]
-        if len(segs) != 1:
-            return None
-        s = segs[0]
-        if self._cpu[s.tensor] is None or s.chunk_offset != 0 or s.length != self._plan.raw_sizes[index]:
-            return None
-        return s
+    def direct_views(self, indices: np.ndarray) -> list[memoryview | None]:
+        """``direct_view`` of each index (chunks about to arrive together), worked out as arrays."""
+        rows = np.asarray(indices, dtype=np.int64)
+        if not self.private_targets:
+            return [None] * len(rows)
+        tensors = self._whole_cpu[rows]
+        written = np.frombuffer(self._written, dtype=np.uint8)[rows]
+        cpu, raw_sizes = self._cpu, self._plan.raw_sizes
+        out: list[memoryview | None] = []
+        for row, t, at, done in zip(rows.tolist(), tensors.tolist(), self._plan.whole_at[rows].tolist(), written.tolist()):
+            if t < 0 or done:
+                out.append(None)
+                continue
+            dst = cpu[t]
+            assert dst is not None
+            out.append(dst[at : at + raw_sizes[row]].data)
+        return out
 
     def direct_view(self, index: int) -> memoryview | None:
         """The writable target bytes of chunk ``index`` when they are one whole CPU region, else None.
@@ -168,28 +179,49 @@ class Assembler:
         Only with ``private_targets``, and only for a chunk not written yet: the caller fills
         the view, verifies it in place, then calls ``commit_direct(index)``.
         """
-        s = self._direct_segment(index)
-        if s is None:
-            return None
-        dst = self._cpu[s.tensor]
-        assert dst is not None
-        return dst[s.tensor_offset : s.tensor_offset + s.length].data
+        return self.direct_views(np.array([index], dtype=np.int64))[0]
+
+    def commit_direct_many(self, indices: np.ndarray) -> None:
+        """Chunks received into ``direct_views`` of ``indices`` (first rows of their ids) and verified:
+        mark them written, and fill the other places the manifest uses the same chunks."""
+        rows = np.asarray(indices, dtype=np.int64)
+        tensors = self._whole_cpu[rows]
+        if not self.private_targets or (tensors < 0).any():
+            bad = int(rows[tensors < 0][0]) if (tensors < 0).any() else int(rows[0])
+            raise ValueError(f"chunk #{bad} has no direct view (not one whole CPU region, or the targets are not private)")
+        repeats = self.manifest.chunks.repeats
+        if repeats:
+            for row, t, at in zip(rows.tolist(), tensors.tolist(), self._plan.whole_at[rows].tolist()):
+                others = repeats.get(row)
+                if others:
+                    dst = self._cpu[t]
+                    assert dst is not None
+                    region = dst[at : at + self._plan.raw_sizes[row]]
+                    for i in others[1:]:
+                        if not self._written[i]:
+                            self.write_chunk(i, region)
+        ready: list[str] = []
+        with self._lock:
+            written = np.frombuffer(self._written, dtype=np.uint8)
+            new = rows[written[rows] == 0]
+            if len(new) > 1:
+                new = np.unique(new)
+            written[new] = 1
+            self._missing -= len(new)
+            counts = np.bincount(self._whole_cpu[new], minlength=len(self._remaining))
+            for t in np.flatnonzero(counts).tolist():
+                self._remaining[t] -= int(counts[t])
+                if self._remaining[t] == 0:
+                    ready.append(self.manifest.tensors[t].name)
+        for name in ready:
+            self._mark_ready(name)
 
     def commit_direct(self, index: int) -> None:
         """Chunk ``index`` was received into ``direct_view(index)`` and verified: mark it written,
         and fill the other places the manifest uses the same chunk."""
-        s = self._direct_segment(index)
-        if s is None:
-            raise ValueError(f"chunk #{index} has no direct view (written already, or not one whole CPU region)")
-        ids = self._rows(index)
-        if len(ids) > 1:
-            dst = self._cpu[s.tensor]
-            assert dst is not None
-            region = dst[s.tensor_offset : s.tensor_offset + s.length]
-            for i in ids:
-                if i != index and not self._written[i]:
-                    self.write_chunk(i, region)
-        self._mark_written(index, (s,))
+        if self._written[index]:
+            raise ValueError(f"chunk #{index} has no direct view (written already)")
+        self.commit_direct_many(np.array([index], dtype=np.int64))
 
     def _mark_ready(self, name: str) -> None:
         with self._lock:

@@ -125,13 +125,19 @@ class ChunkSegments(Sequence[tuple[Segment, ...]]):
         return tuple(out)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ChunkPlan:
-    """Chunk raw sizes, the tensor segments of every chunk, and the chunks of every tensor."""
+    """Chunk raw sizes, the tensor segments of every chunk, and the chunks of every tensor.
+
+    ``whole[i]``: the tensor whose bytes chunk ``i`` is exactly (its one segment, from the chunk's
+    start to its end), or -1; ``whole_at[i]``: where in that tensor's bytes (a chunk that is one
+    whole region can be received straight into it)."""
 
     raw_sizes: tuple[int, ...]
     segments: Sequence[tuple[Segment, ...]]
     tensor_chunks: tuple[tuple[int, ...], ...]
+    whole: np.ndarray
+    whole_at: np.ndarray
 
     @property
     def count(self) -> int:
@@ -149,4 +155,31 @@ def plan_chunks(ranges: Sequence[tuple[int, int]], chunk_size: int) -> ChunkPlan
         tuple(range(offset // chunk_size, (offset + nbytes - 1) // chunk_size + 1)) if nbytes else ()
         for offset, nbytes in ranges
     )
-    return ChunkPlan(tuple(raw_sizes.tolist()), ChunkSegments(ranges, chunk_size, len(raw_sizes)), tensor_chunks)
+    whole, whole_at = _whole_chunks(ranges, chunk_size, raw_sizes)
+    return ChunkPlan(tuple(raw_sizes.tolist()), ChunkSegments(ranges, chunk_size, len(raw_sizes)), tensor_chunks,
+                     whole, whole_at)
+
+
+def _whole_chunks(ranges: Sequence[tuple[int, int]], chunk_size: int, raw_sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``ChunkPlan.whole`` and ``whole_at``, worked out per tensor, not per chunk."""
+    count = len(raw_sizes)
+    owners = np.zeros(count, np.int32)  # tensors with bytes in each chunk
+    whole = np.full(count, -1, np.int32)
+    for t, (offset, nbytes) in enumerate(ranges):
+        if nbytes == 0:
+            continue
+        first, last = offset // chunk_size, (offset + nbytes - 1) // chunk_size
+        owners[first : last + 1] += 1
+        # Chunks that start inside the tensor (a tensor starting mid-chunk shares its first chunk)
+        # and end inside it (the chunk's raw size trims the trailing gap).
+        lo = first if offset == first * chunk_size else first + 1
+        whole[lo : last + 1] = t
+    starts = np.arange(count, dtype=np.int64) * chunk_size
+    stops = np.array([offset + nbytes if nbytes else 0 for offset, nbytes in ranges] or [0], dtype=np.int64)
+    offsets = np.array([offset if nbytes else 0 for offset, nbytes in ranges] or [0], dtype=np.int64)
+    held = whole >= 0
+    inside = np.ones(count, dtype=bool)
+    inside[held] = starts[held] + np.asarray(raw_sizes, dtype=np.int64)[held] <= stops[whole[held]]
+    whole[(owners != 1) | ~inside] = -1
+    at = np.where(whole >= 0, starts - offsets[np.maximum(whole, 0)], -1)
+    return whole, at

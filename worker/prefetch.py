@@ -98,9 +98,8 @@ class ChunkWriter:
         self.arena_at: np.ndarray | None = None  # per row: where its bytes start in the arena, or -1
         if arena is not None:
             base = np.array([arena.offsets.get(e.name, -1) for e in manifest.tensors] or [-1], dtype=np.int64)
-            offsets = np.array([e.offset for e in manifest.tensors] or [0], dtype=np.int64)
             t = np.maximum(self.whole, 0)
-            at = base[t] + np.arange(len(self.whole), dtype=np.int64) * manifest.chunk_size - offsets[t]
+            at = base[t] + self._plan.whole_at
             at[(self.whole < 0) | (base[t] < 0)] = -1
             self.arena_at = at
             self.arena_locate = _slicer(arena.view, at.tolist(), list(self._plan.raw_sizes))
@@ -147,7 +146,7 @@ class ChunkWriter:
         t = self._whole[index]
         if t < 0:
             return None
-        start = index * self.manifest.chunk_size - self.manifest.tensors[t].offset
+        start = int(self._plan.whole_at[index])
         return t, start, start + self._plan.raw_sizes[index]
 
     def region(self, index: int) -> memoryview | None:
@@ -166,30 +165,10 @@ class ChunkWriter:
         return cpu[start:stop].data
 
     def _whole_chunks(self) -> np.ndarray:
-        """Per chunk: the CPU tensor whose bytes it is exactly (its one segment, from the chunk's
-        start to its end), or -1. Worked out per tensor, not per chunk."""
-        manifest, cs = self.manifest, self.manifest.chunk_size
-        count = len(manifest.chunks)
-        owners = np.zeros(count, np.int32)  # tensors with bytes in each chunk
-        whole = np.full(count, -1, np.int32)
-        for t, entry in enumerate(manifest.tensors):
-            if entry.nbytes == 0:
-                continue
-            first, last = entry.offset // cs, (entry.offset + entry.nbytes - 1) // cs
-            owners[first : last + 1] += 1
-            if self._cpu[t] is None:
-                continue
-            # Chunks that start inside the tensor (a tensor starting mid-chunk shares its first
-            # chunk) and end inside it (the chunk's raw size trims the trailing gap).
-            lo = first if entry.offset == first * cs else first + 1
-            whole[lo : last + 1] = t
-        end = np.arange(count, dtype=np.int64) * cs + np.asarray(self._plan.raw_sizes, dtype=np.int64)
-        stops = np.array([e.offset + e.nbytes if e.nbytes else 0 for e in manifest.tensors] or [0], dtype=np.int64)
-        inside = np.ones(count, dtype=bool)
-        held = whole >= 0
-        inside[held] = end[held] <= stops[whole[held]]
-        whole[(owners != 1) | ~inside] = -1
-        return whole
+        """Per chunk: the CPU tensor whose bytes it is exactly (``ChunkPlan.whole``), or -1."""
+        cpu = np.array([c is not None for c in self._cpu] or [False], dtype=bool)
+        whole = self._plan.whole
+        return np.where((whole >= 0) & cpu[np.maximum(whole, 0)], whole, -1)
 
     def synchronize(self) -> None:
         if self.copier is not None:

@@ -29,12 +29,10 @@ class TensorSink:
         self.raw_done = 0
 
     def regions(self, rows: np.ndarray) -> Sequence[memoryview | None]:
-        direct_view = self.assembler.direct_view
-        return [direct_view(row) for row in rows.tolist()]
+        return self.assembler.direct_views(rows)
 
     def landed_in_place(self, rows: np.ndarray) -> None:
-        for row in rows.tolist():
-            self.assembler.commit_direct(row)
+        self.assembler.commit_direct_many(rows)
         self._count(int(self._table.raw_size[rows].sum()))
 
     def write(self, row: int, raw: Buffer) -> None:

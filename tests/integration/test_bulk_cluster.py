@@ -176,6 +176,7 @@ def test_repeated_pulls_reuse_released_memory_and_stay_bit_exact(cluster: LocalC
     push(cluster.seed, first, model="bulk-reuse", tag="a", token=ADMIN)
     push(cluster.seed, second, model="bulk-reuse", tag="b", token=ADMIN)
     pool = default_pool()
+    pool.release_all()  # arenas that earlier tests' pulls released: only this test's can be reused
     got, _ = pull_tensors(cluster.seed, "bulk-reuse:a", token=READ)
     assert_bit_exact(got, first)
     del got
