@@ -14,7 +14,7 @@ redis-server (no persistence), then measures, each in a fresh child process of t
      child, same client, the cold load's tensors dropped first);
   3. the ``paramctl pull`` path: ``paramserver.client.pull.pull_tensors(seed, "bench:prod")``;
   4. a Redis loader: redis-py with the hiredis parser, GET pipelined 32 at a time, every chunk's
-     size and CRC32C (crc32c package) checked against the manifest, copied into tensors
+     size and CRC32C (chunking.hashing.crc32c, what the product uses) checked against the manifest, copied into tensors
      allocated (torch.empty) before the clock starts;
   5. memcpy: ``torch.Tensor.copy_`` of the same bytes (already in memory) into preallocated
      tensors whose pages are already touched (the copy alone: the stricter baseline; the memory
@@ -207,13 +207,13 @@ def child_pull(spec: dict[str, Any], check: bool) -> list[dict[str, Any]]:
 
 
 def child_redis(spec: dict[str, Any], check: bool) -> list[dict[str, Any]]:
-    import crc32c
     import numpy as np
     import redis
     import redis.utils
     import torch
 
     from chunking.dtypes import torch_dtype
+    from chunking.hashing import crc32c  # the CRC32C the product uses: the baseline checks as fast
     from chunking.manifest import Manifest
 
     manifest = Manifest.from_bytes(Path(spec["manifest_file"]).read_bytes())
@@ -236,7 +236,7 @@ def child_redis(spec: dict[str, Any], check: bool) -> list[dict[str, Any]]:
             for ref in batch:
                 pipe.get(ref.id)
             for ref, value in zip(batch, pipe.execute()):
-                if value is None or len(value) != ref.stored_size or crc32c.crc32c(value) != ref.crc32c:
+                if value is None or len(value) != ref.stored_size or crc32c(value) != ref.crc32c:
                     raise RuntimeError(f"redis chunk #{ref.index} {ref.id} is missing or fails its size/CRC32C check")
                 data = np.frombuffer(value, dtype=np.uint8)
                 for s in plan.segments[ref.index]:

@@ -249,7 +249,8 @@ def start_load(
                 tensors = dict(host.tensors)
             else:
                 tensors = dict(targets) if targets is not None else empty_targets(manifest, dev)
-            heat = asked.result() if asked is not None else None
+            # The heatmap orders the fetch: waited for only when some chunk must come from the network.
+            heat = asked.result if asked is not None else None
             prefetcher = Prefetcher(
                 manifest, tensors, client=client, cache=tiered, config=config, version=info.number, heat=heat,
                 local=local, recorder=HeatmapRecorder(info.model, info.number), on_progress=on_progress,

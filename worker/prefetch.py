@@ -207,7 +207,7 @@ class Prefetcher:
         cache: TieredCache | None = None,
         config: PrefetchConfig = PrefetchConfig(),
         version: int | None = None,
-        heat: HeatReport | None = None,
+        heat: HeatReport | Callable[[], HeatReport | None] | None = None,
         local: LocalSource | None = None,
         recorder: HeatmapRecorder | None = None,
         pool: StagingPool | None = None,
@@ -216,9 +216,11 @@ class Prefetcher:
         arena: ArenaView | None = None,
         adopted: HeldGroup | None = None,
     ) -> None:
-        """``arena``: where ``targets`` lie in a host arena (the memory tier then holds slices of
-        it). ``adopted``: the held group whose arena ``targets`` were made on (``hostmem.retarget``):
-        its chunks are verified in place instead of copied."""
+        """``heat``: the version's heatmap, or a function that gives it (asked only when some chunk
+        must come from the network: it orders the fetch). ``arena``: where ``targets`` lie in a
+        host arena (the memory tier then holds slices of it). ``adopted``: the held group whose
+        arena ``targets`` were made on (``hostmem.retarget``): its chunks are verified in place
+        instead of copied."""
         self.manifest = manifest
         self.config = config.validate()
         self.client = client
@@ -396,8 +398,7 @@ class Prefetcher:
         self._t0 = time.perf_counter()
         try:
             with collector_paused(self.config.pause_collector):
-                order = unique_order(self.manifest, self.heat if self.config.use_heatmap else None)
-                self._run(order)
+                self._run()
         except BaseException as exc:
             for index in range(len(self._table)):
                 self.readiness.mark_failed(index, exc)
@@ -410,17 +411,26 @@ class Prefetcher:
         self.writer.synchronize()
         return self.counters
 
-    def _run(self, order: np.ndarray) -> None:
+    def _heat(self) -> HeatReport | None:
+        if not self.config.use_heatmap:
+            return None
+        return self.heat() if callable(self.heat) else self.heat
+
+    def _run(self) -> None:
         cache = self.cache
         # Chunks the cache does not hold go to the network at once, in a background thread, so
         # the streams run while this thread copies cache hits.
         if cache is None or cache.empty():  # a cold load asks nothing per chunk
-            misses = order
-            hits = order[:0]
+            misses = unique_order(self.manifest, self._heat())
+            hits = misses[:0]
         else:
+            rows = self._table.first_rows
             ids = self._table.ids
-            held = np.fromiter(cache.contains_many([ids[r] for r in order.tolist()]), dtype=bool, count=len(order))
-            misses, hits = order[~held], order[held]
+            held = np.fromiter(cache.contains_many([ids[r] for r in rows.tolist()]), dtype=bool, count=len(rows))
+            hits, misses = rows[held], rows[~held]
+            if len(misses):  # fetched in heatmap order (hits are local: manifest order)
+                order = unique_order(self.manifest, self._heat())
+                misses = order[np.isin(order, misses)]
         if self.local is not None and len(misses):
             misses = misses[[not self._try_local(row) for row in misses.tolist()]]
         net_error: list[BaseException] = []

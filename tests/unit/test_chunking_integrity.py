@@ -214,3 +214,20 @@ def test_shuffle_width_always_divides_the_chunk() -> None:
     for ref in pack(sd, model="m", config=ChunkingConfig(chunk_size=SMALL, codec="on")).manifest.chunks:
         width = int(ref.codec.removeprefix("zstd+shuffle") or 1) if ref.codec != "zstd" else 1
         assert ref.raw_size % width == 0
+
+
+def test_crc32c_is_castagnoli_on_every_buffer_type() -> None:
+    import array
+
+    import numpy as np
+
+    from chunking.hashing import crc32c
+
+    # The standard check value of CRC-32C ("123456789"), and the same bytes in every form a chunk takes.
+    check = b"123456789"
+    assert crc32c(check) == 0xE3069283 and crc32c(b"") == 0
+    assert crc32c(bytearray(check)) == crc32c(memoryview(check)) == crc32c(np.frombuffer(check, np.uint8)) == 0xE3069283
+    floats = np.arange(1000, dtype=np.float32)
+    assert crc32c(floats) == crc32c(floats.tobytes()) == crc32c(memoryview(floats)) == crc32c(array.array("f", floats.tolist()))
+    # iSCSI's published example (RFC 3720, B.4): 32 bytes of zeros
+    assert crc32c(bytes(32)) == 0x8A9136AA
