@@ -19,6 +19,7 @@ drills, so what the tests exercise is what a user launches.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -55,9 +56,17 @@ class LauncherError(RuntimeError):
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago; callers bind it soon after."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports that were free a moment ago: all held at once while they are picked (one
+    picked at a time can come back twice, and two servers of one cluster then share a port)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
+        for s in socks:
+            s.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in socks]
 
 
 @dataclass(frozen=True)
@@ -124,6 +133,7 @@ class LocalCluster:
     def _plan(self) -> list[ServerSlot]:
         c = self.config
         slots = []
+        picked = free_ports(2 * c.servers, c.host) if self.topology is None and not c.base_port else []
         for i in range(c.servers):
             host = c.host
             if self.topology is not None:
@@ -132,7 +142,7 @@ class LocalCluster:
             elif c.base_port:
                 gp, rp = c.base_port + 2 * i, c.base_port + 2 * i + 1
             else:
-                gp, rp = free_port(c.host), free_port(c.host)
+                gp, rp = picked[2 * i], picked[2 * i + 1]
             sid = f"ps{i + 1}"
             slots.append(
                 ServerSlot(

@@ -21,16 +21,15 @@ from pathlib import Path
 from typing import Any, TypeAlias, TypeVar
 
 import grpc
-import numpy as np
 
 from chunking.chunk_table import ChunkRows
-from paramserver.client.fetch_plan import Wants
+from paramserver.client.fetch_plan import Wants, wants_on_ring
 from paramserver.client.rpc import ClientConfig, ParamServerClient
 from paramserver.wire.limits import DEFAULT_MAX_MESSAGE_BYTES, MAX_HOT_CHUNKS_ADVERTISED, MAX_HOT_CHUNKS_KEPT
 from paramserver.client.errors import ClientClosed, ConfigError
 from paramserver.client.failover import FailoverPolicy, LeaderFailover, best_answer
 from paramserver.wire.proto import pb
-from paramserver.wire.ring import Ring, RingConfig, key_point, replication_and_quorum
+from paramserver.wire.ring import Ring, RingConfig, replication_and_quorum
 from paramserver.client.errors import ClusterUnreachable, TransferError, rpc_code, rpc_details
 
 T = TypeVar("T")
@@ -279,20 +278,8 @@ class ClusterView:
         return self.ring.replicas(chunk_id, self.replication)
 
     def wants(self, chunks: ChunkRows, hot: Mapping[str, Sequence[str]] | None = None) -> Wants:
-        """What the fetch planner needs of ``chunks``, placed on this view's ring in one array pass:
-        stored sizes, replica lists, and the extra holders of those that are ``hot`` (id -> servers)."""
-        table, rows = chunks.table, chunks.rows
-        keys = table.ring_keys[rows]
-        sets, set_of = self.ring.placement_sets(keys, self.replication)
-        extras: dict[int, tuple[str, ...]] = {}
-        if hot:
-            hot_keys = np.array([key_point(cid) for cid in hot], dtype=np.uint64)
-            ids = table.ids
-            for slot in np.flatnonzero(np.isin(keys, hot_keys)).tolist():
-                holders = hot.get(ids[int(rows[slot])])
-                if holders:
-                    extras[slot] = tuple(holders)
-        return Wants(table.stored_size[rows], sets, set_of, extras, keys)
+        """What the fetch planner needs of ``chunks``, placed on this view's ring (``wants_on_ring``)."""
+        return wants_on_ring(chunks, self.ring, self.replication, hot)
 
     def hot_chunks(self, timeout_s: float = 0.5) -> dict[str, tuple[str, ...]]:
         """Hot chunk id -> the members holding an extra copy, merged from every up member's GetHotChunks.

@@ -35,6 +35,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from chunking.chunk_table import ChunkRows
+from paramserver.wire.ring import Ring, key_point
+
 # --------------------------------------------------------------------------- events in
 
 
@@ -122,14 +125,6 @@ class Want(NamedTuple):
     extras: tuple[str, ...] = ()
 
 
-def _key(chunk_id: str) -> int:
-    """A chunk's ring point (``paramserver.wire.ring.key_point``), kept here: the planner is pure."""
-    try:
-        return int(chunk_id[:16], 16) if len(chunk_id) >= 16 else spread_rank(0, 0, chunk_id)
-    except ValueError:
-        return spread_rank(0, 0, chunk_id)
-
-
 @dataclass(frozen=True, eq=False)
 class Wants:
     """The chunks of one fetch as columns, in fetch order; slot ``k`` is the k-th chunk.
@@ -158,11 +153,27 @@ class Wants:
         index: dict[tuple[str, ...], int] = {}
         set_of = np.array([index.setdefault(tuple(w.replicas), len(index)) for w in wants], dtype=np.int64)
         extras = {k: tuple(w.extras) for k, w in enumerate(wants) if w.extras}
-        keys = np.array([_key(w.id) for w in wants], dtype=np.uint64)
+        keys = np.array([key_point(w.id) for w in wants], dtype=np.uint64)
         return cls(np.array([w.size for w in wants], dtype=np.int64), tuple(index), set_of, extras, keys)
 
     def __len__(self) -> int:
         return len(self.sizes)
+
+
+def wants_on_ring(chunks: ChunkRows, ring: Ring, replication: int, hot: Mapping[str, Sequence[str]] | None = None) -> Wants:
+    """The wants of ``chunks`` placed on ``ring`` in one array pass: stored sizes, replica lists
+    (``replication`` of them), and the extra holders of those that are ``hot`` (id -> servers)."""
+    table, rows = chunks.table, chunks.rows
+    keys = table.ring_keys[rows]
+    sets, set_of = ring.placement_sets(keys, replication)
+    extras: dict[int, tuple[str, ...]] = {}
+    if hot:
+        hot_keys = np.array([key_point(cid) for cid in hot], dtype=np.uint64)
+        for slot in np.flatnonzero(np.isin(keys, hot_keys)).tolist():  # a few: their ids alone, in hex
+            holders = hot.get(bytes(table.digests[int(rows[slot])]).hex())
+            if holders:
+                extras[slot] = tuple(holders)
+    return Wants(table.stored_size[rows], sets, set_of, extras, keys)
 
 
 def spread_rank(salt: int, key: int, server: str) -> int:
@@ -480,5 +491,5 @@ class FetchPlanner:
 
 __all__ = [
     "Decision", "Event", "FetchPlanner", "GiveUp", "Landed", "Read", "ReadEnded", "ReadFailed", "Refused", "ReportCorrupt",
-    "STICKY_BYTES", "Want", "Wants", "spread_rank",
+    "STICKY_BYTES", "Want", "Wants", "spread_rank", "wants_on_ring",
 ]

@@ -200,22 +200,10 @@ def decode_header(buf: bytes | memoryview) -> tuple[int, str, int, int, int]:
 
 
 def decode_headers(buf: bytes | bytearray | memoryview) -> list[tuple[int, str, int, int, int]]:
-    """``decode_header`` of each header packed in ``buf`` (a batch's), in one C-level unpack:
-    per header this costs less than the bytes of a 4 KiB chunk."""
-    out = []
-    for status, codec_len, codec, raw_size, stored_size, crc in HEADER.iter_unpack(buf):
-        if status not in STATUS_NAMES or codec_len > MAX_CODEC_LEN:
-            raise ProtocolError(f"bad chunk header (status {status}, codec length {codec_len})")
-        name = _CODEC_NAMES.get((codec_len, codec))
-        if name is None:
-            name = bytes(codec[:codec_len]).decode("ascii", "replace")
-            if len(_CODEC_NAMES) < 64:  # a handful of distinct values: remembered
-                _CODEC_NAMES[(codec_len, codec)] = name
-        out.append((status, name, raw_size, stored_size, crc))
-    return out
+    """``decode_header`` of each header packed in ``buf`` (a batch's): ``decode_header_columns`` as rows."""
+    h = decode_header_columns(buf)
+    return list(zip(h.status.tolist(), h.codecs, h.raw_size.tolist(), h.stored_size.tolist(), h.crc32c.tolist()))
 
-
-_CODEC_NAMES: dict[tuple[int, bytes], str] = {}
 
 # HEADER as a numpy record, to decode a batch's headers as columns
 HEADER_DTYPE = np.dtype([("status", "u1"), ("codec_len", "u1"), ("codec", f"S{MAX_CODEC_LEN}"), ("raw_size", "<u8"),
@@ -239,8 +227,8 @@ class Headers:
 
 
 def decode_header_columns(buf: bytes | bytearray | memoryview) -> Headers:
-    """``decode_headers`` as columns, with one array pass per field: a batch of 4 KiB chunks pays
-    little per header beyond its name look-up."""
+    """A batch's headers as columns, with one array pass per field (ProtocolError when one cannot be
+    a header): a batch of 4 KiB chunks pays little per header beyond its codec name's look-up."""
     if len(buf) % HEADER.size:
         raise ProtocolError(f"chunk headers are {HEADER.size} bytes each, got {len(buf)} bytes")
     rec = np.frombuffer(buf, dtype=HEADER_DTYPE)

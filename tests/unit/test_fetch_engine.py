@@ -282,3 +282,18 @@ def test_a_fetch_pauses_the_collector_and_restores_it() -> None:
     with pytest.raises(RuntimeError), collector_paused():
         raise RuntimeError("boom")
     assert gc.isenabled()
+
+
+def test_wants_on_the_ring_are_each_chunks_replicas_and_hot_holders() -> None:
+    from paramserver.client.fetch_plan import wants_on_ring
+    from paramserver.wire.ring import Ring
+
+    _, packed = model()
+    chunks = ChunkRows.of(packed.manifest.chunks)
+    ids = [r.id for r in chunks.refs()]
+    ring = Ring(["ps1", "ps2", "ps3", "ps4"])
+    hot = {ids[3]: ("ps4",), "ab" * 32: ("ps2",)}  # one of this fetch's chunks, and one that is not
+    w = wants_on_ring(chunks, ring, 2, hot)
+    assert [list(w.replica_sets[k]) for k in w.set_of.tolist()] == [ring.replicas(cid, 2) for cid in ids]
+    assert w.sizes.tolist() == [r.stored_size for r in chunks.refs()]
+    assert dict(w.extras) == {3: ("ps4",)}
