@@ -332,23 +332,17 @@ class Prefetcher:
         """Fetched chunks that lie in the tensors go in the tiers: on CPU as views of those bytes."""
         if self.cache is None:
             return
-        if not self._views:
-            if self.cache.disk is not None:
-                for row in rows.tolist():
-                    view = self._region(row)
-                    assert view is not None
-                    self._to_disk(self._table.ids[row], bytes(view))
-            return
-        # Only the rows: the group (one tier entry, held once the load is done) finds their bytes
-        # in the arena, never through the tensors, which the tier must not keep alive.
-        group = self._group
-        with self._lock:
-            if not raw:  # the manifest's CRC is of the stored (compressed) bytes: keep the raw bytes' own
-                for row in rows.tolist():
-                    view = self._region(row)
-                    assert view is not None
-                    group.crc_of[row] = crc32c(view)
-            group.mark(rows)
+        if self._views:
+            # Only the rows: the group (one tier entry, held once the load is done) finds their bytes
+            # in the arena, never through the tensors, which the tier must not keep alive.
+            group = self._group
+            with self._lock:
+                if not raw:  # the manifest's CRC is of the stored (compressed) bytes: keep the raw bytes' own
+                    for row in rows.tolist():
+                        view = self._region(row)
+                        assert view is not None
+                        group.crc_of[row] = crc32c(view)
+                group.mark(rows)
         if self.cache.disk is not None:
             for row in rows.tolist():
                 view = self._region(row)

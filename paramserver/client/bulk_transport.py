@@ -283,29 +283,25 @@ class BulkClient:
             raise BulkProtocolFailure(self.address, f"batch declares {payload_bytes} payload bytes, its headers {int(sizes.sum())}")
         # Where each payload goes: the caller's buffer (into) or a slice of the reused scratch.
         given = into(offset + first, ok & h.is_raw, sizes) if into is not None else None
+        if given is not None and len(given) != count:
+            raise BulkProtocolFailure(self.address, f"into() gave {len(given)} buffers for a batch of {count}")
         sizes_list: list[int] = sizes.tolist()
         in_place = np.zeros(count, dtype=bool)
-        views: list[memoryview]
-        if given is None:
-            scratch = conn.buffer(int(payload_bytes))
-            at = np.cumsum(sizes) - sizes
-            views = [scratch[a : a + n] for a, n in zip(at.tolist(), sizes_list)]
-        else:
-            if len(given) != count:
-                raise BulkProtocolFailure(self.address, f"into() gave {len(given)} buffers for a batch of {count}")
-            scratch = conn.buffer(sum(n for v, n in zip(given, sizes_list) if v is None))
-            views, at = [], 0
-            for k, (view, n) in enumerate(zip(given, sizes_list)):
-                if view is None:
-                    views.append(scratch[at : at + n])
-                    at += n
-                    continue
-                if len(view) != n:
-                    # The caller expected another size: the server's copy differs from what it asked for.
-                    raise BulkProtocolFailure(self.address, f"into() gave {len(view)} bytes for chunk {ids.hex[first + k]}, "
-                                                            f"which has {n}")
-                views.append(view)
-                in_place[k] = True
+        offered: Sequence[memoryview | None] = given if given is not None else [None] * count
+        scratch = conn.buffer(sum(n for v, n in zip(offered, sizes_list) if v is None))
+        views: list[memoryview] = []
+        at = 0
+        for k, (view, n) in enumerate(zip(offered, sizes_list)):
+            if view is None:
+                views.append(scratch[at : at + n])
+                at += n
+                continue
+            if len(view) != n:
+                # The caller expected another size: the server's copy differs from what it asked for.
+                raise BulkProtocolFailure(self.address, f"into() gave {len(view)} bytes for chunk {ids.hex[first + k]}, "
+                                                        f"which has {n}")
+            views.append(view)
+            in_place[k] = True
         recv_into_all(conn.sock, views)
         if (h.status == ERROR).any():
             k = int(np.flatnonzero(h.status == ERROR)[0])

@@ -252,13 +252,15 @@ class _Fetch:
             refused.append(Refused(read.read, int(slots[k]), a.messages[k][:300], corrupt=bool(a.corrupt[k])))
         landed = np.zeros(len(slots), dtype=bool)
         placed = np.flatnonzero(fresh & a.in_place)
+        in_place = placed[:0]  # items received into their destination that verified there
         if len(placed):
             ps = slots[placed]
             ids = [self.chunk_id(int(s)) for s in ps] if self.verifier.mode == "content" else ()
             # in_place items' data is the memoryview ``into`` gave
             views = [cast(memoryview, a.data[k]) for k in placed.tolist()]
             good = self.verifier.check_in_place(self.crc[ps], a.crcs[placed], views, ids)
-            landed[placed[good]] = True
+            in_place = placed[good]
+            landed[in_place] = True
             for k in placed[~good].tolist():
                 refused.append(Refused(read.read, int(slots[k]), "corrupt bytes (CRC32C of the received bytes does not "
                                                                  "match the manifest)", corrupt=True, report=True))
@@ -275,12 +277,10 @@ class _Fetch:
             self.sink.write(row, raw)
             landed[k] = True
         done = np.flatnonzero(landed)
-        if len(placed):
-            in_place = slots[placed][landed[placed]]
-            if len(in_place):
-                self.sink.landed_in_place(self.rows[in_place])
+        if len(in_place):
+            self.sink.landed_in_place(self.rows[slots[in_place]])
         nbytes = sum(len(memoryview(bytes_like(a.data[k]))) for k in bounced.tolist() if landed[k])
-        nbytes += int(self.stored[slots[placed]][landed[placed]].sum()) if len(placed) else 0
+        nbytes += int(self.stored[slots[in_place]].sum())
         extra_bytes = 0
         if self.extras:
             extras = self.extras
@@ -293,7 +293,7 @@ class _Fetch:
                 self.landed[slots[done]] = True
                 stats = self.stats
                 stats.chunks += len(done)
-                stats.in_place += int(landed[placed].sum()) if len(placed) else 0
+                stats.in_place += len(in_place)
                 stats.stored_bytes += nbytes
                 stats.by_server[read.server] = stats.by_server.get(read.server, 0) + nbytes
                 stats.extra_bytes += extra_bytes
