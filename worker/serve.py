@@ -290,6 +290,7 @@ class ModelServer:
         loading = LoadedModel(h.tensors, h.manifest, h.info, make_report(h.info, h.manifest, sw.device, LoadCounters(), 0.0), h)
         # Forward passes while loading count as heat too (the swap after the load reports them).
         heat = ForwardHeat(cold.module, h.manifest, version=h.info.number, sink=sw.client, report_every_s=self.heat_report_s)
+        self.metrics.version.labels(h.info.model).set(h.info.number)  # set before the first request can be answered
         with self._lock:
             self._module, self._loaded, self._cold = cold.module, loading, cold
             self._heat = heat
@@ -304,6 +305,7 @@ class ModelServer:
             self.load_error = f"{type(exc).__name__}: {str(exc)[:300]}"
             with self._lock:
                 self._module = self._loaded = None
+            self.metrics.version.remove(cold.handle.info.model)  # nothing is served any more
         finally:
             with self._lock:
                 self._cold = None

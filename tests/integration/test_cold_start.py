@@ -177,6 +177,9 @@ def test_paramworker_serve_answers_while_loading_and_says_so(cluster: LocalClust
         with urllib.request.urlopen(req, timeout=60) as r:
             got = json.loads(r.read())
         assert got["output"] == want  # the first answer, possibly computed while loading, is exact
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        assert 'pdparams_serving_version{model="deepserve"} 1.0' in metrics  # serving it, loaded or not
         deadline = time.monotonic() + 60
         while True:
             with urllib.request.urlopen(f"http://{address}/healthz", timeout=10) as r:
