@@ -26,11 +26,14 @@ Rounds run every method once, in orders from a balanced (Williams) design: over 
 each method runs in each position and right after each other method once (a plain rotation puts
 the worker right after memcpy in every round, so what one child leaves behind, memory for the
 kernel to reclaim or servers still busy, always lands on the same next one); figures are medians
-over rounds. Peak RSS: each child reads VmRSS after its imports and cluster connection (the
-baseline), resets the kernel's high-water mark (/proc/self/clear_refs), runs the timed load and
-reads VmHWM; the figure is (VmHWM - baseline) / model bytes, the worst over the rounds. Every
-method's result is compared byte for byte with the source once (round 1, not timed, after the
-RSS reading). Compare figures within one run only: the machine is shared and noisy.
+over rounds, after one unmeasured warm-up pull (the servers' first reads of what the push wrote
+past their page cache are paid by no method). CPU ns/B: the loading child's own CPU time (user
+and system, every thread; not the servers') in the timed part, per model byte, median. Peak RSS:
+each child reads VmRSS after its imports and cluster connection (the baseline), resets the
+kernel's high-water mark (/proc/self/clear_refs), runs the timed load and reads VmHWM; the
+figure is (VmHWM - baseline) / model bytes, the worst over the rounds. Every method's result is
+compared byte for byte with the source once (round 1, not timed, after the RSS reading).
+Compare figures within one run only: the machine is shared and noisy.
 """
 from __future__ import annotations
 
@@ -39,6 +42,7 @@ import gc
 import json
 import os
 import platform
+import resource
 import shutil
 import signal
 import statistics
@@ -136,14 +140,26 @@ class Source:
         return "ok"
 
 
+def _cpu_s() -> float:
+    """User plus system CPU seconds of this process (every thread) so far."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
 def _measure(fn: Callable[[], Any], baseline: int) -> tuple[float, int, bool, Any]:
-    """(seconds, peak RSS above baseline, hwm_was_reset, result) of ``fn()``."""
+    """(seconds, peak RSS above baseline, hwm_was_reset, result) of ``fn()``; its CPU seconds in LAST_CPU_S."""
+    global LAST_CPU_S
     was_reset = reset_hwm()
+    c0 = _cpu_s()
     t0 = time.perf_counter()
     result = fn()
     seconds = time.perf_counter() - t0
+    LAST_CPU_S = _cpu_s() - c0
     peak = hwm_bytes() - baseline
     return seconds, peak, was_reset, result
+
+
+LAST_CPU_S = 0.0  # CPU seconds of the last _measure (this child only: the servers' CPU is not in it)
 
 
 def child_worker(spec: dict[str, Any], check: bool) -> list[dict[str, Any]]:
@@ -175,7 +191,7 @@ def child_worker(spec: dict[str, Any], check: bool) -> list[dict[str, Any]]:
             if not was_reset:
                 notes.append("VmHWM could not be reset: peak includes earlier work in this child")
             exact = source.compare(loaded.tensors) if check else None
-            rows.append({"row": row, "seconds": seconds, "peak_rss_above": peak, "baseline_rss": baseline,
+            rows.append({"row": row, "seconds": seconds, "peak_rss_above": peak, "baseline_rss": baseline, "cpu_s": LAST_CPU_S,
                          "bit_exact": exact, "notes": notes, "report": rep.to_dict(),
                          "rss_after": rss_bytes()})
             del loaded, rep
@@ -202,7 +218,7 @@ def child_pull(spec: dict[str, Any], check: bool) -> list[dict[str, Any]]:
         notes.append(f"only {rep.bulk_bytes} of {rep.bytes_fetched} bytes came over bulk ({rep.bulk_fallbacks} fallbacks)")
     exact = source.compare(tensors) if check else None
     report = {k: v for k, v in vars(rep).items() if isinstance(v, (int, float, str, type(None)))}
-    return [{"row": "pull", "seconds": seconds, "peak_rss_above": peak, "baseline_rss": baseline,
+    return [{"row": "pull", "seconds": seconds, "peak_rss_above": peak, "baseline_rss": baseline, "cpu_s": LAST_CPU_S,
              "bit_exact": exact, "notes": notes, "report": report}]
 
 
@@ -249,7 +265,7 @@ def child_redis(spec: dict[str, Any], check: bool) -> list[dict[str, Any]]:
         notes.append("hiredis NOT available: redis-py's pure-Python parser was used")
     exact = source.compare(tensors) if check else None
     r.close()
-    return [{"row": "redis", "seconds": seconds, "peak_rss_above": peak, "baseline_rss": baseline,
+    return [{"row": "redis", "seconds": seconds, "peak_rss_above": peak, "baseline_rss": baseline, "cpu_s": LAST_CPU_S,
              "bit_exact": exact, "notes": notes, "report": {"chunks": len(chunks), "pipeline": depth,
                                                             "hiredis": bool(redis.utils.HIREDIS_AVAILABLE)}}]
 
@@ -273,7 +289,7 @@ def child_memcpy(spec: dict[str, Any], check: bool) -> list[dict[str, Any]]:
         seconds, peak, was_reset, out = _measure(copy, baseline)
         notes = [] if was_reset else ["VmHWM could not be reset"]
         exact = source.compare(out) if check and row == "memcpy" else None
-        rows.append({"row": row, "seconds": seconds, "peak_rss_above": peak, "baseline_rss": baseline,
+        rows.append({"row": row, "seconds": seconds, "peak_rss_above": peak, "baseline_rss": baseline, "cpu_s": LAST_CPU_S,
                      "bit_exact": exact, "notes": notes, "report": {}})
     return rows
 
@@ -410,6 +426,15 @@ def main() -> int:
         out_dir = root / "results"
         out_dir.mkdir()
 
+        # Warm-up, not measured: one pull reads every chunk once, so that no method pays for the
+        # servers' first reads of the pushed segments (the push writes them with O_DIRECT, past the
+        # page cache) while Redis already holds every chunk in memory; else whichever method runs
+        # first in round 1 pays for the disk.
+        t0 = time.perf_counter()
+        warm = run_child("pull", spec_path, out_dir, "warmup", False)
+        print(f"warm-up pull (not measured): {time.perf_counter() - t0:.1f} s with the child's start"
+              f"{'' if warm['ok'] else ', FAILED: ' + warm['error']}", flush=True)
+
         measurements: dict[str, list[dict[str, Any]]] = {row: [] for row in ROWS}
         errors: list[dict[str, Any]] = []
         exact: dict[str, str] = {}
@@ -453,6 +478,7 @@ def main() -> int:
         med = statistics.median(m["seconds"] for m in ms)
         summary[row] = {
             "seconds": [m["seconds"] for m in ms], "median_s": med, "median_gbps": model_bytes / med / 1e9,
+            "median_cpu_ns_per_byte": statistics.median(m["cpu_s"] for m in ms) / model_bytes * 1e9,
             "peak_rss_above_max": max(m["peak_rss_above"] for m in ms),
             "peak_rss_ratio_max": max(m["peak_rss_above"] for m in ms) / model_bytes,
             "peak_rss_ratio_each": [m["peak_rss_above"] / model_bytes for m in ms],
@@ -465,7 +491,8 @@ def main() -> int:
           f"W={pushed.write_quorum}, {args.rounds} rounds (balanced order), {cores} cores, torch {torch.__version__}, "
           f"Python {platform.python_version()}")
     w = max(len(v) for v in ROWS.values())
-    head = f"{'method':{w}s}  {'s per round':>20s}  {'median s':>8s}  {'GB/s':>6s}  {'peak RSS above base (worst)':>27s}  bit-exact"
+    head = (f"{'method':{w}s}  {'s per round':>20s}  {'median s':>8s}  {'GB/s':>6s}  {'CPU ns/B':>8s}  "
+            f"{'peak RSS above base (worst)':>27s}  bit-exact")
     print(head)
     print("-" * len(head))
     for row, label in ROWS.items():
@@ -475,7 +502,8 @@ def main() -> int:
             continue
         per_round = " ".join(f"{x:.3f}" for x in s["seconds"])
         rss = f"{s['peak_rss_above_max'] / MiB:.0f} MiB = {ceil3(s['peak_rss_ratio_max'])}x model"
-        print(f"{label:{w}s}  {per_round:>20s}  {s['median_s']:8.3f}  {s['median_gbps']:6.2f}  {rss:>27s}  {s['bit_exact']}")
+        print(f"{label:{w}s}  {per_round:>20s}  {s['median_s']:8.3f}  {s['median_gbps']:6.2f}  "
+              f"{s['median_cpu_ns_per_byte']:8.2f}  {rss:>27s}  {s['bit_exact']}")
 
     def ratio(a: str, b: str) -> float | None:
         if a in summary and b in summary:

@@ -123,7 +123,14 @@ def _build(model: str, version: int, sources: int, rows: dict[int, tuple[int, in
 
 class HeatmapRecorder:
     """Thread-safe recorder for one model version: per chunk index its read count and the rank of
-    its first access, as arrays (a load of half a million chunks records them a batch at a time)."""
+    its first access, as arrays (a load of half a million chunks records them a batch at a time).
+
+    ``rank_as(rank_of)``: first accesses are ranked by ``rank_of[index]`` rather than by when they
+    were recorded. A load uses it: the order in which its chunks *arrive* is only the network's
+    interleaving of the replicas' streams, and reported as heat it would scramble the next load's
+    fetch order (neighbouring chunks no longer read together from one replica); the order the
+    load *asked* for them in is the heat it was given, or manifest order, and stays put.
+    """
 
     def __init__(self, model: str, version: int) -> None:
         self.model = model
@@ -132,6 +139,12 @@ class HeatmapRecorder:
         self._counts = np.zeros(0, dtype=np.int64)
         self._first = np.zeros(0, dtype=np.int64)  # rank of the first access; -1: not read yet
         self._seen = 0
+        self._rank_of: np.ndarray | None = None
+
+    def rank_as(self, rank_of: np.ndarray) -> None:
+        """Rank each index's first access by ``rank_of[index]`` (ties: lower index first)."""
+        with self._lock:
+            self._rank_of = np.asarray(rank_of, dtype=np.int64)
 
     def record(self, index: int) -> None:
         self.record_many(np.array([index], dtype=np.int64))
@@ -152,7 +165,10 @@ class HeatmapRecorder:
             if len(new) > 1:
                 _, at = np.unique(new, return_index=True)
                 new = new[np.sort(at)]  # each once, in the order first read
-            self._first[new] = np.arange(self._seen, self._seen + len(new), dtype=np.int64)
+            if self._rank_of is not None and top <= len(self._rank_of):
+                self._first[new] = self._rank_of[new]
+            else:
+                self._first[new] = np.arange(self._seen, self._seen + len(new), dtype=np.int64)
             self._seen += len(new)
             np.add.at(self._counts, rows, 1)
 
@@ -160,7 +176,7 @@ class HeatmapRecorder:
         # The rank of an index is its place in first-access order: ranks are distinct and rising.
         with self._lock:
             seen = np.flatnonzero(self._first >= 0)
-            order = seen[np.argsort(self._first[seen], kind="stable")]
+            order = seen[np.argsort(self._first[seen], kind="stable")]  # ties (rank_as): lower index first
             counts = self._counts[order]
         n = len(order)
         return HeatReport(self.model, self.version, 1, tuple(order.tolist()), tuple(counts.tolist()), tuple(range(n)), (1,) * n)

@@ -415,16 +415,20 @@ class Prefetcher:
         # Chunks the cache does not hold go to the network at once, in a background thread, so
         # the streams run while this thread copies cache hits.
         if cache is None or cache.empty():  # a cold load asks nothing per chunk
-            misses = unique_order(self.manifest, self._heat())
+            misses = order = unique_order(self.manifest, self._heat())
             hits = misses[:0]
         else:
-            rows = self._table.first_rows
+            order = rows = self._table.first_rows
             ids = self._table.ids
             held = np.fromiter(cache.contains_many([ids[r] for r in rows.tolist()]), dtype=bool, count=len(rows))
             hits, misses = rows[held], rows[~held]
             if len(misses):  # fetched in heatmap order (hits are local: manifest order)
                 order = unique_order(self.manifest, self._heat())
                 misses = order[np.isin(order, misses)]
+        # The heat this load reports ranks its chunks in the order it asked for them (see HeatmapRecorder).
+        rank = np.zeros(len(self._table), dtype=np.int64)
+        rank[order] = np.arange(len(order), dtype=np.int64)
+        self.recorder.rank_as(rank[self._table.first_of])
         if self.local is not None and len(misses):
             misses = misses[[not self._try_local(row) for row in misses.tolist()]]
         net_error: list[BaseException] = []

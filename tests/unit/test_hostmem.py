@@ -5,6 +5,7 @@ import gc
 import math
 import mmap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,9 @@ from chunking.config import ChunkingConfig
 from chunking.errors import InvalidInput
 from chunking.pack import pack
 from paramserver.client.errors import ConfigError
-from paramserver.client.hostmem import ArenaPool, HostMemoryConfig, allocate_targets, arena_layout, retarget
+from paramserver.client.hostmem import (
+    ArenaPool, HostMemoryConfig, allocate_targets, arena_layout, free_page_reporting, retarget,
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int64, torch.bool, torch.float64]
 
@@ -210,3 +213,58 @@ def test_wrong_target_still_refused_with_a_clear_error() -> None:
     packed = pack({"w": torch.randn(4, 4)}, model="m", config=ChunkingConfig())
     with pytest.raises(InvalidInput, match="needs"):
         Assembler(packed.manifest, {"w": torch.empty(4, 5)}, private_targets=True)
+
+
+def fake_sys(root: Path, *, order: int | None, balloon_features: str | None, bound: bool = True) -> Path:
+    """A /sys with page reporting at ``order`` (None: not built in) and a virtio balloon."""
+    if order is not None:
+        params = root / "module/page_reporting/parameters"
+        params.mkdir(parents=True)
+        (params / "page_reporting_order").write_text(f"{order}\n")
+    devices = root / "bus/virtio/devices"
+    devices.mkdir(parents=True)
+    blk = devices / "virtio0"  # not a balloon: its feature bit 5 means something else
+    blk.mkdir()
+    (blk / "device").write_text("0x0002\n")
+    (blk / "driver").mkdir()
+    (blk / "features").write_text("0" * 5 + "1" + "0" * 58 + "\n")
+    if balloon_features is not None:
+        dev = devices / "virtio1"
+        dev.mkdir()
+        (dev / "device").write_text("0x0005\n")
+        (dev / "features").write_text(balloon_features + "\n")
+        if bound:
+            (dev / "driver").mkdir()
+    return root
+
+
+REPORTING = "0110010100000000000000000000000010000000000000000000000000000000"  # a Firecracker balloon's, bit 5 set
+NOT_REPORTING = REPORTING[:5] + "0" + REPORTING[6:]
+
+
+@pytest.mark.parametrize(("order", "features", "bound", "off"), [
+    (9, REPORTING, True, True),  # huge-page-sized blocks go back to the host: huge pages off
+    (9, NOT_REPORTING, True, False),  # a balloon without free page reporting
+    (9, REPORTING, False, False),  # no driver bound: nothing reports
+    (10, REPORTING, True, False),  # only blocks larger than a huge page are reported
+    (None, REPORTING, True, False),  # a kernel without page reporting
+    (9, None, True, False),  # no balloon at all (bare metal): only the block device's bit 5
+])
+def test_huge_pages_are_off_only_where_the_host_takes_free_huge_pages_back(
+        tmp_path: Path, order: int | None, features: str | None, bound: bool, off: bool) -> None:
+    why = free_page_reporting(fake_sys(tmp_path, order=order, balloon_features=features, bound=bound))
+    assert (why is not None) == off, why
+    if off:
+        assert why is not None and "virtio1" in why and "order 9" in why
+
+
+def test_free_page_reporting_of_a_missing_sys_is_none(tmp_path: Path) -> None:
+    assert free_page_reporting(tmp_path / "nothing") is None
+
+
+def test_an_explicit_huge_pages_setting_is_kept() -> None:
+    assert ArenaPool(HostMemoryConfig(huge_pages=True)).huge_pages is True
+    assert ArenaPool(HostMemoryConfig(huge_pages=False)).huge_pages is False
+    auto = ArenaPool(HostMemoryConfig())
+    assert auto.huge_pages == (free_page_reporting() is None)
+    assert (auto.huge_pages_off_because is None) == auto.huge_pages

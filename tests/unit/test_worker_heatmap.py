@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -123,3 +124,14 @@ def test_snapshot_is_first_access_order_with_counts() -> None:
     snap = rec.snapshot()
     assert snap == _build("m", 2, 1, {5: (2, 0, 1), 3: (2, 1, 1), 9: (1, 2, 1)})
     assert snap.indices == (5, 3, 9) and snap.counts == (2, 2, 1) and snap.entries() == [(5, 2, 0), (3, 2, 1), (9, 1, 2)]
+
+
+def test_rank_as_ranks_first_accesses_by_the_given_order_not_by_arrival() -> None:
+    rec = HeatmapRecorder("m", 1)
+    rec.rank_as(np.array([2, 0, 1, 0]))  # index 1 and 3 tie: the lower index first
+    rec.record_many([0, 3])
+    rec.record_many([2, 1, 0])
+    snap = rec.snapshot()
+    assert snap.indices == (1, 3, 2, 0) and snap.counts == (1, 1, 1, 2)
+    rec.record(7)  # past the ranked rows: ranked by arrival, after them
+    assert rec.snapshot().indices[-1] == 7

@@ -124,6 +124,33 @@ def test_heatmap_order_is_the_fetch_order() -> None:
     assert client.asked[0] == packed.manifest.chunks[order[0]].id
 
 
+class Shuffled(FakeClient):
+    """Delivers the chunks of each fetch in a shuffled order: replicas' streams interleave."""
+
+    def fetch(self, chunks: ChunkRows, sink: ChunkSink, *, algorithm: str = "blake3",
+              tensors_of: object = None) -> FetchStats:
+        rows = chunks.rows.copy()
+        np.random.default_rng(3).shuffle(rows)
+        return super().fetch(ChunkRows(chunks.table, rows), sink, algorithm=algorithm)
+
+
+@pytest.mark.parametrize("with_heat", [False, True])
+def test_the_heat_a_load_reports_is_the_order_it_asked_in_not_the_order_chunks_arrived(with_heat: bool) -> None:
+    packed = pack(model(), model="m")
+    table = packed.manifest.chunks
+    n = len(table)
+    heat = HeatReport.from_entries("m", 1, [(i, 1, rank) for rank, i in enumerate(reversed(range(n)))]) if with_heat else None
+    client = Shuffled(packed.source())
+    _, _, _, p = run(packed, heat=heat, client=client)
+    asked = unique_order(packed.manifest, heat).tolist()  # distinct ids, first row of each, in fetch order
+    assert client.asked != [table.ids[r] for r in asked]  # they arrived in another order
+    reported = p.recorder.snapshot()
+    # Every row is reported once; rows of one id share its rank, and ties go to the lower row.
+    want = sorted(range(n), key=lambda r: (asked.index(int(table.first_of[r])), r))
+    assert list(reported.indices) == want
+    assert set(reported.counts) == {1}
+
+
 def test_tensor_ready_before_the_load_ends() -> None:
     packed = pack(model(), model="m")
     first = packed.manifest.chunks[0]
