@@ -203,6 +203,11 @@ class BulkServer:
         self.budget = _Budget(self.config.write_buffer_bytes)
         self.write_stats = {"sessions": 0, "puts": 0, "chunks": 0, "bytes": 0, "errors": 0, "forwarded": 0,
                             "buffers_reused": 0}
+        # Receive buffers no one refers to any more, shared by every write session (see
+        # _WriteSession._recycle): a push opens new sessions, and a buffer of its own would be fresh
+        # memory the kernel faults in and zeroes page by page on every push.
+        self._spare: list[np.ndarray] = []
+        self._spare_lock = threading.Lock()
         try:
             bind_host, bind_port = split_host_port(listen)
         except ValueError:
@@ -448,7 +453,9 @@ class BulkServer:
 # ------------------------------------------------------------------ write sessions
 
 _STOP = object()
-_SPARES, _SPARE_MAX_BYTES = 2, 16 << 20  # receive buffers a session keeps for its next PUTs
+# Receive buffers the server keeps for the next PUTs, over all sessions: room for the PUTs that
+# one session holds at once (receiving plus store_workers storing) of a few sessions.
+_SPARE_BYTES, _SPARE_MAX_BYTES = 48 << 20, 16 << 20
 Ack = tuple[int, str, int]  # (status, message, free_bytes)
 
 
@@ -592,8 +599,6 @@ class _WriteSession:
         self._send_failed = False
         self._forwarders: dict[str, _Forwarder | str] = {}  # next hop -> its session, or why it failed
         self._fwd_lock = threading.Lock()
-        self._spare: list[np.ndarray] = []  # receive buffers no one refers to any more (see _recycle)
-        self._spare_lock = threading.Lock()
 
     # ------------------------------------------------------------ receiving
 
@@ -714,12 +719,13 @@ class _WriteSession:
     def _buffer(self, n: int) -> np.ndarray:
         """A receive buffer of at least ``n`` bytes: a spare one that fits, else a new one (uninitialised: every
         byte is received into it)."""
-        with self._spare_lock:
-            for i, a in enumerate(self._spare):
+        server = self.server
+        with server._spare_lock:
+            for i, a in enumerate(server._spare):
                 if n <= len(a) <= 2 * n + (1 << 20):
-                    with self.server._lock:
-                        self.server.write_stats["buffers_reused"] += 1
-                    return self._spare.pop(i)
+                    with server._lock:
+                        server.write_stats["buffers_reused"] += 1
+                    return server._spare.pop(i)
         return np.empty(-(-n // (1 << 20)) * (1 << 20), dtype=np.uint8)  # whole MiB: PUTs of a little more still fit
 
     def _recycle(self, array: object) -> None:
@@ -730,9 +736,12 @@ class _WriteSession:
             return  # 3: the caller's local, this parameter, getrefcount's argument
         if len(array) > _SPARE_MAX_BYTES:
             return
-        with self._spare_lock:
-            if len(self._spare) < _SPARES:
-                self._spare.append(array)
+        server = self.server
+        with server._spare_lock:
+            spare = server._spare
+            while spare and sum(len(a) for a in spare) + len(array) > _SPARE_BYTES:
+                spare.pop(0)  # the oldest goes: what the PUTs of now need is kept
+            spare.append(array)
 
     def _deliver(self, seq: int, frame: bytes) -> None:
         with self._send_lock:

@@ -604,6 +604,21 @@ def test_send_round_finds_the_view_behind_its_server_client() -> None:
     assert other is not view and other.members == {}
 
 
+def test_a_new_session_receives_into_buffers_an_earlier_session_gave_back(store: ChunkStore) -> None:
+    server = serve(store)
+    try:
+        for session in range(3):  # a push opens new sessions: its PUTs still land in warm buffers
+            acks = Acks()
+            w = BulkWriter(server.address, ADMIN, acks, window=1)
+            put(w, [make_chunk(300_000 + session)])
+            assert w.drain(10)  # the buffer went back to the server before the ack went out
+            w.close(goodbye=True)
+        assert server.write_stats["buffers_reused"] >= 2  # the second and third sessions' PUTs
+        assert sum(len(a) for a in server._spare) <= 48 << 20  # what is kept stays bounded
+    finally:
+        server.stop()
+
+
 def test_receive_buffers_are_reused_only_when_the_store_kept_no_view_of_them(store: ChunkStore, monkeypatch: pytest.MonkeyPatch) -> None:
     server = serve(store)
     try:
