@@ -99,13 +99,11 @@ class ForwardHeat:
             now = self._clock()
             if self.sink is None or (not force and now - self._last_report < self.report_every_s):
                 return False
-            report = self.recorder.snapshot()
-            self.recorder.reset()
+            entries = self.recorder.wire_entries(reset=True)
             self._last_report = now
-        entries = report.entries()
-        if not entries:
+        if not len(entries):
             return False
-        return self.sink.report_heat(report.model, report.version, entries) > 0
+        return self.sink.report_heat(self.recorder.model, self.recorder.version, entries) > 0
 
     def detach(self) -> None:
         for handle in self._handles:

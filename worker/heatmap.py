@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from paramserver.wire.heat_entries import HeatArrays
 from worker.errors import HeatmapMismatch
 
 FORMAT = 1
@@ -172,21 +173,38 @@ class HeatmapRecorder:
             self._seen += len(new)
             np.add.at(self._counts, rows, 1)
 
+    def _ordered(self) -> tuple[np.ndarray, np.ndarray]:
+        """The indices read so far in first-access order, and their counts. Lock held."""
+        seen = np.flatnonzero(self._first >= 0)
+        order = seen[np.argsort(self._first[seen], kind="stable")]  # ties (rank_as): lower index first
+        return order, self._counts[order]
+
     def snapshot(self) -> HeatReport:
         # The rank of an index is its place in first-access order: ranks are distinct and rising.
         with self._lock:
-            seen = np.flatnonzero(self._first >= 0)
-            order = seen[np.argsort(self._first[seen], kind="stable")]  # ties (rank_as): lower index first
-            counts = self._counts[order]
+            order, counts = self._ordered()
         n = len(order)
         return HeatReport(self.model, self.version, 1, tuple(order.tolist()), tuple(counts.tolist()), tuple(range(n)), (1,) * n)
+
+    def wire_entries(self, *, reset: bool = False) -> HeatArrays:
+        """What ``snapshot().entries()`` holds, as the arrays a report is sent as (no Python object
+        per entry: a model of half a million chunks is reported in milliseconds). ``reset``: start a
+        new period in the same step, so no record falls between the two."""
+        with self._lock:
+            order, counts = self._ordered()
+            if reset:
+                self._reset()
+        return HeatArrays(order.astype(np.uint64), counts.astype(np.uint64), np.arange(len(order), dtype=np.uint64))
 
     def reset(self) -> None:
         """Start a new reporting period (after a report was sent)."""
         with self._lock:
-            self._counts[:] = 0
-            self._first[:] = -1
-            self._seen = 0
+            self._reset()
+
+    def _reset(self) -> None:
+        self._counts[:] = 0
+        self._first[:] = -1
+        self._seen = 0
 
 
 def merge(reports: Sequence[HeatReport]) -> HeatReport:

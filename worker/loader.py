@@ -137,7 +137,7 @@ def _send_heat(client: ClusterClient, model: str, number: int, recorder: Heatmap
                sent: threading.Event) -> None:
     try:
         if recorder is not None:
-            client.report_heat(model, number, recorder.snapshot().entries())
+            client.report_heat(model, number, recorder.wire_entries())
     except Exception:  # noqa: BLE001 - heat is advisory; never fail a load for it
         pass
     finally:

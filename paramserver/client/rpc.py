@@ -21,6 +21,7 @@ from paramserver.wire.limits import DEFAULT_GET_MESSAGE_BYTES, DEFAULT_MAX_MESSA
 from paramserver.client.errors import ConfigError
 from paramserver.wire.proto import SERVICE_NAME, pb, pb_grpc
 from paramserver.wire.getchunks import ReplyBuilder, passthrough_serializer
+from paramserver.wire.heat_entries import HeatArrays, report_request
 
 
 class ChunkData(NamedTuple):
@@ -81,6 +82,10 @@ class ParamServerClient:
         self.stub = pb_grpc.ParamServerStub(channel)
         self._put_chunks = channel.stream_unary(
             f"/{SERVICE_NAME}/PutChunks", request_serializer=passthrough_serializer, response_deserializer=pb.PutChunksReply.FromString
+        )
+        # Encoded by heat_entries, not as protobuf objects: a report can be half a million entries.
+        self._report_heat = channel.unary_unary(
+            f"/{SERVICE_NAME}/ReportHeat", request_serializer=passthrough_serializer, response_deserializer=pb.ReportHeatReply.FromString
         )
 
     @property
@@ -243,14 +248,14 @@ class ParamServerClient:
     def delete_tag(self, model: str, tag: str, who: str = "") -> pb.DeleteTagReply:
         return self.stub.DeleteTag(pb.DeleteTagRequest(model=model, tag=tag, who=who), timeout=self.config.timeout_s)
 
-    def report_heat(self, model: str, version: int, worker: str, entries: Iterable[tuple[int, int, int]]) -> None:
-        self.stub.ReportHeat(
-            pb.ReportHeatRequest(
-                model=model, version=version, worker=worker,
-                entries=[pb.HeatEntry(chunk_index=i, count=n, first_access_order=o) for i, n, o in entries],
-            ),
-            timeout=self.config.timeout_s,
-        )  # fmt: skip
+    def report_heat(self, model: str, version: int, worker: str, entries: HeatArrays | Iterable[tuple[int, int, int]]) -> None:
+        """``entries``: (chunk index, count, first-access order) each, or the same as arrays."""
+        arrays = entries if isinstance(entries, HeatArrays) else HeatArrays.of(entries)
+        self.report_heat_encoded(report_request(model, version, worker, arrays))
+
+    def report_heat_encoded(self, request: bytes) -> None:
+        """Send a ReportHeatRequest serialised by ``heat_entries.report_request`` (one encoding for every server)."""
+        self._report_heat(request, timeout=self.config.timeout_s)
 
     def get_heat(self, model: str, version: int) -> pb.GetHeatReply:
         return self.stub.GetHeat(pb.GetHeatRequest(model=model, version=version), timeout=self.config.timeout_s)

@@ -42,6 +42,7 @@ from paramserver.client.refs import ModelRef
 from paramserver.client.rpc import ParamServerClient
 from paramserver.client.transport import ClusterTransport
 from paramserver.client.verify import VERIFY_MODES, Verifier
+from paramserver.wire.heat_entries import HeatArrays, report_request
 from paramserver.wire.limits import DEFAULT_MAX_MESSAGE_BYTES, HEAT_ENTRIES_PER_CALL
 from paramserver.wire.proto import pb
 
@@ -466,12 +467,17 @@ class ClusterClient:
 
         return get_blob, get_parts
 
-    def report_heat(self, model: str, version: int, entries: Sequence[tuple[int, int, int]]) -> int:
+    def report_heat(self, model: str, version: int, entries: HeatArrays | Sequence[tuple[int, int, int]]) -> int:
         """Send a heat report to every up member (each aggregates on its own). Best effort: a member
         that refuses with a transient code is tried again a few times (bounded), since a follower
         that has not applied a just-committed version yet answers NOT_FOUND for it."""
-        if not entries:
+        arrays = entries if isinstance(entries, HeatArrays) else HeatArrays.of(entries)
+        if not len(arrays):
             return 0
+        # Servers refuse oversized reports (paramserver.wire.limits): slices that always fit, each
+        # encoded once for every member.
+        requests = [report_request(model, version, self.worker_id, arrays.part(start, start + HEAT_ENTRIES_PER_CALL))
+                    for start in range(0, len(arrays), HEAT_ENTRIES_PER_CALL)]
         ok = 0
         for m in self.members().values():
             if m.state != "up":
@@ -479,11 +485,9 @@ class ClusterClient:
             sent = 0  # slices already accepted by this member: a retry resends only the rest
             for delay in (*HEAT_RETRY_DELAYS_S, None):
                 try:
-                    # Servers refuse oversized reports (paramserver.wire.limits): send slices that always fit.
-                    for start in range(sent, len(entries), HEAT_ENTRIES_PER_CALL):
-                        self.server(m.grpc_address).report_heat(model, version, self.worker_id,
-                                                                entries[start : start + HEAT_ENTRIES_PER_CALL])
-                        sent = start + HEAT_ENTRIES_PER_CALL
+                    for k in range(sent, len(requests)):
+                        self.server(m.grpc_address).report_heat_encoded(requests[k])
+                        sent = k + 1
                     ok += 1
                     break
                 except grpc.RpcError as exc:

@@ -31,7 +31,7 @@ from paramserver.server.auth import AuthConfig, TokenAuthInterceptor, server_cre
 from paramserver.server.config import ServerConfig
 from paramserver.server.dataplane import DEFAULT_MAX_CALL_BYTES, ChunkService, WriteLimits
 from paramserver.server.errors import ConfigError
-from paramserver.server.heat import HeatAggregator, request_arrays
+from paramserver.server.heat import HeatAggregator
 from paramserver.server.hot_chunks import HotChunks
 from paramserver.wire.grpc_options import server_options
 from paramserver.wire.limits import MAX_HEAT_ENTRIES_PER_CALL, MAX_HEAT_REQUEST_BYTES
@@ -43,6 +43,7 @@ from paramserver.server.repair import RepairQueue
 from paramserver.server.rpc_errors import abort_with, invalid
 from paramserver.server.store import ChunkStore
 from paramserver.wire.getchunks import passthrough_serializer
+from paramserver.wire.heat_entries import request_arrays
 
 
 

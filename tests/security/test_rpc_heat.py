@@ -22,15 +22,8 @@ from deploy.local import LocalCluster
 from tests.conftest import local_cluster
 from paramserver.client.push import push
 from paramserver.client.rpc import ParamServerClient
-from paramserver.server.heat import (
-    BYTES_PER_ENTRY,
-    HeatAggregator,
-    HeatArrays,
-    HeatEntry,
-    decode_entries,
-    encode_entries,
-    request_arrays,
-)
+from paramserver.server.heat import BYTES_PER_ENTRY, HeatAggregator
+from paramserver.wire.heat_entries import HeatArrays, HeatEntry, decode_entries, encode_entries, report_request, request_arrays
 from paramserver.server.service import MAX_HEAT_REQUEST_BYTES
 from paramserver.wire.auth import token_metadata
 from paramserver.wire.grpc_options import channel_options
@@ -132,6 +125,21 @@ def test_vectorised_decoding_equals_protobuf() -> None:
     request, rows = _random_request(rng, 150_000)
     a = request_arrays(pb.ReportHeatRequest.FromString(request.SerializeToString()))
     assert list(zip(a.index.tolist(), a.count.tolist(), a.order.tolist())) == rows
+
+
+def test_a_report_request_encoded_as_arrays_is_what_protobuf_parses() -> None:
+    rng = random.Random(12)
+    for trial in range(60):
+        n = rng.randrange(3000) if trial % 4 == 0 else rng.randrange(30)
+        request, rows = _random_request(rng, n)
+        arrays = HeatArrays.of(rows)
+        raw = report_request("model-x", 7, "worker-9", arrays)
+        parsed = pb.ReportHeatRequest.FromString(raw)
+        assert (parsed.model, parsed.version, parsed.worker) == ("model-x", 7, "worker-9")
+        assert [(e.chunk_index, e.count, e.first_access_order) for e in parsed.entries] == rows
+        assert list(arrays) == rows and list(arrays.part(1, 3)) == rows[1:3]
+        back = request_arrays(parsed)  # and what the server reads back from it
+        assert list(back) == rows
 
 
 def test_unknown_fields_and_bad_streams() -> None:

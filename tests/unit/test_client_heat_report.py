@@ -1,7 +1,6 @@
 """A heat report reaches every up member even when one refuses it for a moment (a lagging follower)."""
 from __future__ import annotations
 
-from typing import Any
 
 import grpc
 import pytest
@@ -24,10 +23,12 @@ class _Server:
         self.refusals = list(refusals)
         self.accepted: list[list[tuple[int, int, int]]] = []
 
-    def report_heat(self, model: str, version: int, worker: str, entries: Any) -> None:
+    def report_heat_encoded(self, request: bytes) -> None:
         if self.refusals:
             raise _Refused(self.refusals.pop(0))
-        self.accepted.append(list(entries))
+        parsed = pb.ReportHeatRequest.FromString(request)  # what a server reads: protobuf's own parser
+        assert (parsed.model, parsed.version) == ("m", 1)
+        self.accepted.append([(e.chunk_index, e.count, e.first_access_order) for e in parsed.entries])
 
 
 def _client(monkeypatch: pytest.MonkeyPatch, servers: dict[str, _Server], states: dict[str, str]) -> ClusterClient:
@@ -61,15 +62,15 @@ def test_retries_are_bounded_and_resend_only_the_slices_not_yet_accepted(monkeyp
     monkeypatch.setattr(session_mod, "HEAT_ENTRIES_PER_CALL", 2)
     flaky = _Server([])
     calls = {"n": 0}
-    real = flaky.report_heat
+    real = flaky.report_heat_encoded
 
-    def second_slice_fails_once(model: str, version: int, worker: str, entries: Any) -> None:
+    def second_slice_fails_once(request: bytes) -> None:
         calls["n"] += 1
         if calls["n"] == 2:
             raise _Refused(grpc.StatusCode.DEADLINE_EXCEEDED)
-        real(model, version, worker, entries)
+        real(request)
 
-    flaky.report_heat = second_slice_fails_once  # type: ignore[method-assign]
+    flaky.report_heat_encoded = second_slice_fails_once  # type: ignore[method-assign]
     dead = _Server([grpc.StatusCode.UNAVAILABLE] * 10)
     client = _client(monkeypatch, {"a": flaky, "b": dead}, {"a": "up", "b": "up"})
     entries = [(i, 1, i) for i in range(5)]

@@ -135,3 +135,13 @@ def test_rank_as_ranks_first_accesses_by_the_given_order_not_by_arrival() -> Non
     assert snap.indices == (1, 3, 2, 0) and snap.counts == (1, 1, 1, 2)
     rec.record(7)  # past the ranked rows: ranked by arrival, after them
     assert rec.snapshot().indices[-1] == 7
+
+
+def test_wire_entries_are_the_snapshots_entries_as_arrays() -> None:
+    rec = HeatmapRecorder("m", 1)
+    rec.record_many([5, 3, 5, 9])
+    rec.record(3)
+    arrays = rec.wire_entries()
+    assert list(arrays) == rec.snapshot().entries() == [(5, 2, 0), (3, 2, 1), (9, 1, 2)]
+    assert list(rec.wire_entries(reset=True)) == list(arrays)
+    assert len(rec.wire_entries()) == 0  # a new period
