@@ -141,11 +141,16 @@ class HeatmapRecorder:
         self._first = np.zeros(0, dtype=np.int64)  # rank of the first access; -1: not read yet
         self._seen = 0
         self._rank_of: np.ndarray | None = None
+        self._late = 0  # indices past rank_of read so far: ranked after all of it, by arrival
 
     def rank_as(self, rank_of: np.ndarray) -> None:
-        """Rank each index's first access by ``rank_of[index]`` (ties: lower index first)."""
+        """Rank each index's first access by ``rank_of[index]`` (ties: lower index first); an index
+        past ``rank_of`` after every ranked one, in the order it was read."""
+        ranks = np.asarray(rank_of, dtype=np.int64)
+        if len(ranks) and int(ranks.min()) < 0:
+            raise ValueError("ranks are >= 0")
         with self._lock:
-            self._rank_of = np.asarray(rank_of, dtype=np.int64)
+            self._rank_of = ranks
 
     def record(self, index: int) -> None:
         self.record_many(np.array([index], dtype=np.int64))
@@ -166,8 +171,13 @@ class HeatmapRecorder:
             if len(new) > 1:
                 _, at = np.unique(new, return_index=True)
                 new = new[np.sort(at)]  # each once, in the order first read
-            if self._rank_of is not None and top <= len(self._rank_of):
-                self._first[new] = self._rank_of[new]
+            if self._rank_of is not None:
+                ranked = new < len(self._rank_of)
+                self._first[new[ranked]] = self._rank_of[new[ranked]]
+                late = new[~ranked]
+                base = (int(self._rank_of.max()) + 1 if len(self._rank_of) else 0) + self._late
+                self._first[late] = np.arange(base, base + len(late), dtype=np.int64)
+                self._late += len(late)
             else:
                 self._first[new] = np.arange(self._seen, self._seen + len(new), dtype=np.int64)
             self._seen += len(new)
@@ -205,6 +215,7 @@ class HeatmapRecorder:
         self._counts[:] = 0
         self._first[:] = -1
         self._seen = 0
+        self._late = 0
 
 
 def merge(reports: Sequence[HeatReport]) -> HeatReport:

@@ -54,8 +54,6 @@ SMALL_ALIGN = 64
 # must not pin a huge arena that a large one could use.
 MIN_FILL = 0.5
 
-# x86-64 and arm64 (4 KiB base pages): a transparent huge page is a block of this buddy order.
-_HUGE_PAGE_ORDER = 9
 _VIRTIO_ID_BALLOON = 0x0005
 _VIRTIO_BALLOON_F_REPORTING = 5  # feature bit: the guest reports free page blocks, the host discards them
 
@@ -73,7 +71,8 @@ def free_page_reporting(sys_root: Path = Path("/sys")) -> str | None:
         order = int((sys_root / "module/page_reporting/parameters/page_reporting_order").read_text())
     except (OSError, ValueError):
         return None  # no page reporting in this kernel
-    if order > _HUGE_PAGE_ORDER:
+    huge_order = _huge_page_order(sys_root)
+    if order > huge_order:
         return None  # only blocks larger than a huge page go back to the host
     try:
         devices = sorted((sys_root / "bus/virtio/devices").iterdir())
@@ -88,8 +87,18 @@ def free_page_reporting(sys_root: Path = Path("/sys")) -> str | None:
             continue
         if len(features) > _VIRTIO_BALLOON_F_REPORTING and features[_VIRTIO_BALLOON_F_REPORTING] == "1":
             return (f"the virtio balloon {dev.name} reports free pages to the host in blocks of order {order} "
-                    f"(a huge page is order {_HUGE_PAGE_ORDER}): a huge-page fault would wait for the host")
+                    f"(a huge page is order {huge_order}): a huge-page fault would wait for the host")
     return None
+
+
+def _huge_page_order(sys_root: Path) -> int:
+    """The buddy order of a transparent huge page: 9 with 4 KiB base pages (x86-64), more with
+    arm64's 16 or 64 KiB ones."""
+    try:
+        size = int((sys_root / "kernel/mm/transparent_hugepage/hpage_pmd_size").read_text())
+    except (OSError, ValueError):
+        return 9
+    return max(0, size // mmap.PAGESIZE).bit_length() - 1
 
 
 # Linux 5.14+: fault in (and zero) a range of pages in one call. Measured here on 1 GiB of

@@ -171,11 +171,15 @@ def _put_varints(out: NDArray[np.uint8], at: NDArray[np.int64], values: U64, siz
         out[at[rows] + k] = (byte | more).astype(np.uint8)
 
 
+_UINT32_MAX = (1 << 32) - 1
 GET_REPLY_ENTRIES, REPORT_REQUEST_ENTRIES = 3, 4  # the field number of ``entries`` in each message
 
 
 def encode_entries(index: U64, count: U64, order: U64, field: int = GET_REPLY_ENTRIES) -> bytes:
-    """``repeated HeatEntry entries = field`` (every HeatEntry field written, zeros too)."""
+    """``repeated HeatEntry entries = field`` (every HeatEntry field written, zeros too, which
+    protobuf itself leaves out: every parser reads both)."""
+    if not 1 <= field <= 15:
+        raise ValueError(f"field {field}: only fields 1-15 have the one-byte key written here")
     if index.size == 0:
         return b""
     si, sc, so = _varint_sizes(index), _varint_sizes(count), _varint_sizes(order)
@@ -198,7 +202,13 @@ def encode_entries(index: U64, count: U64, order: U64, field: int = GET_REPLY_EN
 
 
 def report_request(model: str, version: int, worker: str, entries: HeatArrays) -> bytes:
-    """A serialised ``ReportHeatRequest``: its scalar fields through protobuf, its entries here."""
+    """A serialised ``ReportHeatRequest``: its scalar fields through protobuf, its entries here.
+
+    ValueError for a chunk index or an order past ``uint32`` (a server would read their low bits:
+    another chunk's heat)."""
+    for name, values in (("chunk index", entries.index), ("first-access order", entries.order)):
+        if values.size and int(values.max()) > _UINT32_MAX:
+            raise ValueError(f"a heat entry's {name} {int(values.max())} does not fit the wire's uint32")
     head = pb.ReportHeatRequest(model=model, version=version, worker=worker).SerializeToString()
     return head + encode_entries(entries.index, entries.count, entries.order, REPORT_REQUEST_ENTRIES)
 

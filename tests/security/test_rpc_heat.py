@@ -140,6 +140,11 @@ def test_a_report_request_encoded_as_arrays_is_what_protobuf_parses() -> None:
         assert list(arrays) == rows and list(arrays.part(1, 3)) == rows[1:3]
         back = request_arrays(parsed)  # and what the server reads back from it
         assert list(back) == rows
+    with pytest.raises(ValueError, match="uint32"):
+        report_request("m", 1, "w", HeatArrays.of([(1 << 32, 1, 0)]))  # a server would read chunk 0
+    one = HeatArrays.of([(1, 1, 1)])
+    with pytest.raises(ValueError):
+        encode_entries(one.index, one.count, one.order, 16)  # a two-byte key
 
 
 def test_unknown_fields_and_bad_streams() -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from paramserver.client.rpc import ParamServerClient
+
 from paramserver.client import session as session_mod
 from paramserver.client.session import ClusterClient
 from paramserver.wire.proto import pb
@@ -80,3 +82,12 @@ def test_retries_are_bounded_and_resend_only_the_slices_not_yet_accepted(monkeyp
         client.close()
     assert flaky.accepted == [entries[0:2], entries[2:4], entries[4:5]]  # the first slice was not sent twice
     assert len(dead.refusals) == 10 - (len(session_mod.HEAT_RETRY_DELAYS_S) + 1)
+
+
+def test_a_negative_entry_is_refused_before_anything_is_sent() -> None:
+    client = ParamServerClient("127.0.0.1:9")  # nothing listens there: a call would fail otherwise
+    try:
+        with pytest.raises(ValueError, match="negative"):
+            client.report_heat("m", 1, "w", [(-3, 1, 1)])
+    finally:
+        client.close()

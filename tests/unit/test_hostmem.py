@@ -215,8 +215,13 @@ def test_wrong_target_still_refused_with_a_clear_error() -> None:
         Assembler(packed.manifest, {"w": torch.empty(4, 5)}, private_targets=True)
 
 
-def fake_sys(root: Path, *, order: int | None, balloon_features: str | None, bound: bool = True) -> Path:
+def fake_sys(root: Path, *, order: int | None, balloon_features: str | None, bound: bool = True,
+             huge_page_bytes: int | None = None) -> Path:
     """A /sys with page reporting at ``order`` (None: not built in) and a virtio balloon."""
+    if huge_page_bytes is not None:
+        thp = root / "kernel/mm/transparent_hugepage"
+        thp.mkdir(parents=True)
+        (thp / "hpage_pmd_size").write_text(f"{huge_page_bytes}\n")
     if order is not None:
         params = root / "module/page_reporting/parameters"
         params.mkdir(parents=True)
@@ -256,6 +261,14 @@ def test_huge_pages_are_off_only_where_the_host_takes_free_huge_pages_back(
     assert (why is not None) == off, why
     if off:
         assert why is not None and "virtio1" in why and "order 9" in why
+
+
+def test_the_huge_page_order_comes_from_the_kernel(tmp_path: Path) -> None:
+    # Huge pages of 8 base pages' order more (as with larger base pages): reporting at order 10 concerns them.
+    big = mmap.PAGESIZE << 10
+    why = free_page_reporting(fake_sys(tmp_path / "a", order=10, balloon_features=REPORTING, huge_page_bytes=big))
+    assert why is not None and "order 10" in why
+    assert free_page_reporting(fake_sys(tmp_path / "b", order=11, balloon_features=REPORTING, huge_page_bytes=big)) is None
 
 
 def test_free_page_reporting_of_a_missing_sys_is_none(tmp_path: Path) -> None:

@@ -137,6 +137,17 @@ def test_rank_as_ranks_first_accesses_by_the_given_order_not_by_arrival() -> Non
     assert rec.snapshot().indices[-1] == 7
 
 
+def test_rows_past_rank_as_come_after_every_ranked_row_even_in_one_batch() -> None:
+    rec = HeatmapRecorder("m", 1)
+    rec.rank_as(np.array([2, 0, 1]))
+    rec.record_many([0, 7])  # one batch: 0 ranked (2), 7 past the ranks
+    rec.record(5)
+    rec.record_many([1, 2])
+    assert rec.snapshot().indices == (1, 2, 0, 7, 5)
+    with pytest.raises(ValueError):
+        rec.rank_as(np.array([-1, 0]))  # -1 means "not read": never a rank
+
+
 def test_wire_entries_are_the_snapshots_entries_as_arrays() -> None:
     rec = HeatmapRecorder("m", 1)
     rec.record_many([5, 3, 5, 9])
