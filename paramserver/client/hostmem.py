@@ -65,7 +65,7 @@ def free_page_reporting(sys_root: Path = Path("/sys")) -> str | None:
     hands every free block of ``page_reporting_order`` or more back to the host. A huge-page fault
     takes exactly such a block, so each one waits for the host to back 2 MiB again; small pages
     mostly come from memory freed recently and never reported. Measured on such a VM (2 cores,
-    512 MiB cold load): system time 0.47-1.51 s with huge pages against 0.30-0.41 s without.
+    512 MiB cold load): system time 0.47-1.51 s with huge pages against 0.30-0.48 s without.
     """
     try:
         order = int((sys_root / "module/page_reporting/parameters/page_reporting_order").read_text())
