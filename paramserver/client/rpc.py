@@ -250,12 +250,7 @@ class ParamServerClient:
 
     def report_heat(self, model: str, version: int, worker: str, entries: HeatArrays | Iterable[tuple[int, int, int]]) -> None:
         """``entries``: (chunk index, count, first-access order) each, or the same as arrays."""
-        if not isinstance(entries, HeatArrays):
-            entries = list(entries)
-            if any(v < 0 for row in entries for v in row):
-                raise ValueError("heat entries are (chunk index, count, first-access order), none of them negative")
-        arrays = entries if isinstance(entries, HeatArrays) else HeatArrays.of(entries)
-        self.report_heat_encoded(report_request(model, version, worker, arrays))
+        self.report_heat_encoded(report_request(model, version, worker, HeatArrays.of(entries)))
 
     def report_heat_encoded(self, request: bytes) -> None:
         """Send a ReportHeatRequest serialised by ``heat_entries.report_request`` (one encoding for every server)."""

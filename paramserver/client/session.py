@@ -471,7 +471,7 @@ class ClusterClient:
         """Send a heat report to every up member (each aggregates on its own). Best effort: a member
         that refuses with a transient code is tried again a few times (bounded), since a follower
         that has not applied a just-committed version yet answers NOT_FOUND for it."""
-        arrays = entries if isinstance(entries, HeatArrays) else HeatArrays.of(entries)
+        arrays = HeatArrays.of(entries)
         if not len(arrays):
             return 0
         # Servers refuse oversized reports (paramserver.wire.limits): slices that always fit, each

@@ -92,7 +92,7 @@ class HeatAggregator:
     def report(self, model: str, version: int, entries: Iterable[HeatEntry] | HeatArrays, *, size: int | None = None) -> None:
         """Add one report. ``size``: the version's chunk count (indexes must be below it); None
         sizes the table by the largest index seen (a server without a metadata plane)."""
-        arrays = entries if isinstance(entries, HeatArrays) else HeatArrays.of(entries)
+        arrays = HeatArrays.of(entries)
         n = len(arrays)
         needed = int(arrays.index.max()) + 1 if n else 0
         if size is not None and needed > size:

@@ -50,12 +50,18 @@ class HeatArrays:
         return HeatArrays(self.index[start:stop], self.count[start:stop], self.order[start:stop])
 
     @classmethod
-    def of(cls, entries: Iterable[HeatEntry | tuple[int, int, int]]) -> HeatArrays:
+    def of(cls, entries: HeatArrays | Iterable[HeatEntry | tuple[int, int, int]]) -> HeatArrays:
+        """``entries`` as arrays (arrays as they are). ValueError for a negative value; values past
+        uint64 are clamped to its largest."""
+        if isinstance(entries, HeatArrays):
+            return entries
         rows = [(e.chunk_index, e.count, e.first_access_order) if isinstance(e, HeatEntry) else tuple(e) for e in entries]
         if not rows:
             empty = np.zeros(0, np.uint64)
             return cls(empty, empty.copy(), empty.copy())
-        a = np.array([[min(max(int(v), 0), (1 << 64) - 1) for v in row] for row in rows], dtype=np.uint64)
+        if any(int(v) < 0 for row in rows for v in row):
+            raise ValueError("heat entries are (chunk index, count, first-access order), none of them negative")
+        a = np.array([[min(int(v), (1 << 64) - 1) for v in row] for row in rows], dtype=np.uint64)
         return cls(a[:, 0].copy(), a[:, 1].copy(), a[:, 2].copy())
 
 
