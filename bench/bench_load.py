@@ -146,20 +146,17 @@ def _cpu_s() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def _measure(fn: Callable[[], Any], baseline: int) -> tuple[float, int, bool, Any]:
-    """(seconds, peak RSS above baseline, hwm_was_reset, result) of ``fn()``; its CPU seconds in LAST_CPU_S."""
-    global LAST_CPU_S
+def _measure(fn: Callable[[], Any], baseline: int) -> tuple[float, int, bool, float, Any]:
+    """(seconds, peak RSS above baseline, hwm_was_reset, CPU seconds, result) of ``fn()``; the CPU
+    is this child's only (the servers' is not in it)."""
     was_reset = reset_hwm()
     c0 = _cpu_s()
     t0 = time.perf_counter()
     result = fn()
     seconds = time.perf_counter() - t0
-    LAST_CPU_S = _cpu_s() - c0
+    cpu_s = _cpu_s() - c0
     peak = hwm_bytes() - baseline
-    return seconds, peak, was_reset, result
-
-
-LAST_CPU_S = 0.0  # CPU seconds of the last _measure (this child only: the servers' CPU is not in it)
+    return seconds, peak, was_reset, cpu_s, result
 
 
 def child_worker(spec: dict[str, Any], check: bool) -> list[dict[str, Any]]:
@@ -181,7 +178,7 @@ def child_worker(spec: dict[str, Any], check: bool) -> list[dict[str, Any]]:
     rows = []
     try:
         for row in ("worker_cold", "worker_memory"):
-            seconds, peak, was_reset, loaded = _measure(lambda: load(client, REF, "cpu", cache), baseline)
+            seconds, peak, was_reset, cpu_s, loaded = _measure(lambda: load(client, REF, "cpu", cache), baseline)
             rep = loaded.report
             notes = []
             if row == "worker_cold" and rep.bytes_network != rep.bytes_total:
@@ -191,7 +188,7 @@ def child_worker(spec: dict[str, Any], check: bool) -> list[dict[str, Any]]:
             if not was_reset:
                 notes.append("VmHWM could not be reset: peak includes earlier work in this child")
             exact = source.compare(loaded.tensors) if check else None
-            rows.append({"row": row, "seconds": seconds, "peak_rss_above": peak, "baseline_rss": baseline, "cpu_s": LAST_CPU_S,
+            rows.append({"row": row, "seconds": seconds, "peak_rss_above": peak, "baseline_rss": baseline, "cpu_s": cpu_s,
                          "bit_exact": exact, "notes": notes, "report": rep.to_dict(),
                          "rss_after": rss_bytes()})
             del loaded, rep
@@ -211,14 +208,14 @@ def child_pull(spec: dict[str, Any], check: bool) -> list[dict[str, Any]]:
     source = Source(spec)
     gc.collect()
     baseline = rss_bytes()
-    seconds, peak, was_reset, (tensors, rep) = _measure(
+    seconds, peak, was_reset, cpu_s, (tensors, rep) = _measure(
         lambda: pull_tensors(spec["seed"], REF, options=PullOptions()), baseline)
     notes = [] if was_reset else ["VmHWM could not be reset"]
     if rep.bulk_bytes != rep.bytes_fetched:
         notes.append(f"only {rep.bulk_bytes} of {rep.bytes_fetched} bytes came over bulk ({rep.bulk_fallbacks} fallbacks)")
     exact = source.compare(tensors) if check else None
     report = {k: v for k, v in vars(rep).items() if isinstance(v, (int, float, str, type(None)))}
-    return [{"row": "pull", "seconds": seconds, "peak_rss_above": peak, "baseline_rss": baseline, "cpu_s": LAST_CPU_S,
+    return [{"row": "pull", "seconds": seconds, "peak_rss_above": peak, "baseline_rss": baseline, "cpu_s": cpu_s,
              "bit_exact": exact, "notes": notes, "report": report}]
 
 
@@ -259,13 +256,13 @@ def child_redis(spec: dict[str, Any], check: bool) -> list[dict[str, Any]]:
                     views[s.tensor][s.tensor_offset : s.tensor_offset + s.length] = data[s.chunk_offset : s.chunk_offset + s.length]
         return targets
 
-    seconds, peak, was_reset, tensors = _measure(load_from_redis, baseline)
+    seconds, peak, was_reset, cpu_s, tensors = _measure(load_from_redis, baseline)
     notes = [] if was_reset else ["VmHWM could not be reset"]
     if not redis.utils.HIREDIS_AVAILABLE:
         notes.append("hiredis NOT available: redis-py's pure-Python parser was used")
     exact = source.compare(tensors) if check else None
     r.close()
-    return [{"row": "redis", "seconds": seconds, "peak_rss_above": peak, "baseline_rss": baseline, "cpu_s": LAST_CPU_S,
+    return [{"row": "redis", "seconds": seconds, "peak_rss_above": peak, "baseline_rss": baseline, "cpu_s": cpu_s,
              "bit_exact": exact, "notes": notes, "report": {"chunks": len(chunks), "pipeline": depth,
                                                             "hiredis": bool(redis.utils.HIREDIS_AVAILABLE)}}]
 
@@ -286,10 +283,10 @@ def child_memcpy(spec: dict[str, Any], check: bool) -> list[dict[str, Any]]:
 
     rows: list[dict[str, Any]] = []
     for row in ("memcpy_fresh", "memcpy"):  # the first copy faults the pages in; the second is the copy alone
-        seconds, peak, was_reset, out = _measure(copy, baseline)
+        seconds, peak, was_reset, cpu_s, out = _measure(copy, baseline)
         notes = [] if was_reset else ["VmHWM could not be reset"]
         exact = source.compare(out) if check and row == "memcpy" else None
-        rows.append({"row": row, "seconds": seconds, "peak_rss_above": peak, "baseline_rss": baseline, "cpu_s": LAST_CPU_S,
+        rows.append({"row": row, "seconds": seconds, "peak_rss_above": peak, "baseline_rss": baseline, "cpu_s": cpu_s,
                      "bit_exact": exact, "notes": notes, "report": {}})
     return rows
 

@@ -141,6 +141,7 @@ class HeatmapRecorder:
         self._first = np.zeros(0, dtype=np.int64)  # rank of the first access; -1: not read yet
         self._seen = 0
         self._rank_of: np.ndarray | None = None
+        self._late_base = 0  # the first rank after every one in rank_of
         self._late = 0  # indices past rank_of read so far: ranked after all of it, by arrival
 
     def rank_as(self, rank_of: np.ndarray) -> None:
@@ -151,6 +152,7 @@ class HeatmapRecorder:
             raise ValueError("ranks are >= 0")
         with self._lock:
             self._rank_of = ranks
+            self._late_base = int(ranks.max()) + 1 if len(ranks) else 0
 
     def record(self, index: int) -> None:
         self.record_many(np.array([index], dtype=np.int64))
@@ -175,7 +177,7 @@ class HeatmapRecorder:
                 ranked = new < len(self._rank_of)
                 self._first[new[ranked]] = self._rank_of[new[ranked]]
                 late = new[~ranked]
-                base = (int(self._rank_of.max()) + 1 if len(self._rank_of) else 0) + self._late
+                base = self._late_base + self._late
                 self._first[late] = np.arange(base, base + len(late), dtype=np.int64)
                 self._late += len(late)
             else:
