@@ -6,10 +6,13 @@ content id names it):
 - format 2, written by this library: a small JSON header (tensors, files, names) followed by
   the chunk fields as binary columns (``chunking.manifest_binary``). A 140 GB checkpoint's
   half-million chunks decode as numpy views, not as objects;
-- format 3, written by this library for manifests of ``SPLIT_FROM_CHUNKS`` chunks or more: a
-  root (the header and a list of parts) and parts (runs of chunk columns), each a blob of its
-  own (``chunking.manifest_split``), so versions that share tensors share manifest bytes. The
-  root's bytes are ``to_bytes()`` and name the manifest; ``parts`` are the other blobs;
+- format 4, written by this library for manifests of ``SPLIT_FROM_CHUNKS`` chunks or more: a
+  binary root (the version's own fields and a table of parts), a layout blob (tensors and
+  files) and parts (runs of chunk columns, a large tensor's rows in parts of their own), each a
+  blob of its own (``chunking.manifest_split``), so versions that share tensors share manifest
+  bytes. The root's bytes are ``to_bytes()`` and name the manifest; ``blobs()`` gives them all;
+- format 3, still read and written on request: format 4's parts, cut more coarsely, under a
+  JSON root that holds the tensors and files itself;
 - format 1, still read (and re-written byte for byte, so its id holds): compact JSON with
   sorted keys, tensors and chunks as arrays in ``TENSOR_FIELDS`` / ``CHUNK_FIELDS`` order.
 
@@ -47,8 +50,10 @@ from chunking.layout import ChunkPlan, chunk_raw_sizes, plan_chunks
 JSON_FORMAT = 1
 BINARY_FORMAT = 2
 SPLIT_FORMAT = 3
-FORMAT_VERSION = SPLIT_FORMAT  # the newest; pack writes it from SPLIT_FROM_CHUNKS chunks up (written_format)
-READABLE_FORMATS = (JSON_FORMAT, BINARY_FORMAT, SPLIT_FORMAT)
+LAYOUT_SPLIT_FORMAT = 4
+SPLIT_FORMATS = (SPLIT_FORMAT, LAYOUT_SPLIT_FORMAT)
+FORMAT_VERSION = LAYOUT_SPLIT_FORMAT  # the newest; pack writes it from SPLIT_FROM_CHUNKS chunks up (written_format)
+READABLE_FORMATS = (JSON_FORMAT, BINARY_FORMAT, SPLIT_FORMAT, LAYOUT_SPLIT_FORMAT)
 TENSOR_FIELDS = ("name", "dtype", "shape", "offset", "nbytes")
 CHUNK_FIELDS = ("id", "raw_size", "stored_size", "codec", "crc32c", "introduced_in", "created_at")
 FILE_FIELDS = ("path", "size", "blake3", "chunks")
@@ -60,13 +65,14 @@ HEADER_KEYS = frozenset({"format_version", "model", "version", "chunk_size", "ha
 BASE_KEYS = HEADER_KEYS | {"chunk_fields", "chunks"}  # format 1
 BINARY_KEYS = HEADER_KEYS | {"chunk_count", "runs", "codecs"}  # format 2
 SPLIT_KEYS = HEADER_KEYS | {"parts"}  # format 3's root
+LAYOUT_KEYS = frozenset({"tensor_fields", "tensors"})  # format 4's layout blob (and the file and shard keys)
 FILE_KEYS = frozenset({"file_fields", "file_chunk_fields", "files"})
 SHARD_KEYS = frozenset({"weight_files", "tensor_file"})
 
 
 def written_format(chunk_count: int) -> int:
     """The byte form pack gives a manifest of ``chunk_count`` chunks: split only where parts pay."""
-    return SPLIT_FORMAT if chunk_count >= manifest_split.SPLIT_FROM_CHUNKS else BINARY_FORMAT
+    return LAYOUT_SPLIT_FORMAT if chunk_count >= manifest_split.SPLIT_FROM_CHUNKS else BINARY_FORMAT
 
 
 def is_codec_name(name: str) -> bool:
@@ -164,27 +170,49 @@ class Manifest:
 
     @property
     def parts(self) -> tuple[manifest_split.Part, ...]:
-        """The part blobs a format-3 root names, in chunk order; () in the other formats."""
-        if self.format_version != SPLIT_FORMAT:
+        """The column parts a format-3 or format-4 root names, in chunk order; () in the other formats."""
+        if self.format_version not in SPLIT_FORMATS:
             return ()
         return self._split[1]
 
+    @property
+    def layout_blob(self) -> tuple[str, bytes] | None:
+        """``(id, bytes)`` of a format-4 manifest's layout blob (its tensors and files); None in the other formats."""
+        if self.format_version != LAYOUT_SPLIT_FORMAT:
+            return None
+        return self._split[2]
+
     def blobs(self) -> dict[str, bytes]:
-        """Every blob that makes up this manifest, id -> bytes: the root (or sole blob) first."""
+        """Every blob that makes up this manifest, id -> bytes: the root (or sole blob) first, then
+        format 4's layout, then the parts."""
         out = {self.id: self.to_bytes()}
+        if self.layout_blob is not None:
+            out.setdefault(*self.layout_blob)
         for part in self.parts:
             out.setdefault(part.id, part.data)
         return out
 
     @cached_property
-    def _split(self) -> tuple[bytes, tuple[manifest_split.Part, ...]]:
+    def _split(self) -> tuple[bytes, tuple[manifest_split.Part, ...], tuple[str, bytes] | None]:
         t = self.chunks
         columns = manifest_binary.Columns(t.digests, t.crc32c, t.stored_size, t.codec_index, t.introduced_in, t.created_at)
-        bounds = manifest_split.part_bounds([(x.offset, x.nbytes) for x in self.tensors], self.chunk_size, len(t))
-        parts = manifest_split.split_columns(columns, t.codecs, bounds, self.hash_algorithm)
-        return manifest_split.encode_root(self._header(), parts), parts
+        parts = manifest_split.split_columns(columns, t.codecs, self._part_bounds(), self.hash_algorithm)
+        return self._roots(parts)
 
-    def _header(self) -> dict[str, Any]:
+    def _part_bounds(self) -> list[tuple[int, int]]:
+        return manifest_split.part_bounds([(x.offset, x.nbytes) for x in self.tensors], self.chunk_size, len(self.chunks),
+                                          rule=self.format_version)
+
+    def _roots(self, parts: tuple[manifest_split.Part, ...]
+               ) -> tuple[bytes, tuple[manifest_split.Part, ...], tuple[str, bytes] | None]:
+        """The root over ``parts`` and (format 4) the layout blob: what ``_split`` holds."""
+        if self.format_version == SPLIT_FORMAT:
+            return manifest_split.encode_root(self._header(), parts), parts, None
+        layout = manifest_split.encode_layout(self._layout())
+        layout_id = content_id(layout, self.hash_algorithm)
+        return manifest_split.encode_root4(self._header(layout=False), layout_id, parts), parts, (layout_id, layout)
+
+    def _header(self, *, layout: bool = True) -> dict[str, Any]:
         header: dict[str, Any] = {
             "format_version": self.format_version,
             "model": self.model,
@@ -192,6 +220,12 @@ class Manifest:
             "chunk_size": self.chunk_size,
             "hash_algorithm": self.hash_algorithm,
             "fingerprint": self.fingerprint,
+        }
+        return header | self._layout() if layout else header
+
+    def _layout(self) -> dict[str, Any]:
+        """Tensors, files and shards: what versions of a model usually share (format 4's layout blob)."""
+        header: dict[str, Any] = {
             "tensor_fields": list(TENSOR_FIELDS),
             "tensors": [[t.name, t.dtype, list(t.shape), t.offset, t.nbytes] for t in self.tensors],
         }
@@ -209,7 +243,7 @@ class Manifest:
 
     @cached_property
     def _encoded(self) -> bytes:
-        if self.format_version == SPLIT_FORMAT:
+        if self.format_version in SPLIT_FORMATS:
             return self._split[0]
         header = self._header()
         t = self.chunks
@@ -233,16 +267,19 @@ class Manifest:
                    parts: Mapping[str, bytes] | None = None) -> Manifest:
         """Parse and validate manifest bytes (any readable format); refuse unknown format versions and id mismatches.
 
-        A format-3 root needs its parts: ``parts`` maps the part ids its root names
-        (``manifest_split.part_ids(data)``) to their bytes; ``Manifest.read`` fetches them."""
+        A format-3 or format-4 root needs the blobs it names: ``parts`` maps the ids
+        ``manifest_split.part_ids(data)`` gives to their bytes; ``Manifest.read`` fetches them."""
         raw = bytes(data)
-        split, binary = manifest_split.is_root(raw), manifest_binary.is_binary(raw)
+        split_format, binary = manifest_split.root_format(raw), manifest_binary.is_binary(raw)
+        split = split_format is not None
         columns: manifest_binary.Columns | None = None
+        root: manifest_split.Root | None = None
         if split:
             try:
-                doc = manifest_split.root_doc(raw)
+                root = manifest_split.parse_root(raw)
             except ValueError as exc:
-                raise _fail(f"format-3 root is damaged: {exc}") from None
+                raise _fail(f"format-{split_format} root is damaged: {exc}") from None
+            doc = root.doc
         elif binary:
             try:
                 doc, columns = manifest_binary.decode(raw)
@@ -256,7 +293,7 @@ class Manifest:
             if not isinstance(doc, dict):
                 raise _fail("top level is not an object")
         fmt = doc.get("format_version")
-        if fmt != (SPLIT_FORMAT if split else BINARY_FORMAT if binary else JSON_FORMAT):
+        if fmt != (split_format if split else BINARY_FORMAT if binary else JSON_FORMAT):
             if binary and doc.get("kind") == manifest_split.PART_KIND:
                 raise _fail("these bytes are a part of a split manifest, not a manifest: fetch the version's root")
             raise _unsupported(fmt)
@@ -265,19 +302,19 @@ class Manifest:
             raise _fail(f"hash_algorithm {algorithm!r} is unknown")
         if expected_id is not None and content_id(raw, algorithm) != expected_id:
             raise _mismatch(expected_id)
-        if split:
+        if root is not None:
             if parts is None:
                 raise ManifestError(
-                    f"manifest {expected_id or content_id(raw, algorithm)} is split (format 3): fetch the parts its root "
-                    "names (chunking.manifest_split.part_ids) and pass them as parts="
+                    f"manifest {expected_id or content_id(raw, algorithm)} is split (format {root.format}): fetch the "
+                    "blobs its root names (chunking.manifest_split.part_ids) and pass them as parts="
                 )
-            manifest = cls._from_split(doc, parts)
+            manifest = cls._from_split(root, parts)
         elif columns is not None:
             manifest = cls._from_binary(doc, columns)
         else:
             manifest = cls._from_doc(doc)
         try:
-            again = manifest.to_bytes()  # format 3: the root names the re-encoded parts' ids, so this covers them
+            again = manifest.to_bytes()  # formats 3 and 4: the root names the parts' (and layout's) ids, so this covers them
         except UnicodeEncodeError:
             raise _fail("a name is not valid Unicode (a lone surrogate)") from None
         if again != raw:
@@ -294,13 +331,14 @@ class Manifest:
         a time: of ``get_parts(ids)`` (many per call) when given, else of ``get_blob``. What they
         raise passes through; so does ManifestError."""
         data = get_blob(manifest_id) if root is None else root
-        if not manifest_split.is_root(data):  # format 1 or 2: one blob
+        split_format = manifest_split.root_format(data)
+        if split_format is None:  # format 1 or 2: one blob
             return cls.from_bytes(data, expected_id=manifest_id)
         try:
-            doc = manifest_split.root_doc(data)
-            wanted = tuple(dict.fromkeys(pid for pid, _count in manifest_split.root_parts(doc)))
+            doc = manifest_split.parse_root(bytes(data)).doc
+            wanted = manifest_split.part_ids(data)
         except ValueError as exc:
-            raise _fail(f"format-3 root is damaged: {exc}") from None
+            raise _fail(f"format-{split_format} root is damaged: {exc}") from None
         # The root's id is proven before any part is asked for: a forged root must not make us fetch.
         algorithm = doc.get("hash_algorithm")
         if algorithm not in HASH_ALGORITHMS:
@@ -321,25 +359,34 @@ class Manifest:
         return cls.from_bytes(data, expected_id=manifest_id, parts=blobs)
 
     @classmethod
-    def _from_split(cls, doc: dict[str, Any], parts: Mapping[str, bytes]) -> Manifest:
-        _check_keys(set(doc), SPLIT_KEYS)
+    def _from_split(cls, root: manifest_split.Root, parts: Mapping[str, bytes]) -> Manifest:
+        doc = root.doc
+        if root.layout is None:
+            _check_keys(set(doc), SPLIT_KEYS)
+        else:
+            _check_keys(set(doc), HEADER_KEYS - LAYOUT_KEYS | manifest_split.ROOT4_KEYS)
+            data = parts.get(root.layout)
+            if data is None:
+                raise _fail(f"its layout blob {root.layout} was not supplied")
+            if content_id(data, doc["hash_algorithm"]) != root.layout:
+                raise _fail(f"its layout blob {root.layout}: the bytes do not match the id (corrupted, or another blob)")
+            try:
+                layout = manifest_split.decode_layout(data)
+            except ValueError as exc:
+                raise _fail(f"its layout blob {root.layout} is damaged: {exc}") from None
+            _check_keys(set(layout), LAYOUT_KEYS)
+            doc = {k: v for k, v in doc.items() if k not in manifest_split.ROOT4_KEYS} | layout
         try:
-            listed = manifest_split.root_parts(doc)
-        except ValueError as exc:
-            raise _fail(f"format-3 root is damaged: {exc}") from None
-        try:
-            codecs, columns, parts_read = manifest_split.join_parts(listed, parts, doc["hash_algorithm"])
+            codecs, columns, parts_read = manifest_split.join_parts(root.parts, parts, doc["hash_algorithm"])
         except ValueError as exc:
             raise _fail(str(exc)) from None
-        manifest = cls._from_columns(doc, columns, codecs, SPLIT_FORMAT)
+        manifest = cls._from_columns(doc, columns, codecs, root.format)
         # Each part was proven canonical as it was read, so re-encoding it would give it back; what
         # is left to prove is that the parts are cut where the layout says (the root's re-encoding
-        # in from_bytes then covers the rest).
-        bounds = manifest_split.part_bounds([(t.offset, t.nbytes) for t in manifest.tensors], manifest.chunk_size,
-                                            len(manifest.chunks))
-        if bounds != [(p.start, p.stop) for p in parts_read]:
+        # in from_bytes then covers the rest, the layout blob's id included).
+        if manifest._part_bounds() != [(p.start, p.stop) for p in parts_read]:
             raise _fail("its parts are not cut where the tensor layout puts the cuts")
-        manifest.__dict__["_split"] = (manifest_split.encode_root(manifest._header(), parts_read), parts_read)
+        manifest.__dict__["_split"] = manifest._roots(parts_read)
         return manifest
 
     @classmethod
@@ -525,7 +572,7 @@ class Manifest:
         """Every chunk id the version needs: its tensors', its files' and its manifest parts' (what GC
         must keep; the manifest's own id is not in it)."""
         return (frozenset(self.chunks.ids) | frozenset(c.id for f in self.files for c in f.chunks)
-                | frozenset(p.id for p in self.parts))
+                | frozenset(self.blobs()) - {self.id})
 
     def file(self, path: str) -> FileEntry | None:
         return next((f for f in self.files if f.path == path), None)

@@ -14,10 +14,26 @@ once the part so far has ``PART_MIN_CHUNKS``; and wherever a part would pass
 ``PART_MAX_CHUNKS``. Two versions with the same layout therefore cut alike, and the bytes of a
 manifest are again unique: ``Manifest.from_bytes`` proves each part canonical as it reads it
 (``manifest_binary.decode(canonical=True)``), checks the cuts, and re-encodes the root.
+
+Format 4 keeps the parts and moves what does not change between the versions of a model out
+of the root, so a fine-tune adds little more than the rows of the tensors it changed:
+
+- the **layout** blob (``LAYOUT_MAGIC`` + canonical JSON, ``kind: "layout"``): the tensors,
+  the files and the shards. It names neither the model nor the version, so a fine-tune (or
+  another model of the same architecture and files) shares it;
+- the **root** (``ROOT4_MAGIC``): a canonical JSON header (model, version, chunk size, hash,
+  fingerprint, the layout's id and the part count), then the part ids as 32-byte digests and
+  their chunk counts as u32, 36 bytes a part instead of about 75 in JSON;
+- cuts by ``part_bounds(..., rule=4)``: every tensor of ``PART_MIN_CHUNKS`` chunks or more
+  starts a part of its own, so a changed norm or bias no longer rewrites the rows of the large
+  tensor whose part it joined; small tensors are still grouped with each other.
+
+``part_ids`` gives every blob a root names besides itself (format 4: the layout first).
 """
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +44,14 @@ from chunking import manifest_binary
 from chunking.hashing import content_id, is_content_id
 
 ROOT_MAGIC = b"\x89PDMR\r\n\x1a"
+ROOT4_MAGIC = b"\x89PDMS\r\n\x1a"
+LAYOUT_MAGIC = b"\x89PDML\r\n\x1a"
 PART_KIND = "part"
+LAYOUT_KIND = "layout"
+ROOT4_KEYS = frozenset({"layout", "part_count"})  # besides the manifest's own header keys
+_HEAD = struct.Struct("<I")
+_ROOT4_PREFIX = len(ROOT4_MAGIC) + _HEAD.size
+MAX_HEADER_BYTES = 1 << 20
 PART_KEYS = frozenset({"kind", "chunk_count", "runs", "codecs"})
 PART_MIN_CHUNKS = 16  # a part of fewer rows would cost more as a blob than it saves
 PART_MAX_CHUNKS = 1 << 16  # at most 2.6 MB of columns per part blob
@@ -45,18 +68,41 @@ class Part:
     stop: int
 
 
+@dataclass(frozen=True)
+class Root:
+    """A parsed root: its format (3 or 4), its JSON object, its parts ``(id, chunk count)`` in
+    chunk order, and (format 4) the id of its layout blob."""
+
+    format: int
+    doc: dict[str, Any]
+    parts: list[tuple[str, int]]
+    layout: str | None
+
+
+def root_format(data: bytes | bytearray | memoryview) -> int | None:
+    """3 or 4 for the root of a split manifest, None for anything else."""
+    head = bytes(data[: len(ROOT_MAGIC)])
+    return 3 if head == ROOT_MAGIC else 4 if head == ROOT4_MAGIC else None
+
+
 def is_root(data: bytes | bytearray | memoryview) -> bool:
-    return bytes(data[: len(ROOT_MAGIC)]) == ROOT_MAGIC
+    return root_format(data) is not None
 
 
-def part_bounds(ranges: Sequence[tuple[int, int]], chunk_size: int, count: int) -> list[tuple[int, int]]:
-    """Chunk row ranges ``[start, stop)`` of the parts of a manifest whose tensors lie at ``ranges``."""
+def part_bounds(ranges: Sequence[tuple[int, int]], chunk_size: int, count: int, *, rule: int = 3
+                ) -> list[tuple[int, int]]:
+    """Chunk row ranges ``[start, stop)`` of the parts of a manifest whose tensors lie at ``ranges``.
+
+    ``rule`` is the manifest format: 3 cuts at an aligned tensor once the part so far has
+    ``PART_MIN_CHUNKS``; 4 also cuts before every tensor of ``PART_MIN_CHUNKS`` chunks or more."""
     cuts = [0]
     for offset, nbytes in ranges:
         if nbytes == 0:
             continue
         first, last = offset // chunk_size, (offset + nbytes - 1) // chunk_size
-        if offset % chunk_size == 0 and first - cuts[-1] >= PART_MIN_CHUNKS:
+        so_far = first - cuts[-1]
+        if offset % chunk_size == 0 and so_far > 0 and (
+                so_far >= PART_MIN_CHUNKS or (rule >= 4 and last + 1 - first >= PART_MIN_CHUNKS)):
             cuts.append(first)
         while last + 1 - cuts[-1] > PART_MAX_CHUNKS:
             cuts.append(cuts[-1] + PART_MAX_CHUNKS)
@@ -112,20 +158,104 @@ def root_parts(doc: dict[str, Any]) -> list[tuple[str, int]]:
     return out
 
 
+def parse_root(data: bytes) -> Root:
+    """A format-3 or format-4 root, validated as far as the root alone allows; ValueError says what is wrong."""
+    fmt = root_format(data)
+    if fmt == 3:
+        doc = root_doc(data)
+        return Root(3, doc, root_parts(doc), None)
+    if fmt != 4:
+        raise ValueError("it does not start with the magic bytes of a format-3 or format-4 root")
+    if len(data) < _ROOT4_PREFIX:
+        raise ValueError(f"it is {len(data)} bytes, shorter than a root's prefix (truncated?)")
+    (head_len,) = _HEAD.unpack_from(data, len(ROOT4_MAGIC))
+    if head_len > min(MAX_HEADER_BYTES, len(data) - _ROOT4_PREFIX):
+        raise ValueError(f"its header length {head_len} runs past the end of the {len(data)} bytes (truncated?)")
+    head = data[_ROOT4_PREFIX : _ROOT4_PREFIX + head_len]
+    try:
+        doc = json.loads(head.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"its header is not UTF-8 JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise ValueError("its header is not an object")
+    if _canonical_json(doc) != head:
+        raise ValueError("its header is not canonical JSON (sorted keys, no spaces)")
+    n, layout = doc.get("part_count"), doc.get("layout")
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_PARTS:
+        raise ValueError(f"its part_count must be an integer 0..{MAX_PARTS}")
+    if not isinstance(layout, str) or not is_content_id(layout):
+        raise ValueError("its layout is not a content id")
+    pos = _ROOT4_PREFIX + head_len + _pad(_ROOT4_PREFIX + head_len)
+    ids_end = pos + n * 32
+    counts_end = ids_end + n * 4
+    if counts_end + _pad(counts_end) != len(data):
+        raise ValueError(f"it is {len(data)} bytes but its header describes {counts_end + _pad(counts_end)} ({n} parts)")
+    header_pad, tail_pad = data[_ROOT4_PREFIX + head_len : pos], data[counts_end:]
+    if header_pad.count(0) != len(header_pad) or tail_pad.count(0) != len(tail_pad):
+        raise ValueError("its padding is not zeros")
+    counts = np.frombuffer(data, "<u4", n, ids_end)
+    if n and (int(counts.min()) < 1 or int(counts.max()) > PART_MAX_CHUNKS):
+        raise ValueError(f"a part's chunk count is not 1..{PART_MAX_CHUNKS}")
+    ids = data[pos:ids_end].hex()
+    parts = [(ids[64 * i : 64 * (i + 1)], c) for i, c in enumerate(counts.tolist())]
+    return Root(4, doc, parts, layout)
+
+
 def part_ids(data: bytes | bytearray | memoryview) -> tuple[str, ...]:
-    """The part ids a manifest's bytes name: () for a format-1 or format-2 manifest (no parts).
+    """The ids of the blobs a manifest's root names besides itself (format 4: its layout first, then
+    its parts; format 3: its parts): () for a format-1 or format-2 manifest, a blob of its own.
 
     A caller that fetches manifests asks for these blobs too, then passes them to
     ``Manifest.from_bytes(root, parts=...)``. Raises ValueError for a damaged root."""
     raw = bytes(data)
     if not is_root(raw):
         return ()
-    return tuple(dict.fromkeys(pid for pid, _count in root_parts(root_doc(raw))))
+    root = parse_root(raw)
+    return tuple(dict.fromkeys([*([root.layout] if root.layout else []), *(pid for pid, _count in root.parts)]))
+
+
+def _canonical_json(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def _pad(n: int) -> int:
+    return -n % 8
 
 
 def encode_root(header: dict[str, Any], parts: Sequence[Part]) -> bytes:
-    doc = dict(header, parts=[[p.id, p.stop - p.start] for p in parts])
-    return ROOT_MAGIC + json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    """A format-3 root."""
+    return ROOT_MAGIC + _canonical_json(dict(header, parts=[[p.id, p.stop - p.start] for p in parts]))
+
+
+def encode_root4(header: dict[str, Any], layout_id: str, parts: Sequence[Part]) -> bytes:
+    """A format-4 root: ``header`` (without tensors and files, which are in the layout blob), the
+    layout's id, then the part table as binary columns."""
+    head = _canonical_json(dict(header, layout=layout_id, part_count=len(parts)))
+    ids = bytes.fromhex("".join(p.id for p in parts))
+    counts = np.asarray([p.stop - p.start for p in parts], "<u4").tobytes()
+    pieces = [ROOT4_MAGIC, _HEAD.pack(len(head)), head, bytes(_pad(_ROOT4_PREFIX + len(head))), ids, counts]
+    return b"".join(pieces) + bytes(_pad(sum(map(len, pieces))))
+
+
+def encode_layout(layout: dict[str, Any]) -> bytes:
+    """The layout blob of a format-4 manifest: its tensors, files and shards."""
+    return LAYOUT_MAGIC + _canonical_json(dict(layout, kind=LAYOUT_KIND))
+
+
+def decode_layout(data: bytes) -> dict[str, Any]:
+    """The JSON object of a layout blob, without its ``kind``; ValueError says what is wrong."""
+    if data[: len(LAYOUT_MAGIC)] != LAYOUT_MAGIC:
+        raise ValueError("it does not start with the layout magic bytes")
+    try:
+        doc = json.loads(data[len(LAYOUT_MAGIC):].decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"it is not UTF-8 JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("kind") != LAYOUT_KIND:
+        raise ValueError("it is not a layout (its kind differs)")
+    if _canonical_json(doc) != data[len(LAYOUT_MAGIC):]:
+        raise ValueError("it is not canonical JSON (sorted keys, no spaces)")
+    del doc["kind"]
+    return doc
 
 
 def split_columns(columns: manifest_binary.Columns, codecs: Sequence[str], bounds: Sequence[tuple[int, int]],
@@ -184,5 +314,5 @@ def join_parts(listed: Sequence[tuple[str, int]], blobs: Mapping[str, bytes], al
     return tuple(codecs), joined, tuple(parts)
 
 
-__all__ = ["Part", "ROOT_MAGIC", "SPLIT_FROM_CHUNKS", "PART_MAX_CHUNKS", "PART_MIN_CHUNKS",
-           "is_root", "part_bounds", "part_ids"]
+__all__ = ["LAYOUT_MAGIC", "Part", "ROOT4_MAGIC", "ROOT_MAGIC", "Root", "SPLIT_FROM_CHUNKS", "PART_MAX_CHUNKS",
+           "PART_MIN_CHUNKS", "is_root", "parse_root", "part_bounds", "part_ids", "root_format"]

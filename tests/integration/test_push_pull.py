@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from chunking.hashing import content_id, crc32c
 from chunking.config import ChunkingConfig
-from chunking.manifest import SPLIT_FORMAT, Manifest
+from chunking.manifest import LAYOUT_SPLIT_FORMAT, Manifest
 from chunking.pack import pack
 from chunking.synthetic import synthetic_state_dict
 from deploy.local import LocalCluster, LocalClusterConfig
@@ -157,7 +157,7 @@ def test_a_split_manifest_commits_pulls_and_shares_its_parts_with_a_fine_tune(cl
     base = synthetic_state_dict(80 * 64 * 1024, tensor_bytes=64 * 1024, seed=5)
     first = push(cluster.seed, base, model="split", tag="prod", token=ADMIN, config=config)
     m1 = manifest_of(cluster, "split", first.version)
-    assert m1.format_version == SPLIT_FORMAT and len(m1.parts) > 10 and m1.id == first.manifest_id
+    assert m1.format_version == LAYOUT_SPLIT_FORMAT and len(m1.parts) > 10 and m1.id == first.manifest_id
     tensors, _ = pull_tensors(cluster.seed, "split:prod", token=READ)
     assert_bit_exact(tensors, base)
     # Parts come many per call, in order; a bad request is refused with what is wrong.
@@ -175,7 +175,7 @@ def test_a_split_manifest_commits_pulls_and_shares_its_parts_with_a_fine_tune(cl
         with pytest.raises(grpc.RpcError) as err:
             c.stub.GetManifest(request, timeout=10)
         assert err.value.code() == code and words in (err.value.details() or ""), err.value.details()
-    # Every blob of the manifest (root and parts) reached its write quorum.
+    # Every blob of the manifest (root, layout and parts) reached its write quorum.
     for blob_id in m1.blobs():
         assert sum(admin(a).has_chunks([blob_id])[0] for a in cluster.addresses) >= 2, blob_id
 
@@ -187,8 +187,9 @@ def test_a_split_manifest_commits_pulls_and_shares_its_parts_with_a_fine_tune(cl
     m2 = manifest_of(cluster, "split", second.version)
     shared = {p.id for p in m1.parts} & {p.id for p in m2.parts}
     assert len(shared) >= 0.8 * len(m2.parts), (len(shared), len(m2.parts))
+    assert m2.layout_blob == m1.layout_blob
     new_blob_bytes = sum(len(b) for bid, b in m2.blobs().items() if bid not in m1.blobs())
-    assert new_blob_bytes <= 0.3 * sum(len(b) for b in m2.blobs().values())
+    assert new_blob_bytes <= 0.15 * sum(len(b) for b in m2.blobs().values())
     tensors, _ = pull_tensors(cluster.seed, "split:prod", token=READ)
     assert_bit_exact(tensors, tuned)
     tensors, _ = pull_tensors(cluster.seed, f"split@{first.version}", token=READ)
@@ -198,7 +199,7 @@ def test_a_split_manifest_commits_pulls_and_shares_its_parts_with_a_fine_tune(cl
 def test_a_commit_whose_manifest_part_is_missing_is_refused(cluster: LocalCluster) -> None:
     state = synthetic_state_dict(80 * 64 * 1024, tensor_bytes=64 * 1024, seed=6)
     manifest = pack(state, model="partless", config=ChunkingConfig(chunk_size=4096)).manifest
-    assert manifest.format_version == SPLIT_FORMAT
+    assert manifest.format_version == LAYOUT_SPLIT_FORMAT
     root = manifest.to_bytes()
     leader = admin(cluster.addresses[0]).cluster_info().leader_grpc_address
     for address in cluster.addresses:  # the root everywhere, no part anywhere

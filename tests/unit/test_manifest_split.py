@@ -1,5 +1,5 @@
-"""Format 3: a split manifest (a root naming parts) round-trips, proves every blob, and shares
-the parts of the tensors a fine-tune leaves alone."""
+"""Formats 3 and 4: a split manifest (a root naming parts, and in format 4 a layout blob)
+round-trips, proves every blob, and shares the parts of the tensors a fine-tune leaves alone."""
 from __future__ import annotations
 
 import json
@@ -14,11 +14,12 @@ from chunking import manifest_binary, manifest_split
 from chunking.config import ChunkingConfig
 from chunking.errors import ManifestError
 from chunking.hashing import content_id
-from chunking.manifest import BINARY_FORMAT, SPLIT_FORMAT, Manifest, written_format
+from chunking.manifest import BINARY_FORMAT, LAYOUT_SPLIT_FORMAT, SPLIT_FORMAT, Manifest, written_format
 from chunking.pack import pack
 from paramserver.server.gc import References
 
 SMALL = 4096
+FORMATS = pytest.mark.parametrize("fmt", [SPLIT_FORMAT, LAYOUT_SPLIT_FORMAT])
 
 
 def _state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -30,26 +31,30 @@ def _state(seed: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
-def _split(seed: int = 0, **kw: Any) -> Manifest:
+def _split(seed: int = 0, fmt: int = LAYOUT_SPLIT_FORMAT, **kw: Any) -> Manifest:
     m = pack(_state(seed), model="m", config=ChunkingConfig(chunk_size=SMALL), **kw).manifest
-    return m if m.format_version == SPLIT_FORMAT else m.in_format(SPLIT_FORMAT)
+    return m if m.format_version == fmt else m.in_format(fmt)
 
 
 def test_pack_splits_only_manifests_with_many_chunks() -> None:
     assert written_format(manifest_split.SPLIT_FROM_CHUNKS - 1) == BINARY_FORMAT
-    assert written_format(manifest_split.SPLIT_FROM_CHUNKS) == SPLIT_FORMAT
+    assert written_format(manifest_split.SPLIT_FROM_CHUNKS) == LAYOUT_SPLIT_FORMAT
     small = pack({"w": torch.ones(10)}, model="m").manifest
     assert small.format_version == BINARY_FORMAT and small.parts == () and list(small.blobs()) == [small.id]
 
 
-def test_a_split_manifest_round_trips_through_its_blobs() -> None:
-    m = _split()
+@FORMATS
+def test_a_split_manifest_round_trips_through_its_blobs(fmt: int) -> None:
+    m = _split(fmt=fmt)
     assert len(m.parts) > 3 and m.parts[0].start == 0 and m.parts[-1].stop == len(m.chunks)
     assert all(a.stop == b.start for a, b in zip(m.parts, m.parts[1:]))
     blobs = m.blobs()
     assert next(iter(blobs)) == m.id and content_id(blobs[m.id]) == m.id
     assert all(content_id(p.data) == p.id for p in m.parts)
-    assert manifest_split.part_ids(m.to_bytes()) == tuple(dict.fromkeys(p.id for p in m.parts))
+    layout = [m.layout_blob[0]] if m.layout_blob else []
+    assert (m.layout_blob is not None) == (fmt == LAYOUT_SPLIT_FORMAT)
+    assert manifest_split.part_ids(m.to_bytes()) == tuple(dict.fromkeys(layout + [p.id for p in m.parts]))
+    assert list(blobs) == list(dict.fromkeys([m.id, *layout, *(p.id for p in m.parts)]))
     assert manifest_split.part_ids(m.in_format(BINARY_FORMAT).to_bytes()) == ()
     back = Manifest.from_bytes(m.to_bytes(), expected_id=m.id, parts=blobs)
     assert back == m and back.id == m.id and back.tensors == m.tensors
@@ -60,29 +65,39 @@ def test_a_split_manifest_round_trips_through_its_blobs() -> None:
         return blobs[blob_id]
 
     assert Manifest.read(m.id, get) == m
-    assert asked[0] == m.id and sorted(asked[1:]) == sorted(set(p.id for p in m.parts))
+    assert asked[0] == m.id and sorted(asked[1:]) == sorted(set(layout + [p.id for p in m.parts]))
+    assert m.all_chunk_ids() >= set(blobs) - {m.id}
     # The same manifest in format 2 holds the same rows: the forms differ only in bytes.
     assert Manifest.from_bytes(m.in_format(BINARY_FORMAT).to_bytes()).chunks == m.chunks
 
 
-def test_a_fine_tune_shares_the_parts_of_the_tensors_it_left_alone() -> None:
-    base = _split()
+@FORMATS
+def test_a_fine_tune_shares_the_parts_of_the_tensors_it_left_alone(fmt: int) -> None:
+    base = _split(fmt=fmt)
     tuned_state = _state()
     tuned_state["layer03.weight"] = tuned_state["layer03.weight"] + 1
     tuned = pack(tuned_state, model="m", version=2, config=ChunkingConfig(chunk_size=SMALL), previous=base).manifest
-    tuned = tuned.in_format(SPLIT_FORMAT)
+    tuned = tuned.in_format(fmt)
     old = {p.id for p in base.parts}
     new_parts = [p for p in tuned.parts if p.id not in old]
     assert len(new_parts) == 1 and len(tuned.parts) == len(base.parts)
     rows = set(tuned.chunks_of_tensor("layer03.weight"))
     assert rows <= set(range(new_parts[0].start, new_parts[0].stop))
     added = sum(len(b) for bid, b in tuned.blobs().items() if bid not in base.blobs())
-    assert added < 0.5 * sum(len(b) for b in tuned.blobs().values())
+    total = sum(len(b) for b in tuned.blobs().values())
+    assert added < 0.5 * total
+    if fmt == LAYOUT_SPLIT_FORMAT:
+        # The layout is shared and the new part holds the changed tensor's rows alone, so the new
+        # blobs are that part and a root of a few dozen bytes a part.
+        assert tuned.layout_blob == base.layout_blob
+        assert new_parts[0].stop - new_parts[0].start == len(rows)
+        assert added == len(new_parts[0].data) + len(tuned.to_bytes()) < 0.15 * total
 
 
-def test_without_its_parts_a_root_is_refused_with_what_to_do() -> None:
-    m = _split()
-    with pytest.raises(ManifestError, match="split .format 3.: fetch the parts"):
+@FORMATS
+def test_without_its_parts_a_root_is_refused_with_what_to_do(fmt: int) -> None:
+    m = _split(fmt=fmt)
+    with pytest.raises(ManifestError, match=f"split .format {fmt}.: fetch the blobs"):
         Manifest.from_bytes(m.to_bytes())
     with pytest.raises(ManifestError, match="a part of a split manifest, not a manifest"):
         Manifest.from_bytes(m.parts[0].data)
@@ -92,8 +107,9 @@ def test_without_its_parts_a_root_is_refused_with_what_to_do() -> None:
         Manifest.from_bytes(m.to_bytes(), parts=blobs)
 
 
-def test_a_damaged_swapped_or_forged_part_is_refused() -> None:
-    m = _split()
+@FORMATS
+def test_a_damaged_swapped_or_forged_part_is_refused(fmt: int) -> None:
+    m = _split(fmt=fmt)
     blobs = m.blobs()
     a, b = m.parts[1], m.parts[2]
     swapped = dict(blobs, **{a.id: b.data})
@@ -109,9 +125,10 @@ def test_a_damaged_swapped_or_forged_part_is_refused() -> None:
     cols = manifest_binary.Columns(t.digests, t.crc32c, t.stored_size, t.codec_index, t.introduced_in, t.created_at)
     merged_bounds = [(m.parts[0].start, m.parts[1].stop)] + [(p.start, p.stop) for p in m.parts[2:]]
     forged = manifest_split.split_columns(cols, t.codecs, merged_bounds, "blake3")
-    root = manifest_split.encode_root(m._header(), forged)
+    root = (manifest_split.encode_root(m._header(), forged) if fmt == SPLIT_FORMAT else
+            manifest_split.encode_root4(m._header(layout=False), m.layout_blob[0], forged))  # type: ignore[index]
     with pytest.raises(ManifestError, match="not cut where the tensor layout puts the cuts"):
-        Manifest.from_bytes(root, parts={p.id: p.data for p in forged})
+        Manifest.from_bytes(root, parts={p.id: p.data for p in forged} | dict([m.layout_blob] if m.layout_blob else []))
     # The root is proven by its id before any part is asked for.
     with pytest.raises(ManifestError, match="do not match the id"):
         Manifest.read("0" * 64, lambda blob_id: blobs[m.id] if blob_id == "0" * 64 else pytest.fail("asked for a part"))
@@ -198,8 +215,9 @@ class _Plane:
         return SimpleNamespace(value=[SimpleNamespace(manifest_id=mid, number=i + 1) for i, mid in enumerate(self.versions[model])])
 
 
-def test_orphan_collection_keeps_the_parts_of_a_split_manifest() -> None:
-    m = _split()
+@FORMATS
+def test_orphan_collection_keeps_the_parts_of_a_split_manifest(fmt: int) -> None:
+    m = _split(fmt=fmt)
     blobs = m.blobs()
     refs = References(_Plane({"m": [m.id]}), lambda blob_id: blobs[blob_id])()  # type: ignore[arg-type]
     assert refs is not None
@@ -263,7 +281,117 @@ def test_a_part_whose_codec_table_is_not_names_is_refused() -> None:
         manifest_split.decode_part(forged)
 
 
-def test_a_manifest_of_no_chunks_splits_into_a_root_alone() -> None:
-    m = pack({"empty": torch.empty(0, 4), "none": torch.zeros(0)}, model="m").manifest.in_format(SPLIT_FORMAT)
-    assert m.parts == () and list(m.blobs()) == [m.id]
-    assert Manifest.read(m.id, lambda blob_id: m.to_bytes()) == m
+@FORMATS
+def test_a_manifest_of_no_chunks_splits_into_a_root_and_its_layout_alone(fmt: int) -> None:
+    m = pack({"empty": torch.empty(0, 4), "none": torch.zeros(0)}, model="m").manifest.in_format(fmt)
+    blobs = m.blobs()
+    assert m.parts == () and list(blobs) == [m.id] + ([m.layout_blob[0]] if m.layout_blob else [])
+    assert Manifest.read(m.id, blobs.__getitem__) == m
+
+
+def test_part_bounds_of_format_4_give_every_large_tensor_parts_of_its_own() -> None:
+    cs, big = SMALL, manifest_split.PART_MIN_CHUNKS
+    # A norm in a chunk of its own, a large tensor, two small ones (3 and 1 chunks), a large one,
+    # a 20-byte bias, a large one: the layout of a decoder layer.
+    ranges, cursor = [], 0
+    for chunks in (None, big + 4, 3, 1, big, None, big * 2):
+        nbytes = 20 if chunks is None else chunks * cs
+        ranges.append((cursor, nbytes))
+        cursor = -(-(cursor + nbytes) // cs) * cs
+    count = cursor // cs
+    three = manifest_split.part_bounds(ranges, cs, count, rule=3)
+    four = manifest_split.part_bounds(ranges, cs, count, rule=4)
+    n = 1 + big + 4
+    # Format 3 puts the norm with the large tensor after it, and the small ones with the large
+    # one after them: a change to any of the small ones rewrites a large tensor's rows.
+    assert three == [(0, n), (n, n + 4 + big), (n + 4 + big, count)]
+    # Format 4 starts a part at each large tensor; small neighbours stay together.
+    assert four == [(0, 1), (1, n), (n, n + 4), (n + 4, n + 4 + big), (n + 4 + big, n + 5 + big), (n + 5 + big, count)]
+    assert manifest_split.part_bounds([], cs, 0, rule=4) == []
+
+
+def _pinned() -> Manifest:
+    """A manifest whose every field is fixed, so its bytes in each format are too."""
+    from chunking.chunk_table import ChunkTable
+    from chunking.layout import chunk_raw_sizes, place_tensors
+    from chunking.manifest import TensorEntry
+
+    shapes = [("a.norm", (7,)), ("a.weight", (300, 100)), ("b.bias", (5,)), ("b.weight", (40, 100)), ("c", (2000, 50))]
+    offsets = place_tensors([(4 * int(np.prod(s)), 4) for _n, s in shapes], SMALL)
+    tensors = tuple(TensorEntry(n, "float32", s, o, 4 * int(np.prod(s))) for (n, s), o in zip(shapes, offsets))
+    raw = chunk_raw_sizes([(t.offset, t.nbytes) for t in tensors], SMALL)
+    rng = np.random.default_rng(7)
+    n = len(raw)
+    table = ChunkTable(rng.integers(0, 256, (n, 32), dtype=np.uint8), raw, raw, rng.integers(0, 1 << 32, n, dtype=np.uint32),
+                       np.zeros(n, np.uint8), ("raw",), np.ones(n, np.int64), np.full(n, 1.7e9))
+    return Manifest(model="pinned", version=1, chunk_size=SMALL, format_version=BINARY_FORMAT, tensors=tensors,
+                    chunks=table, fingerprint="0" * 64)
+
+
+def test_the_bytes_of_each_format_are_pinned_so_manifests_already_stored_keep_their_ids() -> None:
+    # Format 3 was the written form before format 4: roots and parts stored by earlier releases
+    # must keep loading under their ids, so their encoding may never change.
+    m = _pinned()
+    ids = {fmt: m.in_format(fmt).id for fmt in (BINARY_FORMAT, SPLIT_FORMAT, LAYOUT_SPLIT_FORMAT)}
+    assert ids == {  # formats 2 and 3 as the release before format 4 wrote them
+        BINARY_FORMAT: "2db2ce01134630d6289848edfa343d1bbde1a349275adb76d86c92166e857bbb",
+        SPLIT_FORMAT: "fefb7cc6b195529db41666de89b9cb9db6c49a203ad6bc998c4fcbdc5c4eade8",
+        LAYOUT_SPLIT_FORMAT: "b609b9f4dfc0db6271d9270078f5e5b2f129b200cdbabdd28cc801031042c556",
+    }
+    for fmt in (SPLIT_FORMAT, LAYOUT_SPLIT_FORMAT):
+        blobs = m.in_format(fmt).blobs()
+        assert Manifest.read(ids[fmt], blobs.__getitem__).chunks == m.chunks
+
+
+def _root4_with(data: bytes, **changes: Any) -> bytes:
+    """A format-4 root with header fields changed (and the header re-laid, canonical)."""
+    prefix = len(manifest_split.ROOT4_MAGIC) + 4
+    head_len = int.from_bytes(data[len(manifest_split.ROOT4_MAGIC) : prefix], "little")
+    doc = json.loads(data[prefix : prefix + head_len]) | changes
+    head = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    body = data[prefix + head_len + (-(prefix + head_len) % 8):]
+    return manifest_split.ROOT4_MAGIC + len(head).to_bytes(4, "little") + head + bytes(-(prefix + len(head)) % 8) + body
+
+
+def test_a_damaged_format_4_root_or_layout_is_refused_naming_what_is_wrong() -> None:
+    m = _split()
+    root, blobs = m.to_bytes(), m.blobs()
+    layout_id, layout = m.layout_blob  # type: ignore[misc]
+    cases: list[tuple[bytes, str]] = [
+        (root[:10], "shorter than a root's prefix"),
+        (root[:-8], "header describes"),
+        (_root4_with(root, part_count=len(m.parts) + 1), "header describes"),
+        (_root4_with(root, part_count=-1), "part_count must be an integer"),
+        (_root4_with(root, layout="xyz"), "layout is not a content id"),
+        (root[:12] + root[12:].replace(b'"model":', b'"model" :', 1), "not UTF-8 JSON|not canonical JSON"),
+        (root[:8] + (1 << 30).to_bytes(4, "little") + root[12:], "runs past the end"),
+    ]
+    prefix = len(manifest_split.ROOT4_MAGIC) + 4
+    head_end = prefix + int.from_bytes(root[8:prefix], "little")
+    ids_at = head_end + -head_end % 8
+    pads = [p for p in (head_end, ids_at + 36 * len(m.parts)) if p % 8]  # the zeros after the header, after the counts
+    zero_count = bytearray(root)
+    zero_count[ids_at + 32 * len(m.parts) : ids_at + 32 * len(m.parts) + 4] = bytes(4)
+    cases.append((bytes(zero_count), "chunk count is not 1"))
+    for at in pads:
+        cases.append((root[:at] + b"\x01" + root[at + 1 :], "padding is not zeros"))
+    assert pads, "the root should have padding to check"
+    for data, reason in cases:
+        with pytest.raises(ManifestError, match=f"format-4 root is damaged: .*({reason})"):
+            Manifest.from_bytes(data, parts=blobs)
+    without = {k: v for k, v in blobs.items() if k != layout_id}
+    with pytest.raises(ManifestError, match=f"layout blob {layout_id} was not supplied"):
+        Manifest.from_bytes(root, parts=without)
+    with pytest.raises(ManifestError, match="do not match the id"):
+        Manifest.from_bytes(root, parts=dict(blobs, **{layout_id: layout + b" "}))
+    # A layout that hashes to the id a forged root names, but is not canonical, is refused too.
+    spaced = layout.replace(b'"tensors":', b'"tensors": ', 1)
+    forged_root = _root4_with(root, layout=content_id(spaced))
+    with pytest.raises(ManifestError, match="layout blob .* is damaged: it is not canonical JSON"):
+        Manifest.from_bytes(forged_root, parts=dict(blobs, **{content_id(spaced): spaced}))
+    not_layout = manifest_split.LAYOUT_MAGIC + b'{"kind":"part"}'
+    with pytest.raises(ManifestError, match="not a layout"):
+        Manifest.from_bytes(_root4_with(root, layout=content_id(not_layout)), parts={content_id(not_layout): not_layout} | blobs)
+    # A format-4 root that says it is format 3 is refused as an unknown form, not misread.
+    with pytest.raises(ManifestError, match="format version 3 is not supported|not supported"):
+        Manifest.from_bytes(_root4_with(root, format_version=3), parts=blobs)
