@@ -293,6 +293,8 @@ class Manifest:
             if not isinstance(doc, dict):
                 raise _fail("top level is not an object")
         fmt = doc.get("format_version")
+        if split and fmt in manifest_split.ROOT_FORMATS and fmt != split_format:
+            raise _fail(f"its format_version {fmt} does not match its format-{split_format} magic bytes")
         if fmt != (split_format if split else BINARY_FORMAT if binary else JSON_FORMAT):
             if binary and doc.get("kind") == manifest_split.PART_KIND:
                 raise _fail("these bytes are a part of a split manifest, not a manifest: fetch the version's root")
@@ -335,36 +337,39 @@ class Manifest:
         if split_format is None:  # format 1 or 2: one blob
             return cls.from_bytes(data, expected_id=manifest_id)
         try:
-            doc = manifest_split.parse_root(bytes(data)).doc
-            wanted = manifest_split.part_ids(data)
+            parsed = manifest_split.parse_root(bytes(data))
+            manifest_split.check_repeats(parsed.parts)
         except ValueError as exc:
             raise _fail(f"format-{split_format} root is damaged: {exc}") from None
         # The root's id is proven before any part is asked for: a forged root must not make us fetch.
-        algorithm = doc.get("hash_algorithm")
+        algorithm = parsed.doc.get("hash_algorithm")
         if algorithm not in HASH_ALGORITHMS:
             raise _fail(f"hash_algorithm {algorithm!r} is unknown")
         if content_id(data, algorithm) != manifest_id:
             raise _mismatch(manifest_id)
+        _check_root_keys(parsed)
+        wanted = parsed.blob_ids
         if not wanted:  # a root of no chunks
             return cls.from_bytes(data, expected_id=manifest_id, parts={})
         calls = max(1, min(parallel, len(wanted)))
         blobs: dict[str, bytes] = {}
-        with ThreadPoolExecutor(max_workers=calls, thread_name_prefix="manifest-parts") as pool:
+        pool = ThreadPoolExecutor(max_workers=calls, thread_name_prefix="manifest-parts")
+        try:
             if get_parts is not None:
                 step = -(-len(wanted) // calls)
                 for got in pool.map(get_parts, [wanted[i : i + step] for i in range(0, len(wanted), step)]):
                     blobs.update(got)
             else:
                 blobs.update(zip(wanted, pool.map(get_blob, wanted)))
+        finally:
+            pool.shutdown(cancel_futures=True)  # after a failure, the calls not yet started are not made
         return cls.from_bytes(data, expected_id=manifest_id, parts=blobs)
 
     @classmethod
     def _from_split(cls, root: manifest_split.Root, parts: Mapping[str, bytes]) -> Manifest:
         doc = root.doc
-        if root.layout is None:
-            _check_keys(set(doc), SPLIT_KEYS)
-        else:
-            _check_keys(set(doc), HEADER_KEYS - LAYOUT_KEYS | manifest_split.ROOT4_KEYS)
+        _check_root_keys(root)
+        if root.layout is not None:
             data = parts.get(root.layout)
             if data is None:
                 raise _fail(f"its layout blob {root.layout} was not supplied")
@@ -376,6 +381,12 @@ class Manifest:
                 raise _fail(f"its layout blob {root.layout} is damaged: {exc}") from None
             _check_keys(set(layout), LAYOUT_KEYS)
             doc = {k: v for k, v in doc.items() if k not in manifest_split.ROOT4_KEYS} | layout
+        # The rows the parts add up to must be the rows the tensors span, checked before any part
+        # is decoded or joined.
+        tensors, chunk_size = cls._header_tensors(doc)
+        listed_rows = sum(count for _pid, count in root.parts)
+        if not _spans(tensors, chunk_size, listed_rows):
+            raise _fail(f"its parts hold {listed_rows} chunks but the tensors span {_chunk_span(tensors, chunk_size)}")
         try:
             codecs, columns, parts_read = manifest_split.join_parts(root.parts, parts, doc["hash_algorithm"])
         except ValueError as exc:
@@ -613,6 +624,16 @@ def _mismatch(expected_id: str) -> ManifestError:
         f"manifest bytes do not match the id {expected_id}: they were corrupted or belong to another "
         "version. Fetch the manifest again from another server."
     )
+
+
+def _check_root_keys(root: manifest_split.Root) -> None:
+    if root.layout is None:
+        _check_keys(set(root.doc), SPLIT_KEYS)
+        return
+    # Exactly these: the tensors, files and shards belong in the layout blob.
+    expected = HEADER_KEYS - LAYOUT_KEYS | manifest_split.ROOT4_KEYS
+    if set(root.doc) != expected:
+        raise _fail(f"format-4 root keys {sorted(set(root.doc) ^ expected)} are missing or unexpected")
 
 
 def _check_keys(keys: set[str], base: frozenset[str]) -> None:

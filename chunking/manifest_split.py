@@ -48,6 +48,7 @@ ROOT4_MAGIC = b"\x89PDMS\r\n\x1a"
 LAYOUT_MAGIC = b"\x89PDML\r\n\x1a"
 PART_KIND = "part"
 LAYOUT_KIND = "layout"
+ROOT_FORMATS = (3, 4)
 ROOT4_KEYS = frozenset({"layout", "part_count"})  # besides the manifest's own header keys
 _HEAD = struct.Struct("<I")
 _ROOT4_PREFIX = len(ROOT4_MAGIC) + _HEAD.size
@@ -77,6 +78,11 @@ class Root:
     doc: dict[str, Any]
     parts: list[tuple[str, int]]
     layout: str | None
+
+    @property
+    def blob_ids(self) -> tuple[str, ...]:
+        """Every blob this root names besides itself, each once: the layout first, then the parts."""
+        return tuple(dict.fromkeys([*([self.layout] if self.layout else []), *(pid for pid, _count in self.parts)]))
 
 
 def root_format(data: bytes | bytearray | memoryview) -> int | None:
@@ -169,7 +175,9 @@ def parse_root(data: bytes) -> Root:
     if len(data) < _ROOT4_PREFIX:
         raise ValueError(f"it is {len(data)} bytes, shorter than a root's prefix (truncated?)")
     (head_len,) = _HEAD.unpack_from(data, len(ROOT4_MAGIC))
-    if head_len > min(MAX_HEADER_BYTES, len(data) - _ROOT4_PREFIX):
+    if head_len > MAX_HEADER_BYTES:
+        raise ValueError(f"its header length {head_len} is over the {MAX_HEADER_BYTES}-byte limit")
+    if head_len > len(data) - _ROOT4_PREFIX:
         raise ValueError(f"its header length {head_len} runs past the end of the {len(data)} bytes (truncated?)")
     head = data[_ROOT4_PREFIX : _ROOT4_PREFIX + head_len]
     try:
@@ -178,7 +186,7 @@ def parse_root(data: bytes) -> Root:
         raise ValueError(f"its header is not UTF-8 JSON ({exc})") from None
     if not isinstance(doc, dict):
         raise ValueError("its header is not an object")
-    if _canonical_json(doc) != head:
+    if not _is_canonical(doc, head):
         raise ValueError("its header is not canonical JSON (sorted keys, no spaces)")
     n, layout = doc.get("part_count"), doc.get("layout")
     if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_PARTS:
@@ -210,12 +218,20 @@ def part_ids(data: bytes | bytearray | memoryview) -> tuple[str, ...]:
     raw = bytes(data)
     if not is_root(raw):
         return ()
-    root = parse_root(raw)
-    return tuple(dict.fromkeys([*([root.layout] if root.layout else []), *(pid for pid, _count in root.parts)]))
+    return parse_root(raw).blob_ids
 
 
 def _canonical_json(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def _is_canonical(doc: dict[str, Any], data: bytes) -> bool:
+    """Whether ``data`` is ``doc`` in canonical JSON. Untrusted input: a value nested near the
+    recursion limit parses but does not re-encode, and a lone surrogate or NaN does not either."""
+    try:
+        return _canonical_json(doc) == data
+    except (ValueError, RecursionError, UnicodeEncodeError):
+        return False
 
 
 def _pad(n: int) -> int:
@@ -242,8 +258,9 @@ def encode_layout(layout: dict[str, Any]) -> bytes:
     return LAYOUT_MAGIC + _canonical_json(dict(layout, kind=LAYOUT_KIND))
 
 
-def decode_layout(data: bytes) -> dict[str, Any]:
+def decode_layout(data: bytes | bytearray | memoryview) -> dict[str, Any]:
     """The JSON object of a layout blob, without its ``kind``; ValueError says what is wrong."""
+    data = bytes(data)
     if data[: len(LAYOUT_MAGIC)] != LAYOUT_MAGIC:
         raise ValueError("it does not start with the layout magic bytes")
     try:
@@ -252,7 +269,7 @@ def decode_layout(data: bytes) -> dict[str, Any]:
         raise ValueError(f"it is not UTF-8 JSON ({exc})") from None
     if not isinstance(doc, dict) or doc.get("kind") != LAYOUT_KIND:
         raise ValueError("it is not a layout (its kind differs)")
-    if _canonical_json(doc) != data[len(LAYOUT_MAGIC):]:
+    if not _is_canonical(doc, data[len(LAYOUT_MAGIC):]):
         raise ValueError("it is not canonical JSON (sorted keys, no spaces)")
     del doc["kind"]
     return doc
@@ -270,28 +287,44 @@ def split_columns(columns: manifest_binary.Columns, codecs: Sequence[str], bound
     return tuple(out)
 
 
+MAX_REPEAT_ROWS = 1 << 20  # rows a root may list beyond REPEAT_FACTOR times its distinct parts' rows
+REPEAT_FACTOR = 64
+
+
+def check_repeats(listed: Sequence[tuple[str, int]]) -> None:
+    """Refuse a root that lists the same parts so often that joining them would take far more
+    memory than their bytes: identical tensors share a part, so some repetition is legitimate,
+    but a forged root of a million listings of one 65,536-row part would ask for 4 TB."""
+    total = sum(count for _pid, count in listed)
+    distinct = sum(dict(reversed(listed)).values())  # the first listing of each id
+    if total > max(MAX_REPEAT_ROWS, REPEAT_FACTOR * distinct):
+        raise ValueError(f"it lists {total} chunk rows made of {distinct} distinct ones; a manifest may repeat its parts "
+                         f"to at most {REPEAT_FACTOR}x (or {MAX_REPEAT_ROWS} rows). Pack the model again")
+
+
 def join_parts(listed: Sequence[tuple[str, int]], blobs: Mapping[str, bytes], algorithm: str
                ) -> tuple[tuple[str, ...], manifest_binary.Columns, tuple[Part, ...]]:
     """One codec table (in order of first use), the columns of all parts end to end, and the parts.
 
     Each part must be in ``blobs``, hash to its id, be in canonical form and hold the chunk
     count the root gives it. Raises ValueError naming the part that is wrong."""
+    check_repeats(listed)
     codecs: dict[str, int] = {}
     pieces: list[manifest_binary.Columns] = []
     parts: list[Part] = []
-    proven: set[str] = set()
+    decoded: dict[str, tuple[list[str], manifest_binary.Columns]] = {}  # a part listed again is decoded once
     for i, (pid, count) in enumerate(listed):
         data = blobs.get(pid)
         if data is None:
             raise ValueError(f"part #{i} ({pid}) was not supplied")
-        if pid not in proven:
+        if pid not in decoded:
             if content_id(data, algorithm) != pid:
                 raise ValueError(f"part #{i} ({pid}): its bytes do not match its id (corrupted, or another part)")
-            proven.add(pid)
-        try:
-            names, cols = decode_part(data)
-        except ValueError as exc:
-            raise ValueError(f"part #{i} ({pid}) is damaged: {exc}") from None
+            try:
+                decoded[pid] = decode_part(data)
+            except ValueError as exc:
+                raise ValueError(f"part #{i} ({pid}) is damaged: {exc}") from None
+        names, cols = decoded[pid]
         if len(cols.digests) != count:
             raise ValueError(f"part #{i} ({pid}) holds {len(cols.digests)} chunks; the root says {count}")
         start = parts[-1].stop if parts else 0

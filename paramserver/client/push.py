@@ -206,7 +206,7 @@ class _Push:
         self.failed: dict[str, tuple[grpc.StatusCode | None, str]] = {}
         self.packed: PackResult | FolderPackResult | None = None
         self.manifest_id = ""
-        self.manifest_blobs: dict[str, bytes] = {}  # the manifest's root (or sole blob) and parts
+        self.manifest_blobs: dict[str, bytes] = {}  # the manifest's root (or sole blob), layout and parts
         self.dedup = 0
         self.sent_ids: set[str] = set()
         self.wire = 0

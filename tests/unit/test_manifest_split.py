@@ -343,14 +343,18 @@ def test_the_bytes_of_each_format_are_pinned_so_manifests_already_stored_keep_th
         assert Manifest.read(ids[fmt], blobs.__getitem__).chunks == m.chunks
 
 
-def _root4_with(data: bytes, **changes: Any) -> bytes:
-    """A format-4 root with header fields changed (and the header re-laid, canonical)."""
+def _root4_with(data: bytes, separators: tuple[str, str] = (",", ":"), **changes: Any) -> bytes:
+    """A format-4 root with header fields changed, its header re-laid (canonical unless ``separators`` say otherwise)."""
     prefix = len(manifest_split.ROOT4_MAGIC) + 4
     head_len = int.from_bytes(data[len(manifest_split.ROOT4_MAGIC) : prefix], "little")
     doc = json.loads(data[prefix : prefix + head_len]) | changes
-    head = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    head = json.dumps(doc, sort_keys=True, separators=separators).encode()
     body = data[prefix + head_len + (-(prefix + head_len) % 8):]
     return manifest_split.ROOT4_MAGIC + len(head).to_bytes(4, "little") + head + bytes(-(prefix + len(head)) % 8) + body
+
+
+def _no_fetch(blob_id: str) -> bytes:
+    pytest.fail(f"{blob_id} was asked for before the root was refused")
 
 
 def test_a_damaged_format_4_root_or_layout_is_refused_naming_what_is_wrong() -> None:
@@ -363,8 +367,10 @@ def test_a_damaged_format_4_root_or_layout_is_refused_naming_what_is_wrong() -> 
         (_root4_with(root, part_count=len(m.parts) + 1), "header describes"),
         (_root4_with(root, part_count=-1), "part_count must be an integer"),
         (_root4_with(root, layout="xyz"), "layout is not a content id"),
-        (root[:12] + root[12:].replace(b'"model":', b'"model" :', 1), "not UTF-8 JSON|not canonical JSON"),
-        (root[:8] + (1 << 30).to_bytes(4, "little") + root[12:], "runs past the end"),
+        (root[:12] + root[12:].replace(b'"model":', b'"model" :', 1), "not UTF-8 JSON"),
+        (_root4_with(root, separators=(", ", ": ")), "not canonical JSON"),
+        (root[:8] + ((1 << 20) + 1).to_bytes(4, "little") + root[12:], "over the 1048576-byte limit"),
+        (root[:8] + (len(root) - 11).to_bytes(4, "little") + root[12:], "runs past the end"),
     ]
     prefix = len(manifest_split.ROOT4_MAGIC) + 4
     head_end = prefix + int.from_bytes(root[8:prefix], "little")
@@ -392,6 +398,60 @@ def test_a_damaged_format_4_root_or_layout_is_refused_naming_what_is_wrong() -> 
     not_layout = manifest_split.LAYOUT_MAGIC + b'{"kind":"part"}'
     with pytest.raises(ManifestError, match="not a layout"):
         Manifest.from_bytes(_root4_with(root, layout=content_id(not_layout)), parts={content_id(not_layout): not_layout} | blobs)
-    # A format-4 root that says it is format 3 is refused as an unknown form, not misread.
-    with pytest.raises(ManifestError, match="format version 3 is not supported|not supported"):
+    # A format-4 root that says it is format 3 is refused, not misread.
+    with pytest.raises(ManifestError, match="format_version 3 does not match its format-4 magic bytes"):
         Manifest.from_bytes(_root4_with(root, format_version=3), parts=blobs)
+    # The tensors and files belong in the layout: a root that holds them is refused before any blob is asked for.
+    tensors = json.loads(layout[len(manifest_split.LAYOUT_MAGIC):])["tensors"]
+    for extra in ({"tensors": tensors}, {"files": []}, {"weight_files": ["a"], "tensor_file": []}):
+        forged = _root4_with(root, **extra)
+        with pytest.raises(ManifestError, match="format-4 root keys .* are missing or unexpected"):
+            Manifest.read(content_id(forged), _no_fetch, root=forged)
+    # A layout with a key that is not the layout's is refused.
+    doc = json.loads(layout[len(manifest_split.LAYOUT_MAGIC):]) | {"model": "other"}
+    odd = manifest_split.LAYOUT_MAGIC + json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    with pytest.raises(ManifestError, match=r"keys \['model'\] are missing or unexpected"):
+        Manifest.from_bytes(_root4_with(root, layout=content_id(odd)), parts={content_id(odd): odd} | blobs)
+
+
+def test_a_root_whose_parts_do_not_add_up_or_repeat_without_end_is_refused_before_joining() -> None:
+    m = _split()
+    blobs = m.blobs()
+    layout_id = m.layout_blob[0]  # type: ignore[index]
+    first = m.parts[0]
+    # One part listed a million times: 4 TB of rows to join from a few kilobytes of blobs.
+    repeated = [first] * 1_000_000
+    forged = manifest_split.encode_root4(m._header(layout=False), layout_id, repeated)
+    with pytest.raises(ManifestError, match="repeat its parts to at most 64x"):
+        Manifest.read(content_id(forged), _no_fetch, root=forged)
+    with pytest.raises(ManifestError, match="its parts hold 147000000 chunks but the tensors span"):
+        Manifest.from_bytes(forged, parts=blobs)
+    with pytest.raises(ValueError, match="repeat its parts to at most 64x"):  # even where a forged layout spans them
+        manifest_split.join_parts([(first.id, first.stop - first.start)] * 1_000_000, blobs, "blake3")
+    # A few repeats are legitimate (identical tensors share a part) but must add up to the tensors' span.
+    short = manifest_split.encode_root4(m._header(layout=False), layout_id, m.parts[:-1])
+    with pytest.raises(ManifestError, match=f"its parts hold {m.parts[-1].start} chunks but the tensors span {len(m.chunks)}"):
+        Manifest.from_bytes(short, parts=blobs)
+
+
+def test_identical_tensors_share_one_part_listed_twice() -> None:
+    same = torch.arange(64 * 300, dtype=torch.float32).reshape(64, 300)  # 18.75 chunks: a part of its own
+    state = {"a": same.clone(), "b": same.clone(), "c": torch.ones(3)}
+    m = pack(state, model="twins", config=ChunkingConfig(chunk_size=SMALL)).manifest.in_format(LAYOUT_SPLIT_FORMAT)
+    ids = [p.id for p in m.parts]
+    assert ids[0] == ids[1] and len(set(ids)) == len(ids) - 1
+    blobs = m.blobs()
+    assert manifest_split.part_ids(m.to_bytes()).count(ids[0]) == 1
+    assert Manifest.read(m.id, blobs.__getitem__) == m
+
+
+def test_a_header_or_layout_nested_too_deep_is_refused_not_raised() -> None:
+    deep: list[Any] = []
+    inner = deep
+    for _ in range(100_000):
+        inner.append([])
+        inner = inner[0]
+    assert not manifest_split._is_canonical({"kind": "layout", "tensors": deep}, b"{}")
+    text = b"[" * 100_000 + b"]" * 100_000
+    with pytest.raises(ValueError, match="not UTF-8 JSON"):
+        manifest_split.decode_layout(manifest_split.LAYOUT_MAGIC + b'{"kind":"layout","tensors":' + text + b"}")
