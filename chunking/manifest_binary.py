@@ -57,8 +57,55 @@ def first_use_order(values: np.ndarray) -> np.ndarray:
     return used[np.argsort(first_row)]
 
 
-def _pad(n: int) -> int:
+def pad8(n: int) -> int:
+    """Zero bytes that bring ``n`` bytes to a multiple of 8 (every column and header is padded so)."""
     return -n % 8
+
+
+def canonical_json(doc: dict[str, Any]) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+
+
+def is_canonical_json(doc: dict[str, Any], data: bytes) -> bool:
+    """Whether ``data`` is ``doc`` in canonical JSON. Untrusted input: a value nested near the
+    recursion limit parses but does not re-encode, and a lone surrogate or NaN does not either."""
+    try:
+        return canonical_json(doc) == data
+    except (ValueError, RecursionError, UnicodeEncodeError):
+        return False
+
+
+def encode_header(magic: bytes, doc: dict[str, Any]) -> bytes:
+    """``magic``, the u32 length of ``doc`` in canonical JSON, that JSON, zeros to a multiple of 8."""
+    head = canonical_json(doc)
+    return b"".join([magic, _HEAD.pack(len(head)), head, bytes(pad8(len(magic) + _HEAD.size + len(head)))])
+
+
+def read_header(data: bytes, at: int, *, max_bytes: int = MAX_HEADER_BYTES) -> tuple[dict[str, Any], int, int]:
+    """The JSON object of a header whose u32 length is at ``at`` (after a magic the caller checked),
+    and where its bytes start and end (before their padding); ValueError says what is wrong."""
+    (head_len,) = _HEAD.unpack_from(data, at)
+    start = at + _HEAD.size
+    if head_len > max_bytes:
+        raise ValueError(f"its header length {head_len} is over the {max_bytes}-byte limit")
+    if head_len > len(data) - start:
+        raise ValueError(f"its header length {head_len} runs past the end of the {len(data)} bytes (truncated?)")
+    try:
+        doc = json.loads(data[start : start + head_len].decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"its header is not UTF-8 JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise ValueError("its header is not an object")
+    return doc, start, start + head_len
+
+
+def check_header(data: bytes, doc: dict[str, Any], start: int, end: int) -> None:
+    """Refuse a header (``read_header``'s) that is not canonical JSON or whose padding is not zeros."""
+    if not is_canonical_json(doc, data[start:end]):
+        raise ValueError("its header is not canonical JSON (sorted keys, no spaces)")
+    pad = data[end : end + pad8(end)]
+    if pad.count(0) != len(pad):
+        raise ValueError("its padding is not zeros")
 
 
 def _runs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -78,12 +125,11 @@ def encode(header: dict[str, Any], columns: Columns) -> bytes:
     created = columns.created_at.astype("<f8") + 0.0  # -0.0 and 0.0 compare equal; one run, one spelling
     runs = [_runs(columns.codec_index.astype("u1")), _runs(columns.introduced_in.astype("<u8")), _runs(created)]
     doc = dict(header, chunk_count=n, runs=[len(c) for c, _ in runs])
-    head = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
-    parts: list[bytes] = [MAGIC, _HEAD.pack(len(head)), head, bytes(_pad(_PREFIX + len(head)))]
+    parts: list[bytes] = [encode_header(MAGIC, doc)]
     for array in (np.ascontiguousarray(columns.digests, np.uint8), columns.crc32c.astype("<u4"),
                   columns.stored_size.astype("<u4"), *(a for pair in runs for a in pair)):
         data = array.tobytes()
-        parts += [data, bytes(_pad(len(data)))]
+        parts += [data, bytes(pad8(len(data)))]
     return b"".join(parts)
 
 
@@ -95,15 +141,7 @@ def decode(data: bytes, *, canonical: bool = False) -> tuple[dict[str, Any], Col
     first use): the cheap proof for many small blobs that re-encoding each would give it back."""
     if len(data) < _PREFIX or not is_binary(data):
         raise ValueError("it does not start with the format-2 magic bytes")
-    (head_len,) = _HEAD.unpack_from(data, len(MAGIC))
-    if head_len > min(MAX_HEADER_BYTES, len(data) - _PREFIX):
-        raise ValueError(f"its header length {head_len} runs past the end of the {len(data)} bytes (truncated?)")
-    try:
-        doc = json.loads(data[_PREFIX : _PREFIX + head_len].decode("utf-8"))
-    except (ValueError, RecursionError) as exc:
-        raise ValueError(f"its header is not UTF-8 JSON ({exc})") from None
-    if not isinstance(doc, dict):
-        raise ValueError("its header is not an object")
+    doc, start, end = read_header(data, len(MAGIC))
     n, runs, codecs = doc.get("chunk_count"), doc.get("runs"), doc.get("codecs")
     if not isinstance(n, int) or not _count(n) or not isinstance(runs, list) or len(runs) != 3 or not all(_count(k) for k in runs):
         raise ValueError("its header lacks chunk_count or the three run counts")
@@ -112,19 +150,17 @@ def decode(data: bytes, *, canonical: bool = False) -> tuple[dict[str, Any], Col
     k0, k1, k2 = runs
     widths = [(n * DIGEST_BYTES, "u1"), (n * 4, "<u4"), (n * 4, "<u4"), (k0 * 4, "<u4"), (k0, "u1"), (k1 * 4, "<u4"),
               (k1 * 8, "<u8"), (k2 * 4, "<u4"), (k2 * 8, "<f8")]
-    pos = _PREFIX + head_len + _pad(_PREFIX + head_len)
-    expected = pos + sum(size + _pad(size) for size, _ in widths)
+    pos = end + pad8(end)
+    expected = pos + sum(size + pad8(size) for size, _ in widths)
     if expected != len(data):  # checked before any array is made: a forged count cannot make us allocate
         raise ValueError(f"it is {len(data)} bytes but its header describes {expected} ({n} chunks)")
     if canonical:
-        _check_canonical_header(data, doc, head_len)
-        if data[_PREFIX + head_len : pos].count(0) != pos - _PREFIX - head_len:
-            raise ValueError("its padding is not zeros")
+        check_header(data, doc, start, end)
     arrays = []
     for size, dtype in widths:
         arrays.append(np.frombuffer(data, dtype, size // np.dtype(dtype).itemsize, pos))
-        pos += size + _pad(size)
-        if canonical and data[pos - _pad(size) : pos].count(0) != _pad(size):
+        pos += size + pad8(size)
+        if canonical and data[pos - pad8(size) : pos].count(0) != pad8(size):
             raise ValueError("its padding is not zeros")
     digests, crc, stored, c_counts, c_vals, i_counts, i_vals, t_counts, t_vals = arrays
     if n and int(stored.min()) < 1:
@@ -150,15 +186,6 @@ def decode(data: bytes, *, canonical: bool = False) -> tuple[dict[str, Any], Col
     columns = Columns(digests.reshape(n, DIGEST_BYTES), crc, stored, expanded[0], expanded[1].astype(np.int64),
                       expanded[2])
     return doc, columns
-
-
-def _check_canonical_header(data: bytes, doc: dict[str, Any], head_len: int) -> None:
-    try:
-        again = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
-    except (ValueError, UnicodeEncodeError):
-        raise ValueError("its header is not canonical JSON") from None
-    if again != data[_PREFIX : _PREFIX + head_len]:
-        raise ValueError("its header is not canonical JSON (sorted keys, no spaces)")
 
 
 def _count(value: Any) -> bool:

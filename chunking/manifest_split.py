@@ -33,7 +33,6 @@ of the root, so a fine-tune adds little more than the rows of the tensors it cha
 from __future__ import annotations
 
 import json
-import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,8 +49,7 @@ PART_KIND = "part"
 LAYOUT_KIND = "layout"
 ROOT_FORMATS = (3, 4)
 ROOT4_KEYS = frozenset({"layout", "part_count"})  # besides the manifest's own header keys
-_HEAD = struct.Struct("<I")
-_ROOT4_PREFIX = len(ROOT4_MAGIC) + _HEAD.size
+_ROOT4_PREFIX = len(ROOT4_MAGIC) + 4  # the magic and the u32 header length
 MAX_HEADER_BYTES = 1 << 20
 PART_KEYS = frozenset({"kind", "chunk_count", "runs", "codecs"})
 PART_MIN_CHUNKS = 16  # a part of fewer rows would cost more as a blob than it saves
@@ -174,32 +172,20 @@ def parse_root(data: bytes) -> Root:
         raise ValueError("it does not start with the magic bytes of a format-3 or format-4 root")
     if len(data) < _ROOT4_PREFIX:
         raise ValueError(f"it is {len(data)} bytes, shorter than a root's prefix (truncated?)")
-    (head_len,) = _HEAD.unpack_from(data, len(ROOT4_MAGIC))
-    if head_len > MAX_HEADER_BYTES:
-        raise ValueError(f"its header length {head_len} is over the {MAX_HEADER_BYTES}-byte limit")
-    if head_len > len(data) - _ROOT4_PREFIX:
-        raise ValueError(f"its header length {head_len} runs past the end of the {len(data)} bytes (truncated?)")
-    head = data[_ROOT4_PREFIX : _ROOT4_PREFIX + head_len]
-    try:
-        doc = json.loads(head.decode("utf-8"))
-    except (ValueError, RecursionError) as exc:
-        raise ValueError(f"its header is not UTF-8 JSON ({exc})") from None
-    if not isinstance(doc, dict):
-        raise ValueError("its header is not an object")
-    if not _is_canonical(doc, head):
-        raise ValueError("its header is not canonical JSON (sorted keys, no spaces)")
+    doc, start, end = manifest_binary.read_header(data, len(ROOT4_MAGIC), max_bytes=MAX_HEADER_BYTES)
+    manifest_binary.check_header(data, doc, start, end)
     n, layout = doc.get("part_count"), doc.get("layout")
     if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_PARTS:
         raise ValueError(f"its part_count must be an integer 0..{MAX_PARTS}")
     if not isinstance(layout, str) or not is_content_id(layout):
         raise ValueError("its layout is not a content id")
-    pos = _ROOT4_PREFIX + head_len + _pad(_ROOT4_PREFIX + head_len)
+    pos = end + manifest_binary.pad8(end)
     ids_end = pos + n * 32
     counts_end = ids_end + n * 4
-    if counts_end + _pad(counts_end) != len(data):
-        raise ValueError(f"it is {len(data)} bytes but its header describes {counts_end + _pad(counts_end)} ({n} parts)")
-    header_pad, tail_pad = data[_ROOT4_PREFIX + head_len : pos], data[counts_end:]
-    if header_pad.count(0) != len(header_pad) or tail_pad.count(0) != len(tail_pad):
+    if counts_end + manifest_binary.pad8(counts_end) != len(data):
+        raise ValueError(f"it is {len(data)} bytes but its header describes {counts_end + manifest_binary.pad8(counts_end)} "
+                         f"({n} parts)")
+    if data[counts_end:].count(0) != len(data) - counts_end:
         raise ValueError("its padding is not zeros")
     counts = np.frombuffer(data, "<u4", n, ids_end)
     if n and (int(counts.min()) < 1 or int(counts.max()) > PART_MAX_CHUNKS):
@@ -221,41 +207,23 @@ def part_ids(data: bytes | bytearray | memoryview) -> tuple[str, ...]:
     return parse_root(raw).blob_ids
 
 
-def _canonical_json(doc: dict[str, Any]) -> bytes:
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
-
-
-def _is_canonical(doc: dict[str, Any], data: bytes) -> bool:
-    """Whether ``data`` is ``doc`` in canonical JSON. Untrusted input: a value nested near the
-    recursion limit parses but does not re-encode, and a lone surrogate or NaN does not either."""
-    try:
-        return _canonical_json(doc) == data
-    except (ValueError, RecursionError, UnicodeEncodeError):
-        return False
-
-
-def _pad(n: int) -> int:
-    return -n % 8
-
-
 def encode_root(header: dict[str, Any], parts: Sequence[Part]) -> bytes:
     """A format-3 root."""
-    return ROOT_MAGIC + _canonical_json(dict(header, parts=[[p.id, p.stop - p.start] for p in parts]))
+    return ROOT_MAGIC + manifest_binary.canonical_json(dict(header, parts=[[p.id, p.stop - p.start] for p in parts]))
 
 
 def encode_root4(header: dict[str, Any], layout_id: str, parts: Sequence[Part]) -> bytes:
     """A format-4 root: ``header`` (without tensors and files, which are in the layout blob), the
     layout's id, then the part table as binary columns."""
-    head = _canonical_json(dict(header, layout=layout_id, part_count=len(parts)))
+    head = manifest_binary.encode_header(ROOT4_MAGIC, dict(header, layout=layout_id, part_count=len(parts)))
     ids = bytes.fromhex("".join(p.id for p in parts))
     counts = np.asarray([p.stop - p.start for p in parts], "<u4").tobytes()
-    pieces = [ROOT4_MAGIC, _HEAD.pack(len(head)), head, bytes(_pad(_ROOT4_PREFIX + len(head))), ids, counts]
-    return b"".join(pieces) + bytes(_pad(sum(map(len, pieces))))
+    return b"".join([head, ids, counts, bytes(manifest_binary.pad8(len(counts)))])  # head and ids are whole 8s
 
 
 def encode_layout(layout: dict[str, Any]) -> bytes:
     """The layout blob of a format-4 manifest: its tensors, files and shards."""
-    return LAYOUT_MAGIC + _canonical_json(dict(layout, kind=LAYOUT_KIND))
+    return LAYOUT_MAGIC + manifest_binary.canonical_json(dict(layout, kind=LAYOUT_KIND))
 
 
 def decode_layout(data: bytes | bytearray | memoryview) -> dict[str, Any]:
@@ -269,7 +237,7 @@ def decode_layout(data: bytes | bytearray | memoryview) -> dict[str, Any]:
         raise ValueError(f"it is not UTF-8 JSON ({exc})") from None
     if not isinstance(doc, dict) or doc.get("kind") != LAYOUT_KIND:
         raise ValueError("it is not a layout (its kind differs)")
-    if not _is_canonical(doc, data[len(LAYOUT_MAGIC):]):
+    if not manifest_binary.is_canonical_json(doc, data[len(LAYOUT_MAGIC):]):
         raise ValueError("it is not canonical JSON (sorted keys, no spaces)")
     del doc["kind"]
     return doc

@@ -451,7 +451,7 @@ def test_a_header_or_layout_nested_too_deep_is_refused_not_raised() -> None:
     for _ in range(100_000):
         inner.append([])
         inner = inner[0]
-    assert not manifest_split._is_canonical({"kind": "layout", "tensors": deep}, b"{}")
+    assert not manifest_binary.is_canonical_json({"kind": "layout", "tensors": deep}, b"{}")
     text = b"[" * 100_000 + b"]" * 100_000
     with pytest.raises(ValueError, match="not UTF-8 JSON"):
         manifest_split.decode_layout(manifest_split.LAYOUT_MAGIC + b'{"kind":"layout","tensors":' + text + b"}")
