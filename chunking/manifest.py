@@ -391,7 +391,7 @@ class Manifest:
             codecs, columns, parts_read = manifest_split.join_parts(root.parts, parts, doc["hash_algorithm"])
         except ValueError as exc:
             raise _fail(str(exc)) from None
-        manifest = cls._from_columns(doc, columns, codecs, root.format)
+        manifest = cls._from_columns(doc, columns, codecs, root.format, header=(tensors, chunk_size))
         # Each part was proven canonical as it was read, so re-encoding it would give it back; what
         # is left to prove is that the parts are cut where the layout says (the root's re-encoding
         # in from_bytes then covers the rest, the layout blob's id included).
@@ -411,10 +411,11 @@ class Manifest:
 
     @classmethod
     def _from_columns(cls, doc: dict[str, Any], columns: manifest_binary.Columns, codecs: tuple[str, ...],
-                      fmt: int) -> Manifest:
+                      fmt: int, *, header: tuple[tuple[TensorEntry, ...], int] | None = None) -> Manifest:
+        """``header``: ``_header_tensors(doc)`` where the caller has it already."""
         if not all(is_codec_name(c) for c in codecs) or len(set(codecs)) != len(codecs):
             raise _fail(f"codec table {list(codecs)!r} has an unknown or repeated codec")
-        tensors, chunk_size = cls._header_tensors(doc)
+        tensors, chunk_size = cls._header_tensors(doc) if header is None else header
         n = len(columns.digests)
         if not _spans(tensors, chunk_size, n):
             raise _fail(f"{n} chunks listed but the tensors span {_chunk_span(tensors, chunk_size)}")
