@@ -272,15 +272,20 @@ class Run:
             + ("" if ok else f"; expected {self.model_bytes} bytes on {self.dev}"))
 
     # ---- 1 + 3: a load through start_load, with time to first tensor
-    def timed_load(self, client: Any, cache: Any, label: str, tier: str) -> dict[str, Any] | None:
-        """start_load, wait(first tensor), result(): timestamps, the tensors' check, the first tensor's."""
+    def timed_load(self, client: Any, cache: Any, label: str, tier: str, host_staging: str = "auto") -> dict[str, Any] | None:
+        """start_load, wait(first tensor), result(): timestamps, the tensors' check, the first tensor's.
+        ``host_staging``: PrefetchConfig.host_staging (auto: host-staged when the tier holds the model)."""
 
+        from worker.config import PrefetchConfig
         from worker.loader import start_load
 
         what = f"{label} (start_load, {tier})"
         try:
             t0 = time.perf_counter()
-            handle = start_load(client, REF, self.device, cache)
+            handle = start_load(client, REF, self.device, cache, config=PrefetchConfig(host_staging=host_staging))
+            path = ("host-staged: pinned arena, one copy per tensor" if handle.upload is not None
+                    else "staging pool: one copy per chunk")
+            what = f"{label} (start_load, {tier}, {path})"
             t_started = time.perf_counter()
             man = handle.manifest
             first = next((t.name for i, t in enumerate(man.tensors) if man.plan.tensor_chunks[i]), man.tensors[0].name)
@@ -314,7 +319,7 @@ class Run:
             f"{pending} of {n} tensors still loading then -> usable before the end: {'yes' if before_end else 'no'}; "
             f"its bytes at wait(): {'ok' if early_exact is None else early_exact}; loader's time to first tensor "
             + (f"{report.first_tensor_s * 1000:.1f} ms" if report.first_tensor_s is not None else "n/a"))
-        result = {"label": label, "tier": tier, "first_tensor": first, "start_s": t_started - t0, "first_s": t_first - t0,
+        result = {"label": label, "tier": tier, "path": path, "first_tensor": first, "start_s": t_started - t0, "first_s": t_first - t0,
                   "end_s": t_end - t0, "pending_at_first": pending, "tensors": n, "usable_before_end": before_end,
                   "first_bit_exact": early_exact is None, "bit_exact": exact, "report": report.to_dict(),
                   "tensors_obj": tensors}
@@ -552,6 +557,11 @@ def main() -> int:
         if warm is not None:
             del warm["tensors_obj"]
             loads.append(warm)
+        if cuda:  # the per-chunk path (a model larger than the tier, load_into) on the same bytes
+            chunked = run.timed_load(client, cache, "memory-tier load", "memory tier", host_staging="never")
+            if chunked is not None:
+                del chunked["tensors_obj"]
+                loads.append(chunked)
         gc.collect()
         run.module_check(client, ref_module, mlp_state)
         sync(device)
@@ -564,10 +574,15 @@ def main() -> int:
                   f"{'pinned' if pool['pinned'] else 'NOT pinned'} = {fmt_bytes(pool['bytes'])}, "
                   f"{pool['acquire_waits']} acquire waits" if pool else "")
         if cuda:
+            from paramserver.client.hostmem import default_pool
+
             peak = stat(after, "allocated_bytes", "peak")
             base = stat(before, "allocated_bytes", "current") or 0
+            arenas = default_pool().pinned_bytes()
+            rep.data["pinned_arena_bytes"] = arenas
             if peak is not None:
-                shown = (f"{fmt_bytes(peak)} peak (torch.cuda.host_memory_stats allocated_bytes, "
+                shown = (f"{fmt_bytes(arenas)} in page-locked host arenas (the memory tier's copy of the model) + "
+                         f"{fmt_bytes(peak)} peak from torch's pinned allocator (host_memory_stats allocated_bytes, "
                          f"{fmt_bytes(base)} before the loads); {pool_s or 'no StagingPool seen'}")
             else:
                 shown = f"torch.cuda.host_memory_stats not available in torch {torch.__version__}; {pool_s or 'no StagingPool seen'}"

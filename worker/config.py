@@ -54,6 +54,9 @@ class CacheConfig:
         return self
 
 
+HOST_STAGING = ("auto", "always", "never")
+
+
 @dataclass(frozen=True)
 class PrefetchConfig:
     """Staging pool and prefetch concurrency.
@@ -71,6 +74,11 @@ class PrefetchConfig:
     # Pause the cyclic garbage collector while a load plans and fetches (see
     # chunking.chunk_table.collector_paused): a load makes several acyclic objects per chunk.
     pause_collector: bool = True
+    # A load onto a device (not cpu): "auto" lands it in a page-locked host arena and moves each
+    # tensor up whole (worker.upload) when the memory tier will hold the model, else chunk by chunk
+    # through the staging pool; "always" and "never" force one way (a model larger than the tier
+    # then holds its size in page-locked memory for the load).
+    host_staging: str = "auto"
 
     def validate(self) -> PrefetchConfig:
         if self.staging_buffer_bytes < 4 * KIB:
@@ -83,6 +91,8 @@ class PrefetchConfig:
             raise ConfigError(f"chunks_per_stream must be >= 1, got {self.chunks_per_stream}")
         if self.acquire_timeout_s <= 0:
             raise ConfigError(f"acquire_timeout_s must be > 0, got {self.acquire_timeout_s}")
+        if self.host_staging not in HOST_STAGING:
+            raise ConfigError(f"host_staging must be one of {', '.join(HOST_STAGING)}, got {self.host_staging!r}")
         return self
 
 

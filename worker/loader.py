@@ -33,6 +33,7 @@ from worker.errors import WorkerError
 from worker.heatmap import HeatmapRecorder, HeatReport
 from worker.prefetch import LoadCounters, LocalSource, Prefetcher
 from worker.tiered_cache import HeldGroup, TieredCache
+from worker.upload import DeviceUpload
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,28 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+def _pin_then_go(host: Targets, upload: DeviceUpload) -> None:
+    """Page-lock the load's host arena (once per arena), then let its tensors go up."""
+    try:
+        if host.arena is not None and upload.copier.stream is not None:
+            why = default_pool().pin(host.arena.view)
+            if why is not None:
+                log.warning("host arena not page-locked (%s): copies to %s run from pageable memory", why,
+                            upload.copier.device)
+    finally:
+        upload.go()
+
+
+def host_staged(config: PrefetchConfig, device: torch.device, cache: TieredCache | None, manifest: Manifest) -> bool:
+    """Whether a load onto ``device`` lands in a host arena first (``PrefetchConfig.host_staging``;
+    "always" stages a cpu load too, into separate tensors: the same path, testable without CUDA)."""
+    if config.host_staging == "never":
+        return False
+    if config.host_staging == "always":
+        return True
+    return device.type != "cpu" and cache is not None and cache.memory.capacity_bytes >= manifest.raw_bytes
+
+
 def _adopt(manifest: Manifest, group: HeldGroup) -> tuple[Targets, HeldGroup] | None:
     """Tensors for ``manifest`` on a held group's arena when nothing but the tier uses it."""
     arena = group.arena
@@ -151,9 +174,11 @@ class LoadHandle:
 
     def __init__(self, prefetcher: Prefetcher, info: VersionInfo, manifest: Manifest, targets: dict[str, torch.Tensor],
                  device: torch.device, client: ClusterClient, owned: bool, report_heat: bool,
-                 host: Targets | None = None) -> None:
+                 host: Targets | None = None, upload: DeviceUpload | None = None) -> None:
+        """``upload``: the load lands in ``host`` and each tensor goes up to ``targets`` from there."""
         self.prefetcher = prefetcher
-        self.readiness = prefetcher.readiness
+        self.upload = upload
+        self.readiness = upload.readiness if upload is not None else prefetcher.readiness
         self.info = info
         self.manifest = manifest
         self.tensors = targets
@@ -171,15 +196,31 @@ class LoadHandle:
         self._thread = start_background(self._run, "paramworker-load")
 
     def _run(self) -> None:
-        prefault = self._host.prefaulter().start() if self._host is not None else None
+        upload = self.upload
+        prefault = pinner = None
+        if upload is not None and self._host is not None:
+            # Pinning faults in the pages the receivers have not touched yet: it is the prefault.
+            pinner = start_background(partial(_pin_then_go, self._host, upload), "paramworker-pin")
+        elif self._host is not None:
+            prefault = self._host.prefaulter().start()
         try:
             counters = self.prefetcher.run()
+            if upload is not None:
+                if pinner is not None:
+                    pinner.join()
+                upload.finish()
             self._report = make_report(self.info, self.manifest, self.device, counters, time.perf_counter() - self._start)
         except BaseException as exc:  # noqa: BLE001 - handed to result()
             self._error = exc
+            if upload is not None:
+                upload.fail(exc)
         finally:
             if prefault is not None:
                 prefault.stop()
+            if upload is not None:
+                if pinner is not None:
+                    pinner.join()
+                self.prefetcher.release_targets()  # the arena is the memory tier's alone now
             self._host = None
         # The load is done: heat goes out behind it, so it never adds to the load's latency. Its
         # thread holds no reference to this handle, hence none to the tensors: a caller that
@@ -233,35 +274,41 @@ def start_load(
             # What the fetch needs besides the manifest is asked for while the manifest arrives and the
             # targets are allocated: the heatmap, and the servers' hot chunks (which also connects to
             # every member), so the first read does not wait on either.
-            client.prepare_fetch()
-            asked = in_thread(partial(_heat_of, client, info), "paramworker-heat-ask") if config.use_heatmap else None
+            tiered = make_cache(cache)
+            local_only = tiered is not None and tiered.holds_whole(info.manifest_id)
+            if not local_only:
+                client.prepare_fetch()
+            asked = (in_thread(partial(_heat_of, client, info), "paramworker-heat-ask")
+                     if config.use_heatmap and not local_only else None)
             manifest = manifest or client.manifest(info.manifest_id)
             # Fresh CPU targets come from recycled host arenas (no page zeroing), and only this load
             # writes them until it is done: chunks may be received straight into them. When the
             # memory tier holds this manifest's arena and nothing else uses it, the load gets that.
-            tiered = make_cache(cache)
             host: Targets | None = None
             adopted: HeldGroup | None = None
-            if targets is None and dev.type == "cpu":
+            staged = targets is None and host_staged(config, dev, tiered, manifest)
+            if targets is None and (dev.type == "cpu" or staged):
                 taken = tiered.adopt(manifest.id, partial(_adopt, manifest)) if tiered is not None else None
-                host, adopted = taken if taken is not None else (allocate_targets(manifest), None)
-            if host is not None:
+                host, adopted = taken if taken is not None else (allocate_targets(manifest, pinned=staged), None)
+            if host is not None and not staged:
                 tensors = dict(host.tensors)
             else:
                 tensors = dict(targets) if targets is not None else empty_targets(manifest, dev)
             # The heatmap orders the fetch: waited for only when some chunk must come from the network.
             heat = asked.result if asked is not None else None
             prefetcher = Prefetcher(
-                manifest, tensors, client=client, cache=tiered, config=config, version=info.number, heat=heat,
-                local=local, recorder=HeatmapRecorder(info.model, info.number), on_progress=on_progress,
+                manifest, dict(host.tensors) if host is not None else tensors, client=client, cache=tiered,
+                config=config, version=info.number, heat=heat, local=local,
+                recorder=HeatmapRecorder(info.model, info.number), on_progress=on_progress,
                 private_targets=host is not None, arena=host.arena if host is not None else None,
-                adopted=adopted,
+                adopted=adopted, private_arena=staged,
             )
+            upload = DeviceUpload(host.tensors, tensors, prefetcher.readiness, dev) if staged and host is not None else None
     except BaseException:
         if owned:
             client.close()
         raise
-    return LoadHandle(prefetcher, info, manifest, tensors, dev, client, owned, report_heat, host)
+    return LoadHandle(prefetcher, info, manifest, tensors, dev, client, owned, report_heat, host, upload)
 
 
 @dataclass

@@ -50,6 +50,7 @@ LocalSource = Callable[[ChunkRef], Buffer | None]
 TIERS = ("network", "memory", "disk", "local")
 HIT_THREADS = max(1, min(4, os.cpu_count() or 1))
 HIT_BLOCK = 32  # chunks a hit-landing thread takes at a time (one lookup, one landing), roughly in fetch order
+TRUSTED_BATCH = 1024  # chunks of a private arena given back landed at a time (each batch readies its tensors)
 
 
 @dataclass
@@ -174,6 +175,11 @@ class ChunkWriter:
         if self.copier is not None:
             self.copier.synchronize()
 
+    def release_targets(self) -> None:
+        """Forget the targets (their numpy views keep the memory in use); the writer is done."""
+        self._cpu = [None] * len(self._cpu)
+        self._dev = [None] * len(self._dev)
+
 
 def _slicer(view: memoryview, offsets: list[int], sizes: list[int]) -> Locate:
     def locate(index: int) -> memoryview | None:
@@ -215,12 +221,15 @@ class Prefetcher:
         private_targets: bool = False,
         arena: ArenaView | None = None,
         adopted: HeldGroup | None = None,
+        private_arena: bool = False,
     ) -> None:
         """``heat``: the version's heatmap, or a function that gives it (asked only when some chunk
         must come from the network: it orders the fetch). ``arena``: where ``targets`` lie in a
         host arena (the memory tier then holds slices of it). ``adopted``: the held group whose
         arena ``targets`` were made on (``hostmem.retarget``): its chunks are verified in place
-        instead of copied."""
+        instead of copied, or, when the group is private, taken as they are.
+        ``private_arena``: ``targets`` are never handed to the caller (``worker.upload``): the
+        group the tier keeps of this load is private."""
         self.manifest = manifest
         self.config = config.validate()
         self.client = client
@@ -247,6 +256,9 @@ class Prefetcher:
         self._region: Locate = self.writer.arena_locate or self.writer.region
         self._group = adopted or HeldGroup(manifest.id, arena, table=self._table, locate=self._region,
                                            crcs=self._table.crc32c)
+        # Decided before this load sets it: a private arena stays private only while no load hands it out.
+        self._trusted = adopted is not None and adopted.private
+        self._group.private = private_arena
         # A model larger than the memory tier goes around it (a scan): copies of its chunks would
         # take the tier's whole budget on top of the loaded model, and a load reads a model in
         # order, so the next load of it would evict each copy before reaching it.
@@ -410,8 +422,28 @@ class Prefetcher:
             return None
         return self.heat() if callable(self.heat) else self.heat
 
+    def release_targets(self) -> None:
+        """Drop this load's references to its targets once it is done (a host-staged load: the
+        arena is then used by the memory tier alone, and a later load may be given it)."""
+        self.writer.release_targets()
+
+    def _land_trusted(self) -> None:
+        """A private group's chunks, given back with its arena, are in place already: land them in
+        large batches without a lookup or a re-verification per chunk."""
+        assert self._adopted is not None
+        rows = self._table.first_rows
+        rows = rows[self._adopted.held[rows]]
+        for start in range(0, len(rows), TRUSTED_BATCH):
+            self._land(rows[start : start + TRUSTED_BATCH], "memory")
+        if self.cache is not None:
+            self.cache.touch_group(self._adopted, len(rows))
+
     def _run(self) -> None:
         cache = self.cache
+        if self._trusted:
+            self._land_trusted()
+            if self._done[self._table.first_rows].all():
+                return
         # Chunks the cache does not hold go to the network at once, in a background thread, so
         # the streams run while this thread copies cache hits.
         if cache is None or cache.empty():  # a cold load asks nothing per chunk
@@ -419,6 +451,7 @@ class Prefetcher:
             hits = misses[:0]
         else:
             order = rows = self._table.first_rows
+            rows = rows[~self._done[rows]]
             ids = self._table.ids
             held = np.fromiter(cache.contains_many([ids[r] for r in rows.tolist()]), dtype=bool, count=len(rows))
             hits, misses = rows[held], rows[~held]

@@ -7,6 +7,7 @@ layers while later chunks are still in flight.
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -15,6 +16,25 @@ import numpy as np
 
 from worker.errors import ReadinessTimeout, TensorFailed, UnknownTensor
 from worker.staging import CopyFence
+
+
+def _index_sets(chunks: list[Iterable[int]]) -> list[np.ndarray]:
+    """Each tensor's distinct chunk indices, sorted. A tensor's chunks are almost always one
+    increasing run (``ChunkPlan.tensor_chunks``): those are taken as they are, from one array of
+    all of them, and only the others go through ``np.unique``."""
+    seqs = [c if isinstance(c, (tuple, list, range, np.ndarray)) else list(c) for c in chunks]
+    lens = np.fromiter((len(c) for c in seqs), dtype=np.int64, count=len(seqs))
+    flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lens.sum()))
+    if not len(flat):
+        return [flat for _ in seqs]
+    ends = np.cumsum(lens)
+    starts = ends - lens
+    # breaks[i]: how many steps other than +1 lie before position i
+    breaks = np.zeros(len(flat), dtype=np.int64)
+    np.cumsum(np.diff(flat) != 1, out=breaks[1:])
+    top = len(flat) - 1
+    run = (lens <= 1) | (breaks[np.minimum(ends - 1, top)] == breaks[np.minimum(starts, top)])
+    return [flat[s:e] if r else np.unique(flat[s:e]) for s, e, r in zip(starts.tolist(), ends.tolist(), run.tolist())]
 
 
 class _TensorState:
@@ -36,18 +56,16 @@ class TensorReadiness:
         self._lock = threading.Lock()
         self._tensors: dict[str, _TensorState] = {}
         self._callbacks: dict[str, list[Callable[[str], None]]] = {}
+        self._listeners: list[Callable[[list[str]], None]] = []
         # Which tensors each chunk feeds, without a list per chunk (a model of 4 KiB chunks has half
         # a million): a tensor's chunks are a run of indices, so a chunk that feeds one tensor
         # names it in ``_owner``; the few shared by several (-2 there) are listed in ``_shared``.
-        self._names: list[str] = []
-        sets: list[np.ndarray] = []
-        for name, chunks in tensor_chunks.items():
-            indices = np.unique(np.fromiter(chunks, dtype=np.int64))
+        self._names = list(tensor_chunks)
+        sets = _index_sets([tensor_chunks[name] for name in self._names])
+        for name, indices in zip(self._names, sets):
             if len(indices) and indices[0] < 0:
                 raise ValueError(f"tensor {name!r} names a negative chunk index")
-            self._names.append(name)
             self._tensors[name] = _TensorState(len(indices))
-            sets.append(indices)
         n = max((int(ix[-1]) + 1 for ix in sets if len(ix)), default=0)
         count = np.zeros(n, dtype=np.int32)
         owner = np.full(n, -1, dtype=np.int64)
@@ -122,6 +140,9 @@ class TensorReadiness:
                 tensors[name].event.set()
         for name, cb in callbacks:
             cb(name)
+        if ready:
+            for listener in self._listeners:
+                listener(ready)
         return ready
 
     def mark_failed(self, index: int, error: BaseException) -> list[str]:
@@ -144,6 +165,11 @@ class TensorReadiness:
             if state.error is not None:
                 return
         callback(name)
+
+    def listen(self, listener: Callable[[list[str]], None]) -> None:
+        """Call ``listener(names)`` with the tensors each landing made ready, all of them at once
+        (register it before anything lands: tensors ready before are not reported)."""
+        self._listeners.append(listener)
 
     def is_ready(self, name: str) -> bool:
         state = self._state(name)

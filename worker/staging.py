@@ -211,6 +211,18 @@ class Copier:
         else:
             dst.copy_(src)
 
+    def copy_many(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """``copy`` of each ``(src, dst)``, entering the side stream once for all of them."""
+        if self.stream is None:
+            for src, dst in pairs:
+                self.copy(src, dst)
+            return
+        with torch.cuda.stream(self.stream):
+            for src, dst in pairs:
+                if src.numel() != dst.numel():
+                    raise BufferTooSmall(f"copy of {src.numel()} bytes into a {dst.numel()}-byte destination")
+                dst.copy_(src, non_blocking=dst.is_cuda)
+
     def fence(self) -> CopyFence:
         """A fence that completes when every copy issued so far has completed."""
         if self.stream is None:
@@ -235,3 +247,4 @@ class Copier:
     def synchronize(self) -> None:
         if self.stream is not None:
             self.stream.synchronize()
+

@@ -37,9 +37,11 @@ class HeldGroup:
     those bytes, as a slice of the host arena when there is one (``arena``: then a later load of
     ``manifest_id`` may be given that memory once nothing else uses it, ``TieredCache.adopt``) --
     never through the tensors, which the tier must not keep alive; ``crcs``: each row's CRC32C
-    of its raw bytes (the manifest's, for raw chunks), with ``crc_of`` (by row) for the others."""
+    of its raw bytes (the manifest's, for raw chunks), with ``crc_of`` (by row) for the others.
+    ``private``: no tensor on the arena was ever handed to a caller (a load onto a device staged
+    it on the host), so only loads wrote its bytes and a load given it back skips re-verifying."""
 
-    __slots__ = ("arena", "crc_of", "crcs", "held", "locate", "manifest_id", "table")
+    __slots__ = ("arena", "crc_of", "crcs", "held", "locate", "manifest_id", "private", "table")
 
     def __init__(self, manifest_id: str = "", arena: ArenaView | None = None, *, table: ChunkTable | None = None,
                  locate: Locate | None = None, crcs: Sequence[int] | np.ndarray | None = None) -> None:
@@ -50,6 +52,7 @@ class HeldGroup:
         self.locate = locate
         self.crcs = crcs
         self.crc_of: dict[int, int] = {}  # row of a compressed chunk -> CRC32C of its raw bytes
+        self.private = False
 
     @property
     def tier_key(self) -> tuple[str, str, int]:
@@ -250,6 +253,21 @@ class TieredCache:
             if group is None or not group.count():
                 return None
             return take(group)
+
+    def holds_whole(self, manifest_id: str) -> bool:
+        """Whether a held group of ``manifest_id`` has every one of its chunks (a load of it then
+        asks the network for nothing, unless that memory is still in use)."""
+        with self._lock:
+            group = self._groups.get(manifest_id)
+        if group is None or group.table is None:
+            return False
+        return bool(group.held[group.table.first_rows].all())
+
+    def touch_group(self, group: HeldGroup, hits: int) -> None:
+        """Count ``hits`` chunks of ``group`` served at once (a load given its arena back)."""
+        if hits:
+            self.memory.get(group.tier_key, hits=hits)
+            self._count(hits, 0)
 
     def _evicted(self, key: object, value: Any) -> None:
         if isinstance(value, HeldGroup):

@@ -152,6 +152,65 @@ def test_memory_tier_hands_its_arena_to_the_next_load_once_the_tensors_are_gone(
     assert_bit_exact(fourth.tensors, sd)
 
 
+def test_host_staged_load_goes_up_tensor_by_tensor_and_the_next_load_takes_its_arena_back(
+        cluster: Cluster, client: ClusterClient) -> None:
+    """The path a CUDA load of a model the tier holds takes (host_staging="always" runs it on cpu):
+    chunks land in a host arena, each tensor is copied up whole, and the tier keeps the arena."""
+    from paramserver.client.hostmem import default_pool
+
+    sd = {**layers(6, seed=3), **mixed(seed=4)}
+    cluster.push(sd, "staged", tag="prod")
+    cache = mem_cache()
+    staged = PrefetchConfig(host_staging="always")
+    handle = start_load(client, "staged:prod", "cpu", cache, config=staged)
+    assert handle.upload is not None  # the staged path, not the arena tensors handed out
+    first_name = next(iter(sd))
+    early = handle.wait(first_name, timeout=60)
+    tensors, report = handle.result(timeout=60)
+    assert early is tensors[first_name]
+    assert report.bytes_network == report.bytes_total > 0
+    assert_bit_exact(tensors, sd)
+    group = cache._groups[handle.manifest.id]
+    assert group.private and group.arena is not None
+    # The caller holds its tensors and the handle: the arena is the tier's alone all the same.
+    assert default_pool().free_but_for(group.arena.view)
+    arena_id = id(group.arena.view.obj)  # not the object: a reference would keep the arena in use
+    # The next load is given that arena and takes its chunks without a lookup or a CRC each.
+    second = start_load(client, "staged:prod", "cpu", cache, config=staged)
+    assert second.prefetcher._trusted
+    again, report2 = second.result(timeout=60)
+    assert report2.bytes_memory == report2.bytes_total == report.bytes_total and report2.bytes_network == 0
+    assert id(cache._groups[handle.manifest.id].arena.view.obj) == arena_id
+    assert_bit_exact(again, sd)
+    assert_bit_exact(tensors, sd)  # the first load's tensors are its own
+    # A plain cpu load given the private arena hands it out: no longer private.
+    del second
+    plain = load(client, "staged:prod", cache=cache)
+    assert plain.report.bytes_memory == plain.report.bytes_total
+    assert_bit_exact(plain.tensors, sd)
+    assert not cache._groups[handle.manifest.id].private
+
+
+def test_failed_host_staged_load_fails_its_device_tensors(cluster: Cluster, client: ClusterClient) -> None:
+    from worker.errors import TensorFailed
+
+    def boom(_ref: object) -> None:
+        raise RuntimeError("planted failure of the local source")
+
+    cluster.push(layers(3, seed=15), "stagedfail", tag="prod")
+    handle = start_load(client, "stagedfail:prod", "cpu", mem_cache(), config=PrefetchConfig(host_staging="always"),
+                        local=boom)
+    with pytest.raises(RuntimeError, match="planted"):
+        handle.result(timeout=60)
+    with pytest.raises(TensorFailed):
+        handle.wait("layers.0.weight", timeout=10)
+
+
+def test_host_staging_setting_is_checked() -> None:
+    with pytest.raises(Exception, match="host_staging must be one of auto, always, never"):
+        PrefetchConfig(host_staging="sometimes").validate()
+
+
 def test_version_sharing_90_percent_fetches_only_the_rest(cluster: Cluster, client: ClusterClient) -> None:
     base = layers(20, seed=1)
     tuned = finetune(base, fraction=0.1, seed=2)

@@ -3,6 +3,8 @@ from __future__ import annotations
 import threading
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from worker.errors import ReadinessTimeout, TensorFailed, UnknownTensor
 from worker.readiness import TensorReadiness
@@ -68,3 +70,13 @@ def test_on_ready_callbacks_and_unknown_names() -> None:
     assert seen == ["empty", "head"]
     with pytest.raises(UnknownTensor, match="not part of this load"):
         r.wait("nope")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 40), max_size=12), max_size=8))
+def test_index_sets_are_each_tensors_distinct_sorted_chunks(chunks: list[list[int]]) -> None:
+    from worker.readiness import _index_sets
+
+    got = _index_sets([tuple(c) for c in chunks] + [range(3, 9)])
+    want = [sorted(set(c)) for c in chunks] + [list(range(3, 9))]
+    assert [g.tolist() for g in got] == want
