@@ -104,16 +104,20 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def _pin_then_go(host: Targets, upload: DeviceUpload) -> None:
-    """Page-lock the load's host arena (once per arena), then let its tensors go up."""
+def _pin_then_go(host: Targets, upload: DeviceUpload, errors: list[BaseException]) -> None:
+    """Page-lock the load's host arena (once per arena), then let its tensors go up. What raises
+    is handed to the loading thread (``errors``)."""
     try:
+        device = upload.copier.device
         if host.arena is not None and upload.copier.stream is not None:
-            why = default_pool().pin(host.arena.view)
+            why = default_pool().pin(host.arena.view, device.index if device.index is not None else 0)
             if why is not None:
-                log.warning("host arena not page-locked (%s): copies to %s run from pageable memory", why,
-                            upload.copier.device)
-    finally:
+                # Held uploads go at the end, from the loading thread.
+                log.warning("host arena not page-locked (%s): copies to %s run from pageable memory", why, device)
+                return
         upload.go()
+    except BaseException as exc:  # noqa: BLE001 - re-raised by LoadHandle._run
+        errors.append(exc)
 
 
 def host_staged(config: PrefetchConfig, device: torch.device, cache: TieredCache | None, manifest: Manifest) -> bool:
@@ -123,7 +127,7 @@ def host_staged(config: PrefetchConfig, device: torch.device, cache: TieredCache
         return False
     if config.host_staging == "always":
         return True
-    return device.type != "cpu" and cache is not None and cache.memory.capacity_bytes >= manifest.raw_bytes
+    return device.type == "cuda" and cache is not None and cache.memory.capacity_bytes >= manifest.raw_bytes
 
 
 def _adopt(manifest: Manifest, group: HeldGroup) -> tuple[Targets, HeldGroup] | None:
@@ -198,9 +202,10 @@ class LoadHandle:
     def _run(self) -> None:
         upload = self.upload
         prefault = pinner = None
+        pin_error: list[BaseException] = []
         if upload is not None and self._host is not None:
             # Pinning faults in the pages the receivers have not touched yet: it is the prefault.
-            pinner = start_background(partial(_pin_then_go, self._host, upload), "paramworker-pin")
+            pinner = start_background(partial(_pin_then_go, self._host, upload, pin_error), "paramworker-pin")
         elif self._host is not None:
             prefault = self._host.prefaulter().start()
         try:
@@ -208,18 +213,22 @@ class LoadHandle:
             if upload is not None:
                 if pinner is not None:
                     pinner.join()
+                if pin_error:
+                    raise pin_error[0]
                 upload.finish()
+                if upload.first_at is not None:  # usable on the device, not only on the host
+                    counters.first_tensor_s = upload.first_at - self._start
             self._report = make_report(self.info, self.manifest, self.device, counters, time.perf_counter() - self._start)
         except BaseException as exc:  # noqa: BLE001 - handed to result()
             self._error = exc
             if upload is not None:
+                if pinner is not None:
+                    pinner.join()  # before fail(): it may still be issuing copies
                 upload.fail(exc)
         finally:
             if prefault is not None:
                 prefault.stop()
             if upload is not None:
-                if pinner is not None:
-                    pinner.join()
                 self.prefetcher.release_targets()  # the arena is the memory tier's alone now
             self._host = None
         # The load is done: heat goes out behind it, so it never adds to the load's latency. Its

@@ -256,9 +256,12 @@ class Prefetcher:
         self._region: Locate = self.writer.arena_locate or self.writer.region
         self._group = adopted or HeldGroup(manifest.id, arena, table=self._table, locate=self._region,
                                            crcs=self._table.crc32c)
-        # Decided before this load sets it: a private arena stays private only while no load hands it out.
+        # A group given back is trusted only if private; it stays private only if this load hands
+        # nothing out either, and a group becomes private only once a load has verified or
+        # written every chunk it holds (run() succeeded).
         self._trusted = adopted is not None and adopted.private
-        self._group.private = private_arena
+        self._private_arena = private_arena
+        self._group.private = self._trusted and private_arena
         # A model larger than the memory tier goes around it (a scan): copies of its chunks would
         # take the tier's whole budget on top of the loaded model, and a load reads a model in
         # order, so the next load of it would evict each copy before reaching it.
@@ -405,6 +408,7 @@ class Prefetcher:
         try:
             with collector_paused(self.config.pause_collector):
                 self._run()
+            self._group.private = self._private_arena
         except BaseException as exc:
             for index in range(len(self._table)):
                 self.readiness.mark_failed(index, exc)
@@ -448,6 +452,7 @@ class Prefetcher:
         # the streams run while this thread copies cache hits.
         if cache is None or cache.empty():  # a cold load asks nothing per chunk
             misses = order = unique_order(self.manifest, self._heat())
+            misses = misses[~self._done[misses]]  # a trusted group evicted meanwhile landed some
             hits = misses[:0]
         else:
             order = rows = self._table.first_rows
@@ -470,10 +475,12 @@ class Prefetcher:
             net_thread = threading.Thread(target=self._fetch, args=(misses, net_error), name="paramworker-prefetch", daemon=True)
             net_thread.start()
         late = np.zeros(0, dtype=np.int64)
-        if cache is not None and len(hits):
-            late = self._land_hits(cache, hits[~self._done[hits]])
-        if net_thread is not None:
-            net_thread.join()
+        try:
+            if cache is not None and len(hits):
+                late = self._land_hits(cache, hits[~self._done[hits]])
+        finally:
+            if net_thread is not None:  # also when a hit failed: nothing may write into the targets after run()
+                net_thread.join()
         if net_error:
             raise net_error[0]
         if len(late):

@@ -9,6 +9,7 @@ launch and an event per chunk, and the memory tier holds the host bytes once, pa
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping
 
 import numpy as np
@@ -44,6 +45,7 @@ class DeviceUpload:
         self._go = False
         self._held: list[str] = []
         self.uploaded = 0
+        self.first_at: float | None = None  # perf_counter when the first device tensor became usable
         host_readiness.listen(self._ready)
 
     def _ready(self, names: list[str]) -> None:
@@ -63,6 +65,8 @@ class DeviceUpload:
         self.readiness.mark_landed_many(np.array([self._index[n] for n in names], dtype=np.int64), self.copier.fence())
         with self._lock:
             self.uploaded += len(names)
+            if self.first_at is None:
+                self.first_at = time.perf_counter()
 
     def go(self) -> None:
         """Upload from now on as tensors become ready, and the ones that became ready before."""
@@ -73,15 +77,29 @@ class DeviceUpload:
             self._upload(held)
 
     def finish(self) -> None:
-        """Every host tensor has landed: upload what is left, wait for the copies, drop the host tensors."""
+        """Every host tensor has landed: upload what is left, wait for the copies, drop the host
+        tensors. Raises if a tensor never went up (a copy that raised elsewhere)."""
         self.go()
         self.copier.synchronize()
         self._host = {}
+        missing = self.readiness.pending()
+        if missing:
+            raise RuntimeError(f"{len(missing)} tensors never reached {self.copier.device} (first: {missing[0]!r}); "
+                               "the load failed, retry it")
 
     def fail(self, error: BaseException) -> None:
-        """The load failed: every device tensor not uploaded fails with ``error``."""
+        """The load failed: every device tensor fails with ``error`` (as every host tensor did),
+        and the copies already issued are waited for before the host tensors are let go: their
+        arena may be unpinned and unmapped once nothing holds it."""
+        with self._lock:
+            self._go = False  # nothing more goes up
+            self._held = []
         for i in range(len(self._index)):
             self.readiness.mark_failed(i, error)
+        try:
+            self.copier.synchronize()
+        except Exception:  # noqa: BLE001 - a broken CUDA context: the load's own error is the one to report
+            pass
         self._host = {}
 
 

@@ -138,7 +138,7 @@ def arena_layout(sizes: Sequence[int]) -> tuple[list[int], int]:
 
 
 class _Arena:
-    __slots__ = ("area", "size", "free_since", "address", "pinned", "_baseline")
+    __slots__ = ("area", "size", "free_since", "address", "pinned_on", "_baseline")
 
     def __init__(self, size: int) -> None:
         self.area = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -147,7 +147,7 @@ class _Arena:
         export = ctypes.c_char.from_buffer(self.area)  # a buffer export: released before the baseline is read
         self.address = ctypes.addressof(export)
         del export
-        self.pinned = False  # registered with CUDA (page-locked): see ArenaPool.pin
+        self.pinned_on: int | None = None  # the CUDA device it is registered (page-locked) with: ArenaPool.pin
         # The count while only this slot holds the mapping, read the same way is_free() reads
         # it (interpreters differ in how many references the call itself adds).
         self._baseline = sys.getrefcount(self.area)
@@ -157,31 +157,41 @@ class _Arena:
         # until its storage is freed.
         return sys.getrefcount(self.area) <= self._baseline
 
+    @property
+    def pinned(self) -> bool:
+        return self.pinned_on is not None
+
     def close(self) -> None:
-        if self.pinned:
-            _cuda_unregister(self.address)
-            self.pinned = False
+        """Unpin and unmap (called without the pool's lock: unregistering a large arena takes a while)."""
+        if self.pinned_on is not None:
+            _cuda_unregister(self.address, self.pinned_on)
+            self.pinned_on = None
         self.area.close()
 
 
-def _cuda_register(address: int, size: int) -> str | None:
-    """Page-lock ``size`` bytes at ``address`` for CUDA; None when done, else why not."""
+def _cuda_register(address: int, size: int, device: int) -> str | None:
+    """Page-lock ``size`` bytes at ``address`` for CUDA; None when done, else why not. On
+    ``device``'s context: a fresh thread's current device is 0."""
     if not torch.cuda.is_available():
         return "CUDA is not available"
     try:
-        err = torch.cuda.cudart().cudaHostRegister(address, size, 0)  # the binding releases the GIL
+        with torch.cuda.device(device):
+            err = torch.cuda.cudart().cudaHostRegister(address, size, 0)  # the binding releases the GIL
     except Exception as exc:  # noqa: BLE001 - a torch without the binding: copies stay pageable
         return f"cudaHostRegister unavailable: {exc}"
-    code = int(getattr(err, "value", err))
-    if code != 0:
-        torch.cuda.synchronize()  # clears nothing, but keeps a sticky error from surfacing later unexplained
+    if int(getattr(err, "value", err)) != 0:
+        # The failure is this thread's "last error" too; take it, so no later check here reports it.
+        clear = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
+        if clear is not None:
+            clear()
         return f"cudaHostRegister failed: {err}"
     return None
 
 
-def _cuda_unregister(address: int) -> None:
+def _cuda_unregister(address: int, device: int) -> None:
     try:
-        torch.cuda.cudart().cudaHostUnregister(address)
+        with torch.cuda.device(device):
+            torch.cuda.cudart().cudaHostUnregister(address)
     except Exception:  # noqa: BLE001 - the process is going away, or CUDA with it
         pass
 
@@ -208,16 +218,20 @@ class ArenaPool:
         """
         offsets, need = arena_layout(sizes)
         with self._lock:
-            self._sweep(time.monotonic())
+            gone = self._sweep(time.monotonic())
             best: _Arena | None = None
             for arena in self._arenas:
                 if need <= arena.size and need >= MIN_FILL * arena.size and arena.is_free():
                     if best is None or (arena.pinned == pinned, -arena.size) > (best.pinned == pinned, -best.size):
                         best = arena
+            taken = None
             if best is not None:
                 best.free_since = None
                 self.reused += 1
-                return best.area, offsets, False
+                taken = best.area  # a reference held from here on: no other caller sees it free
+        _close(gone)
+        if taken is not None:
+            return taken, offsets, False
         arena = _Arena(need)
         if self.huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
             try:
@@ -233,8 +247,9 @@ class ArenaPool:
                 self._schedule()
         return arena.area, offsets, True
 
-    def _sweep(self, now: float) -> None:
-        """Unmap released arenas kept too long or beyond keep_bytes (oldest release first). Lock held."""
+    def _sweep(self, now: float) -> list[_Arena]:
+        """Drop released arenas kept too long or beyond keep_bytes (oldest release first); returns
+        them, for the caller to ``_close`` once it has let go of the lock. Lock held."""
         free: list[_Arena] = []
         for arena in self._arenas:
             if arena.is_free():
@@ -245,19 +260,22 @@ class ArenaPool:
                 arena.free_since = None
         free.sort(key=lambda a: a.free_since or now)
         kept = sum(a.size for a in free)
+        gone: list[_Arena] = []
         for arena in free:
             assert arena.free_since is not None
             if now - arena.free_since >= self.config.keep_seconds or kept > self.config.keep_bytes:
                 kept -= arena.size
                 self._arenas.remove(arena)
-                arena.close()
+                gone.append(arena)
+        return gone
 
     def _tick(self) -> None:
         with self._lock:
             self._timer = None
-            self._sweep(time.monotonic())
+            gone = self._sweep(time.monotonic())
             if self._arenas:
                 self._schedule()
+        _close(gone)
 
     def _schedule(self) -> None:
         if self._timer is None:
@@ -284,28 +302,28 @@ class ArenaPool:
     def release_all(self) -> None:
         """Unmap every released arena now (arenas in use stay with their tensors)."""
         with self._lock:
-            for arena in [a for a in self._arenas if a.is_free()]:
+            gone = [a for a in self._arenas if a.is_free()]
+            for arena in gone:
                 self._arenas.remove(arena)
-                arena.close()
+        _close(gone)
 
-    def pin(self, view: memoryview) -> str | None:
-        """Page-lock the arena ``view`` is of, for asynchronous copies to a CUDA device (once: a
+    def pin(self, view: memoryview, device: int) -> str | None:
+        """Page-lock the arena ``view`` is of, for asynchronous copies to CUDA ``device`` (once: a
         released arena stays pinned for the next load, and is unpinned when it is unmapped).
         Returns None when the arena is pinned, else why not (its copies then run from pageable
         memory: correct, about 8x slower). Registering faults in every page it has not touched:
-        call it off the loading thread."""
+        call it off the loading thread, while ``view``'s tensors are alive (an arena in use is
+        never swept)."""
         with self._lock:
             arena = next((a for a in self._arenas if view.obj is a.area), None)
             if arena is None:
                 return "the arena was not allocated by this pool with pinned=True"
             if arena.pinned:
                 return None
-        why = _cuda_register(arena.address, arena.size)
+        why = _cuda_register(arena.address, arena.size, device)
         if why is None:
             with self._lock:
-                arena.pinned = True
-                if arena not in self._arenas:  # swept meanwhile: it was free, so unmapped. Not in use by us.
-                    arena.close()
+                arena.pinned_on = device
         return why
 
     def is_pinned(self, view: memoryview) -> bool:
@@ -316,6 +334,11 @@ class ArenaPool:
         """Bytes of arenas page-locked for CUDA (in use, or released and kept)."""
         with self._lock:
             return sum(a.size for a in self._arenas if a.pinned)
+
+
+def _close(arenas: list[_Arena]) -> None:
+    for arena in arenas:
+        arena.close()
 
 
 _POOL: ArenaPool | None = None
@@ -426,16 +449,15 @@ def retarget(manifest: Manifest, arena: ArenaView) -> Targets:
 def _carve(manifest: Manifest, arena: ArenaView, fresh: bool) -> Targets:
     out: dict[str, torch.Tensor] = {}
     large: list[torch.Tensor] = []
-    # One buffer export for the whole arena, every tensor a slice of it (a frombuffer per tensor
-    # costs tens of microseconds each).
-    whole = torch.frombuffer(arena.view.obj, dtype=torch.uint8) if arena.offsets else None
     for entry in manifest.tensors:
         dtype = torch_dtype(entry.dtype)
         off = arena.offsets.get(entry.name)
-        if off is None or whole is None:
+        if off is None:
             out[entry.name] = torch.empty(entry.shape, dtype=dtype)
             continue
-        t = whole[off : off + entry.nbytes].view(dtype).reshape(entry.shape)
+        # A storage of its own per tensor (not slices of one): torch.save of one tensor writes its bytes only.
+        t = torch.frombuffer(arena.view.obj, dtype=torch.uint8, count=entry.nbytes, offset=off)
+        t = t.view(dtype).reshape(entry.shape)
         out[entry.name] = t
         if fresh and entry.nbytes >= PAGE_ALIGNED_BYTES:
             large.append(t)

@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 
+from typing import Any
+
 import grpc
 import pytest
 import torch
@@ -201,6 +203,71 @@ def test_failed_host_staged_load_fails_its_device_tensors(cluster: Cluster, clie
     handle = start_load(client, "stagedfail:prod", "cpu", mem_cache(), config=PrefetchConfig(host_staging="always"),
                         local=boom)
     with pytest.raises(RuntimeError, match="planted"):
+        handle.result(timeout=60)
+    with pytest.raises(TensorFailed):
+        handle.wait("layers.0.weight", timeout=10)
+
+
+def test_a_failed_host_staged_load_does_not_make_a_group_it_did_not_verify_trusted(
+        cluster: Cluster, client: ClusterClient) -> None:
+    """A staged load given a plain load's arena (whose caller wrote into a tensor) that fails
+    before re-verifying it must leave the group unverified: the next load checks every chunk."""
+    import gc
+
+    sd = layers(4, seed=21)
+    cluster.push(sd, "privfail", tag="prod")
+    cache = mem_cache()
+    first = load(client, "privfail:prod", cache=cache)
+    first.tensors["layers.0.weight"].view(-1)[5] += 1.0  # written in place, then dropped
+    assert first.handle is not None and first.handle.heat_sent(10)
+    manifest = first.manifest
+    del first
+    gc.collect()
+    group = cache._groups[manifest.id]
+    assert not group.private
+    # one chunk of another tensor no longer held: a miss, asked of the local source first
+    row = manifest.plan.tensor_chunks[[t.name for t in manifest.tensors].index("layers.3.weight")][0]
+    group.discard(manifest.chunks.ids[int(row)])
+
+    def boom(_ref: object) -> None:
+        raise RuntimeError("planted failure of the local source")
+
+    staged = start_load(client, "privfail:prod", "cpu", cache, config=PrefetchConfig(host_staging="always"), local=boom)
+    assert staged.prefetcher._adopted is group
+    with pytest.raises(RuntimeError, match="planted"):
+        staged.result(timeout=60)
+    assert not group.private
+    assert staged.heat_sent(10)
+    del staged
+    gc.collect()
+    again = load(client, "privfail:prod", cache=cache)
+    assert again.handle is not None and not again.handle.prefetcher._trusted
+    assert_bit_exact(again.tensors, sd)  # the written chunk failed its CRC and came again
+
+
+def test_an_upload_that_raises_in_the_pin_thread_fails_the_load(
+        cluster: Cluster, client: ClusterClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Copies held back while the arena is pinned go up from the pinning thread: if they raise,
+    result() raises and the device tensors fail, instead of uninitialised tensors passing."""
+    import worker.loader as loader
+    from worker.errors import TensorFailed
+    from worker.staging import Copier
+
+    real_pin = loader._pin_then_go
+
+    def slow_then_broken(host: Any, upload: Any, errors: list[BaseException]) -> None:
+        time.sleep(1.0)  # tensors land meanwhile and are held back
+
+        def broken(self: Copier, pairs: Any) -> None:
+            raise RuntimeError("planted copy failure")
+
+        monkeypatch.setattr(Copier, "copy_many", broken)
+        real_pin(host, upload, errors)
+
+    monkeypatch.setattr(loader, "_pin_then_go", slow_then_broken)
+    cluster.push(layers(3, seed=5), "pinfail", tag="prod")
+    handle = start_load(client, "pinfail:prod", "cpu", mem_cache(), config=PrefetchConfig(host_staging="always"))
+    with pytest.raises(RuntimeError, match="planted copy failure"):
         handle.result(timeout=60)
     with pytest.raises(TensorFailed):
         handle.wait("layers.0.weight", timeout=10)
