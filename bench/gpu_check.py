@@ -432,6 +432,31 @@ class Run:
         return times
 
 
+def profile_load(client: Any, cache: Any, device: Any, out: Path) -> None:
+    """One memory-tier load under cProfile (where the time goes between start_load and result())."""
+    import cProfile
+    import io
+    import pstats
+
+    from worker.loader import start_load
+
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    handle = start_load(client, REF, device, cache)
+    t1 = time.perf_counter()
+    tensors, _report = handle.result(timeout=LOAD_TIMEOUT_S)
+    sync(device)
+    prof.disable()
+    t2 = time.perf_counter()
+    del tensors, handle
+    text = io.StringIO()
+    text.write(f"start_load {1000 * (t1 - t0):.1f} ms, start_load to result() {1000 * (t2 - t0):.1f} ms (profiled)\n")
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
+    out.write_text(text.getvalue())
+    print(f"profile of one memory-tier load written to {out}", flush=True)
+
+
 # ----------------------------------------------------------------------------------- table
 
 def print_table(rep: Report, header: list[str]) -> None:
@@ -456,6 +481,10 @@ def main() -> int:
     p.add_argument("--dir", type=Path, default=None,
                    help="parent folder for the run's working folder (default: the system temp dir)")
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write every figure and check to FILE")
+    p.add_argument("--profile", type=Path, default=None, metavar="FILE",
+                   help="after the rounds, profile one more memory-tier load with cProfile (Python 3.12+ sees the "
+                        "load's own threads too; 3.11 only start_load) and write its 40 costliest calls by "
+                        "cumulative time to FILE")
     args = p.parse_args()
     if args.rounds < 1 or not args.gib > 0:
         p.error("--rounds must be >= 1 and --gib > 0")
@@ -634,6 +663,8 @@ def main() -> int:
             rep.data["medians_s"] = med
             rep.data["medians_gbps"] = {m: gbps(run.model_bytes, s) for m, s in med.items()}
             rep.data["ratio_memory_tier_vs_copy"] = ratio
+        if args.profile is not None:
+            profile_load(client, cache, device, args.profile)
     except BaseException as exc:
         keep = True
         if isinstance(exc, Exception):
