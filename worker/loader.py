@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -220,6 +221,9 @@ class LoadHandle:
                     counters.first_tensor_s = upload.first_at - self._start
             self._report = make_report(self.info, self.manifest, self.device, counters, time.perf_counter() - self._start)
         except BaseException as exc:  # noqa: BLE001 - handed to result()
+            # The traceback stays for the caller; its frames' locals (views of the targets) go, or a
+            # failed load kept its host arena in use for as long as its handle lives.
+            traceback.clear_frames(exc.__traceback__)
             self._error = exc
             if upload is not None:
                 if pinner is not None:

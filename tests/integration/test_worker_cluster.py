@@ -263,14 +263,23 @@ def test_an_upload_that_raises_in_the_pin_thread_fails_the_load(
 
         monkeypatch.setattr(Copier, "copy_many", broken)
         real_pin(host, upload, errors)
+        # The error's traceback keeps the frames above it, this one too: it must not keep the targets.
+        del host, upload, errors
 
     monkeypatch.setattr(loader, "_pin_then_go", slow_then_broken)
     cluster.push(layers(3, seed=5), "pinfail", tag="prod")
-    handle = start_load(client, "pinfail:prod", "cpu", mem_cache(), config=PrefetchConfig(host_staging="always"))
+    cache = mem_cache()
+    handle = start_load(client, "pinfail:prod", "cpu", cache, config=PrefetchConfig(host_staging="always"))
     with pytest.raises(RuntimeError, match="planted copy failure"):
         handle.result(timeout=60)
     with pytest.raises(TensorFailed):
         handle.wait("layers.0.weight", timeout=10)
+    # What landed is kept, and the failed handle (its error's traceback included) holds none of it.
+    from paramserver.client.hostmem import default_pool
+
+    group = cache._groups[handle.manifest.id]
+    assert group.arena is not None and group.private  # every host chunk landed verified; only the upload failed
+    assert default_pool().free_but_for(group.arena.view)
 
 
 def test_host_staging_setting_is_checked() -> None:
