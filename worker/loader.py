@@ -310,7 +310,7 @@ def start_load(
             # The heatmap orders the fetch: waited for only when some chunk must come from the network.
             heat = asked.result if asked is not None else None
             prefetcher = Prefetcher(
-                manifest, dict(host.tensors) if host is not None else tensors, client=client, cache=tiered,
+                manifest, host.tensors if host is not None else tensors, client=client, cache=tiered,
                 config=config, version=info.number, heat=heat, local=local,
                 recorder=HeatmapRecorder(info.model, info.number), on_progress=on_progress,
                 private_targets=host is not None, arena=host.arena if host is not None else None,

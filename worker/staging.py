@@ -12,6 +12,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -203,21 +204,12 @@ class Copier:
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy ``src`` (uint8 staging view) into ``dst`` (uint8 view of the destination)."""
-        if src.numel() != dst.numel():
-            raise BufferTooSmall(f"copy of {src.numel()} bytes into a {dst.numel()}-byte destination")
-        if self.stream is not None and dst.is_cuda:
-            with torch.cuda.stream(self.stream):
-                dst.copy_(src, non_blocking=True)
-        else:
-            dst.copy_(src)
+        self.copy_many(((src, dst),))
 
     def copy_many(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """``copy`` of each ``(src, dst)``, entering the side stream once for all of them."""
-        if self.stream is None:
-            for src, dst in pairs:
-                self.copy(src, dst)
-            return
-        with torch.cuda.stream(self.stream):
+        """``copy`` of each ``(src, dst)``, entering the side stream once for all of them (a copy
+        into a CUDA tensor is asynchronous there; any other is plain)."""
+        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
             for src, dst in pairs:
                 if src.numel() != dst.numel():
                     raise BufferTooSmall(f"copy of {src.numel()} bytes into a {dst.numel()}-byte destination")
@@ -247,4 +239,3 @@ class Copier:
     def synchronize(self) -> None:
         if self.stream is not None:
             self.stream.synchronize()
-

@@ -168,18 +168,13 @@ class TieredCache:
         found: list[Lookup | None] = [None] * len(keys)
         with self._lock:
             groups = self._held
-        held = 0
         for group in groups:
             n = 0
             for i, key in enumerate(keys):
                 if found[i] is None and (chunk := group.chunk(key)) is not None:
                     found[i] = Lookup(chunk, "memory")
                     n += 1
-            if n:
-                self.memory.get(group.tier_key, hits=n)
-                held += n
-        if held:
-            self._count(held, 0)
+            self.touch_group(group, n)
         return [hit if hit is not None else self._get_copy(key) for key, hit in zip(keys, found)]
 
     def _get_copy(self, key: str) -> Lookup:
@@ -264,7 +259,7 @@ class TieredCache:
         return bool(group.held[group.table.first_rows].all())
 
     def touch_group(self, group: HeldGroup, hits: int) -> None:
-        """Count ``hits`` chunks of ``group`` served at once (a load given its arena back)."""
+        """Count ``hits`` chunks of ``group`` served at once: one reference of its tier entry."""
         if hits:
             self.memory.get(group.tier_key, hits=hits)
             self._count(hits, 0)

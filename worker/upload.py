@@ -44,7 +44,6 @@ class DeviceUpload:
         self._lock = threading.Lock()
         self._go = False
         self._held: list[str] = []
-        self.uploaded = 0
         self.first_at: float | None = None  # perf_counter when the first device tensor became usable
         host_readiness.listen(self._ready)
 
@@ -58,13 +57,12 @@ class DeviceUpload:
     def _upload(self, names: list[str]) -> None:
         """One copy per tensor, issued together; one fence for them all."""
         host = self._host
-        names = [n for n in names if n in host and host[n].numel()]
-        if not names:  # finished or failed meanwhile, or tensors of no bytes
+        names = [n for n in names if n in host]
+        if not names:  # finished or failed meanwhile
             return
         self.copier.copy_many((byte_view(host[n]), byte_view(self.tensors[n])) for n in names)
         self.readiness.mark_landed_many(np.array([self._index[n] for n in names], dtype=np.int64), self.copier.fence())
         with self._lock:
-            self.uploaded += len(names)
             if self.first_at is None:
                 self.first_at = time.perf_counter()
 

@@ -4,33 +4,19 @@ CI has no GPU: these run where one is lent (``bench/gpu_check.py`` is the measur
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
 from paramserver.client.hostmem import default_pool
 from paramserver.client.session import ClusterClient
 from tests.integration.test_worker_cluster import assert_bit_exact, layers, mem_cache, mixed
-from tests.integration.test_worker_harness import Cluster, running_cluster
+from tests.integration.test_worker_harness import Cluster
 from worker.config import PrefetchConfig
 from worker.errors import TensorFailed
 from worker.loader import load, start_load
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda.is_available() is False)")]
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with running_cluster(tmp_path_factory.mktemp("cudacluster")) as c:
-        yield c
-
-
-@pytest.fixture()
-def client(cluster: Cluster) -> Iterator[ClusterClient]:
-    with ClusterClient(cluster.seed) as c:
-        yield c
 
 
 def on_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

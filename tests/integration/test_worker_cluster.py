@@ -24,7 +24,7 @@ from paramserver.client.rpc import ParamServerClient
 from paramserver.wire.proto import pb, pb_grpc
 from paramserver.server.segments import ChunkLocation, corrupt_stored
 from tests.conftest import stop_process
-from tests.integration.test_worker_harness import REPO, Cluster, running_cluster
+from tests.integration.test_worker_harness import REPO, Cluster
 from paramserver.client.session import ClusterClient
 from chunking.chunk_table import ChunkRows
 from paramserver.client.fetch_plan import FetchPlanner, Read
@@ -39,18 +39,6 @@ from worker.tiered_cache import TieredCache
 
 pytestmark = pytest.mark.integration
 MiB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with running_cluster(tmp_path_factory.mktemp("workercluster")) as c:
-        yield c
-
-
-@pytest.fixture()
-def client(cluster: Cluster) -> Iterator[ClusterClient]:
-    with ClusterClient(cluster.seed) as c:
-        yield c
 
 
 def mem_cache(mb: int = 256) -> TieredCache:

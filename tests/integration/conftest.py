@@ -1,0 +1,21 @@
+"""Fixtures the worker's integration modules share: one real 3-server cluster per module."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from paramserver.client.session import ClusterClient
+from tests.integration.test_worker_harness import Cluster, running_cluster
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with running_cluster(tmp_path_factory.mktemp("workercluster")) as c:
+        yield c
+
+
+@pytest.fixture()
+def client(cluster: Cluster) -> Iterator[ClusterClient]:
+    with ClusterClient(cluster.seed) as c:
+        yield c
