@@ -93,6 +93,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"an unreferenced chunk is deleted only when older than this many seconds (default {d['orphan_grace_s']})")
     s.add_argument("--segment-mb", type=int,
                    help="chunk store segment file size in MiB; a full segment is sealed and a new one started (default 256)")
+    s.add_argument("--direct-writes", choices=("auto", "on", "off"),
+                   help="chunk writes around the page cache (O_DIRECT): on, off, or auto = on with fsync, off with "
+                        "--no-fsync (default auto)")
     s.add_argument("--compact-mb-per-s", type=int,
                    help="I/O budget of segment compaction (rewriting segments whose chunks were mostly deleted) (default 64)")
     s.add_argument("--workers", type=int, help=f"gRPC server threads (default {d['workers']})")
@@ -141,6 +144,8 @@ def _overrides(a: argparse.Namespace) -> dict[str, Any]:
         o["scrub_bytes_per_s"] = a.scrub_mb_per_s * MiB
     if a.segment_mb is not None:
         o["store_segment_bytes"] = a.segment_mb * MiB
+    if a.direct_writes is not None:
+        o["store_direct_writes"] = {"auto": "auto", "on": True, "off": False}[a.direct_writes]
     if a.compact_mb_per_s is not None:
         o["store_compact_bytes_per_s"] = a.compact_mb_per_s * MiB
     if a.hot_chunks is not None:

@@ -79,7 +79,9 @@ class ParamServer:
         self.running = start_server(cfg, store, metadata=node, repair_queue=queue, fetch_blob=fetch_blob,
                                     version_check=QuorumVersionCheck(peers, store, fetch_blob=fetch_blob),
                                     member_probe=MemberCheck(peers, cluster_id(cfg.cluster_secret, cfg.vnodes)), hot=hot)
-        log.info("%s serving gRPC on %s, Raft on %s", cfg.server_id, self.running.address, cfg.raft)
+        log.info("%s serving gRPC on %s, Raft on %s; chunk writes %s", cfg.server_id, self.running.address, cfg.raft,
+                 ("fsynced" if cfg.fsync else "not fsynced (--no-fsync)")
+                 + (", around the page cache (O_DIRECT)" if store.direct_writes else ", through the page cache"))
         if cfg.bulk_enabled:
             self.bulk = BulkServer(store, AuthConfig(cfg.admin_token, cfg.read_token), cfg.bulk_listen_address,
                                    BulkServerConfig.from_extra(cfg.extra), server_id=cfg.server_id,

@@ -154,9 +154,12 @@ class StoreConfig:
     # and quarantines, segment indexes, compaction copies), so a full disk can still be cleaned up
     meta_reserve_bytes: int = 1 * MiB
     verify_index_on_open: bool = True  # check each .idx entry against its record header on open
-    # appends' whole blocks go around the page cache (O_DIRECT, paramserver.server.direct_io); falls
-    # back to buffered writes, logged once, where the file system refuses it
-    direct_writes: bool = True
+    # True: appends' whole blocks go around the page cache (O_DIRECT, paramserver.server.direct_io),
+    # falling back to buffered writes, logged once, where the file system refuses it. None (auto):
+    # O_DIRECT only with fsync on. Without fsync a write is acknowledged once written, and an
+    # O_DIRECT write waits for the device, the very wait --no-fsync is asked to skip; with fsync on,
+    # the bytes must reach the device before the ack anyway, and O_DIRECT spares the page cache.
+    direct_writes: bool | None = None
 
     def validate(self) -> StoreConfig:
         if not 4 * KiB <= self.segment_bytes <= 1 << 40:
@@ -177,11 +180,17 @@ class StoreConfig:
     def from_extra(cls, extra: Mapping[str, object]) -> StoreConfig:
         """From a server config file's extra keys ``store_segment_bytes``, ``store_compact_live_fraction``,
         ``store_compact_dead_ratio``, ``store_compact_bytes_per_s``, ``store_compact_interval_s``,
-        ``store_meta_reserve_bytes``, ``store_verify_index_on_open`` and ``store_direct_writes``."""
+        ``store_meta_reserve_bytes``, ``store_verify_index_on_open`` and ``store_direct_writes`` (true,
+        false or "auto")."""
         values: dict[str, object] = {}
+        direct = extra.get("store_direct_writes")
+        if direct is not None:
+            if direct not in (True, False, "auto"):
+                raise ConfigError(f'store_direct_writes must be true, false or "auto", got {direct!r}')
+            values["direct_writes"] = None if direct == "auto" else direct
         for name, kind in (("segment_bytes", int), ("compact_live_fraction", float), ("compact_dead_ratio", float),
                            ("compact_bytes_per_s", int), ("compact_interval_s", float), ("meta_reserve_bytes", int),
-                           ("verify_index_on_open", bool), ("direct_writes", bool)):
+                           ("verify_index_on_open", bool)):
             value = extra.get(f"store_{name}")
             if value is None:
                 continue
@@ -370,10 +379,16 @@ class ChunkStore:
         self._full = False  # the last write found the disk full (logged once per episode)
         self._closed = False
         self._lock_fd = [-1]
-        self._appender = DirectAppender(self.config.direct_writes, self._where)
+        direct = self.config.direct_writes
+        self._appender = DirectAppender(fsync if direct is None else direct, self._where)
         self._finalizer = weakref.finalize(self, _close_all, self._segs, self._retired, self._lock_fd)
         self._opened_at = clock()
         self._open()
+
+    @property
+    def direct_writes(self) -> bool:
+        """Whether appends go around the page cache (O_DIRECT), as configured or by fsync (auto)."""
+        return self._appender.enabled
 
     # ------------------------------------------------------------- open
 

@@ -105,3 +105,40 @@ def test_forget_closes_the_descriptor_of_a_sealed_file(tmp_path: Path) -> None:
     assert appender._path is None
     assert path.read_bytes() == b"x" * (ALIGN * 40)
     appender.close()
+
+
+@pytest.mark.parametrize(("fsync", "setting", "direct"), [
+    (True, None, True),  # auto: the bytes must reach the device before the ack anyway
+    (False, None, False),  # auto: --no-fsync acks once written, not once on the device
+    (False, True, True),
+    (True, False, False),
+])
+def test_store_direct_writes_default_follows_fsync(tmp_path: Path, fsync: bool, setting: bool | None, direct: bool) -> None:
+    from paramserver.server.store import ChunkStore, StoreConfig
+
+    store = ChunkStore(tmp_path / "d", fsync=fsync, config=StoreConfig(direct_writes=setting))
+    try:
+        assert store.direct_writes is (direct and hasattr(os, "O_DIRECT"))
+    finally:
+        store.close()
+
+
+def test_direct_writes_from_the_cli_and_config_keys() -> None:
+    from paramserver.server.cli import _overrides, _parser
+    from paramserver.server.config import ConfigError, ServerConfig
+    from paramserver.server.store import StoreConfig
+
+    def parsed(*flags: str) -> bool | None:
+        args = _parser().parse_args(["serve", "--id", "a", "--data-dir", "/tmp/x", *flags])
+        return StoreConfig.from_extra(ServerConfig.from_mapping({}, **_overrides(args)).extra).direct_writes
+
+    assert parsed() is None
+    assert parsed("--direct-writes", "auto") is None
+    assert parsed("--direct-writes", "on") is True
+    assert parsed("--direct-writes", "off") is False
+    assert StoreConfig.from_extra({"store_direct_writes": "auto"}).direct_writes is None
+    assert StoreConfig.from_extra({"store_direct_writes": False}).direct_writes is False
+    with pytest.raises(ConfigError, match='store_direct_writes must be true, false or "auto"'):
+        StoreConfig.from_extra({"store_direct_writes": "yes"})
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--direct-writes", "maybe"])
