@@ -11,7 +11,8 @@ raw source file, then measures, each in a fresh child process of this script, ev
      into a FRESH default local cluster (deploy.local: 3 servers, R=3, W=2, the servers' own
      defaults, i.e. fsync on; plus any --server-arg), started for this one measurement in its own
      folder (no dedup, no scrub backlog, no dirty pages of an earlier round) and stopped after it;
-  2. push, no fsync: the same with every server started with ``--no-fsync``;
+  2. push, no fsync: the same with every server started with ``--no-fsync`` (whose chunk writes then
+     go through the page cache, ``--direct-writes auto``; fsync on writes around it, O_DIRECT);
   3. Redis SET: redis-py with the hiredis parser, SET pipelined 32 at a time into a fresh
      redis-server (deploy.redis_baseline: no persistence, one copy), of the same 256 KiB chunks
      (``chunking.pack.pack`` with ChunkingConfig(): keys = the content ids, values = the raw
@@ -605,6 +606,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"bench_push: {model_bytes / MiB:.0f} MiB bf16 model, 256 KiB chunks, fresh 3-server cluster per push (R=3, W=2), "
           f"{args.rounds} rounds (balanced order){f', then {big_bytes / MiB:.0f} MiB once' if big_bytes else ''}; {cores} cores, "
           f"load {load0[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end; torch {torch.__version__}, Python {platform.python_version()}")
+    if not any(a.startswith(("--direct-writes", "--config")) for a in args.server_arg):
+        print("servers' chunk writes: --direct-writes auto = around the page cache (O_DIRECT) with fsync, through it with --no-fsync")
     w = max(len(v) for v in labels.values())
     head = (f"{'method':{w}s}  {'s per round':>23s}  {'median s':>8s}  {'GB/s':>6s}  {'srv ns/B':>8s}  {'cli ns/B':>8s}  "
             f"{'peak RSS +base':>14s}  bit-exact")
