@@ -185,7 +185,7 @@ class StoreConfig:
         values: dict[str, object] = {}
         direct = extra.get("store_direct_writes")
         if direct is not None:
-            if direct not in (True, False, "auto"):
+            if not (isinstance(direct, bool) or direct == "auto"):
                 raise ConfigError(f'store_direct_writes must be true, false or "auto", got {direct!r}')
             values["direct_writes"] = None if direct == "auto" else direct
         for name, kind in (("segment_bytes", int), ("compact_live_fraction", float), ("compact_dead_ratio", float),

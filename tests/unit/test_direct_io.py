@@ -140,5 +140,7 @@ def test_direct_writes_from_the_cli_and_config_keys() -> None:
     assert StoreConfig.from_extra({"store_direct_writes": False}).direct_writes is False
     with pytest.raises(ConfigError, match='store_direct_writes must be true, false or "auto"'):
         StoreConfig.from_extra({"store_direct_writes": "yes"})
+    with pytest.raises(ConfigError, match="got 1"):
+        StoreConfig.from_extra({"store_direct_writes": 1})
     with pytest.raises(SystemExit):
         _parser().parse_args(["serve", "--direct-writes", "maybe"])
