@@ -145,16 +145,8 @@ class ReReplicator:
             if backoff is not None and now < backoff[0]:
                 report.full.append(server)  # its disk was full a moment ago: do not push at it yet
                 continue
-            client = self.peers.client(member)
             try:
-                for start in range(0, len(ids), self.batch):
-                    part = ids[start:start + self.batch]
-                    report.checked += len(part)
-                    missing = [cid for cid, ok in zip(part, client.has_chunks(part)) if not ok]
-                    report.missing += len(missing)
-                    if missing:
-                        reply = client.put_chunks(self._chunks(missing, report), batch_bytes=self.push_batch_bytes)
-                        report.copied += int(reply.chunks_stored)
+                self._copy_to(member, ids, report)
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -172,6 +164,34 @@ class ReReplicator:
             log.info("re-replication copied %d chunks (%d bytes)", report.copied, report.bytes_copied)
         return report
 
+    def _copy_to(self, member: MemberRecord, ids: list[str], report: ReplicationReport) -> None:
+        """HasChunks, then a push of what is missing, batch by batch; raises the RpcError that stopped it."""
+        client = self.peers.client(member)
+        fresh = False
+        start = 0
+        while start < len(ids):
+            part = ids[start:start + self.batch]
+            sent = [0]
+            try:
+                missing = [cid for cid, ok in zip(part, client.has_chunks(part)) if not ok]
+                copied = 0
+                if missing:
+                    reply = client.put_chunks(self._chunks(missing, sent), batch_bytes=self.push_batch_bytes)
+                    copied = int(reply.chunks_stored)
+            except grpc.RpcError as exc:
+                if fresh or (exc.code() if hasattr(exc, "code") else None) != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                # Maybe only our channel's reconnect back-off from while that peer was down: a peer just
+                # restarted would get no copies until the back-off (up to 2 min) ends. Once more, on a
+                # fresh channel.
+                client, fresh = self.peers.reconnect(member, client), True
+                continue
+            report.checked += len(part)
+            report.missing += len(missing)
+            report.copied += copied
+            report.bytes_copied += sent[0]
+            start += self.batch
+
     def _target_full(self, server: str, exc: grpc.RpcError) -> None:
         previous = self._full.get(server)
         delay = self.full_backoff_s if previous is None else min(self.max_full_backoff_s, previous[1] * 2)
@@ -186,13 +206,13 @@ class ReReplicator:
         now = self.clock()
         return sorted(s for s, (until, _) in self._full.items() if now < until)
 
-    def _chunks(self, ids: list[str], report: ReplicationReport) -> Iterator[ChunkData]:
+    def _chunks(self, ids: list[str], sent: list[int]) -> Iterator[ChunkData]:
         for cid in ids:
             try:
                 c = self.store.get(cid, use_cache=False)
             except ParamServerError:
                 continue  # corrupt or deleted since the scan: the repair queue owns it now
-            report.bytes_copied += len(c.data)
+            sent[0] += len(c.data)
             yield ChunkData(c.id, c.codec, c.raw_size, c.crc32c, c.data)
 
 
