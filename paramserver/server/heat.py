@@ -1,6 +1,9 @@
 """Aggregation of workers' heat reports: which chunks of a version are read, how
-often, and in what order they are first needed. Kept in memory on each server
-(advisory data: losing it costs prefetch quality, never correctness).
+often, and in what order they are first needed. Kept in memory on each server and
+saved to ``DATA_DIR/heat.npz`` every few seconds while it changes and at shutdown
+(``HeatSnapshots``), so a restarted server still orders the first loads after it.
+Advisory data: a missing or damaged file costs prefetch quality, never correctness,
+so it is written without fsync and a file that cannot be read is logged and ignored.
 
 Bounded (issue 11): a server keeps heat for at most ``max_versions`` versions and
 ``max_entries`` chunk slots over all of them (``BYTES_PER_ENTRY`` bytes each, so
@@ -12,9 +15,13 @@ milliseconds per MiB, never a Python step per entry (the entries' codec is
 """
 from __future__ import annotations
 
+import json
+import logging
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterable
 
 import numpy as np
@@ -29,6 +36,10 @@ DEFAULT_MAX_ENTRIES = 2 << 20  # chunk slots over all versions (~40 MiB)
 DEFAULT_MAX_VERSIONS = 1024
 COUNT_CAP = 1 << 32  # one entry's count is clamped here; sums saturate at SUM_CAP
 SUM_CAP = 1 << 62
+HEAT_FILE = "heat.npz"  # in the data dir
+SAVE_INTERVAL_S = 10.0
+
+log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------ the aggregator
@@ -66,6 +77,8 @@ class HeatAggregator:
         self._lock = threading.Lock()
         self.max_versions = max_versions
         self.max_entries = max_entries
+        self._changes = 0  # reports taken; save() writes only when this moved since the last save
+        self._saved = 0
 
     @property
     def entries(self) -> int:
@@ -125,6 +138,68 @@ class HeatAggregator:
             table.reports = min(table.reports + 1, 0xFFFFFFFF)
             table.reply = None
             self._tables.move_to_end(key)
+            self._changes += 1
+
+    def save(self, path: Path) -> bool:
+        """Write every version's table to ``path`` (a temporary file, then a rename) if a report
+        arrived since the last save; True when it wrote."""
+        with self._lock:
+            if self._changes == self._saved:
+                return False
+            changes = self._changes
+            tables = list(self._tables.items())  # least recently reported first, as load() rebuilds them
+            meta = [{"model": m, "version": v, "size": t.size, "reports": t.reports} for (m, v), t in tables]
+            count = np.concatenate([t.count for _k, t in tables]) if tables else np.zeros(0, np.int64)
+            order_sum = np.concatenate([t.order_sum for _k, t in tables]) if tables else np.zeros(0, np.int64)
+            hits = np.concatenate([t.hits for _k, t in tables]) if tables else np.zeros(0, np.uint32)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), count=count, order_sum=order_sum, hits=hits)
+        os.replace(tmp, path)
+        with self._lock:
+            self._saved = max(self._saved, changes)
+        return True
+
+    def load(self, path: Path) -> int:
+        """Add the tables save() wrote to ``path``, within this aggregator's bounds (the most
+        recently reported kept); returns how many versions it holds after. Raises ValueError
+        for a file that is not such a snapshot, OSError when it cannot be read."""
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                meta = json.loads(bytes(z["meta"]))
+                count, order_sum, hits = z["count"], z["order_sum"], z["hits"]
+        except OSError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - zip, npy and JSON errors alike: not a heat snapshot
+            raise ValueError(f"not a heat snapshot ({type(exc).__name__}: {exc})") from None
+        if (count.dtype != np.int64 or order_sum.dtype != np.int64 or hits.dtype != np.uint32
+                or not count.ndim == order_sum.ndim == hits.ndim == 1 or not len(count) == len(order_sum) == len(hits)):
+            raise ValueError("its arrays do not have the snapshot's types and lengths")
+        if not isinstance(meta, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("model"), str) and type(m.get("version")) is int
+                and type(m.get("size")) is int and m["size"] >= 0 and type(m.get("reports")) is int for m in meta):
+            raise ValueError("its table list is damaged")
+        if sum(m["size"] for m in meta) != len(count):
+            raise ValueError(f"its tables name {sum(m['size'] for m in meta)} chunk slots, its arrays hold {len(count)}")
+        offset = 0
+        with self._lock:
+            for m in meta:
+                size, start = m["size"], offset
+                offset += size
+                if size > self.max_entries:
+                    continue
+                key = (m["model"], m["version"])
+                old = self._tables.pop(key, None)
+                if old is not None:
+                    self._entries -= old.size
+                self._evict_for(key, size)
+                end = start + size
+                self._tables[key] = _Table(size, count[start:end].copy(), order_sum[start:end].copy(), hits[start:end].copy(),
+                                           min(max(m["reports"], 0), 0xFFFFFFFF))
+                self._entries += size
+            self._saved = self._changes
+            return len(self._tables)
+
 
     def _ranked(self, table: _Table) -> tuple[U64, U64, U64]:
         seen = np.flatnonzero(table.hits)
@@ -149,4 +224,38 @@ class HeatAggregator:
             return table.reply
 
 
-__all__ = ["BYTES_PER_ENTRY", "HeatAggregator"]
+class HeatSnapshots:
+    """Saves an aggregator to the data dir: ``step()`` from a periodic task and once at shutdown,
+    a failed write logged once per episode (a full disk must not log every few seconds)."""
+
+    def __init__(self, heat: HeatAggregator, data_dir: Path) -> None:
+        self.heat = heat
+        self.path = Path(data_dir) / HEAT_FILE
+        self._failing = False
+
+    def restore(self) -> None:
+        if not self.path.exists():
+            return
+        try:
+            n = self.heat.load(self.path)
+        except (OSError, ValueError) as exc:
+            log.warning("heat: cannot read %s (%s); prefetch order starts over from new reports", self.path, exc)
+            return
+        log.info("heat: restored %d versions (%d chunk slots) from %s", n, self.heat.entries, self.path)
+
+    def step(self) -> bool:
+        try:
+            wrote = self.heat.save(self.path)
+        except OSError as exc:
+            if not self._failing:
+                log.warning("heat: cannot write %s (%s); heat stays in memory, retried every %.0f s",
+                            self.path, exc, SAVE_INTERVAL_S)
+            self._failing = True
+            return False
+        if self._failing:
+            log.info("heat: %s written again", self.path)
+            self._failing = False
+        return wrote
+
+
+__all__ = ["BYTES_PER_ENTRY", "HEAT_FILE", "HeatAggregator", "HeatSnapshots"]

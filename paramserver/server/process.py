@@ -19,6 +19,7 @@ from paramserver.server.compaction import Compactor
 from paramserver.server.cluster import MemberCheck, PeerSet, QuorumVersionCheck, ReplicaFetcher, cluster_blob_fetcher
 from paramserver.server.config import ServerConfig, is_loopback_host
 from paramserver.server.gc import OrphanCollector, References
+from paramserver.server.heat import SAVE_INTERVAL_S, HeatAggregator, HeatSnapshots
 from paramserver.server.hot_chunks import STATE_FILE, HotChunks, HotConfig
 from paramserver.server.metrics import ServerCollector, serve_metrics
 from paramserver.server.repair import RepairQueue, Repairer, Scrubber, TrafficWatch
@@ -41,6 +42,7 @@ class ParamServer:
     bulk: BulkServer | None = None
     peers: PeerSet | None = None
     hot: HotChunks | None = None
+    heat: HeatSnapshots | None = None
     _tasks: list[Periodic] = field(default_factory=list)
     _stopped: threading.Event = field(default_factory=threading.Event)
     _registered: threading.Event = field(default_factory=threading.Event)
@@ -76,9 +78,12 @@ class ParamServer:
         fetch_blob = cluster_blob_fetcher(store, fetcher)
         hot_config = HotConfig.from_extra(cfg.extra)
         self.hot = hot = HotChunks(hot_config, store, peers, state_path=cfg.data_dir / STATE_FILE) if hot_config.enabled else None
+        self.heat = heat = HeatSnapshots(HeatAggregator(), cfg.data_dir)
+        heat.restore()
         self.running = start_server(cfg, store, metadata=node, repair_queue=queue, fetch_blob=fetch_blob,
                                     version_check=QuorumVersionCheck(peers, store, fetch_blob=fetch_blob),
-                                    member_probe=MemberCheck(peers, cluster_id(cfg.cluster_secret, cfg.vnodes)), hot=hot)
+                                    member_probe=MemberCheck(peers, cluster_id(cfg.cluster_secret, cfg.vnodes)), hot=hot,
+                                    heat=heat.heat)
         log.info("%s serving gRPC on %s, Raft on %s; chunk writes %s", cfg.server_id, self.running.address, cfg.raft,
                  ("fsynced" if cfg.fsync else "not fsynced (--no-fsync)")
                  + (", around the page cache (O_DIRECT)" if store.direct_writes else ", through the page cache"))
@@ -94,6 +99,7 @@ class ParamServer:
             Periodic("repair", cfg.repair_interval_s, Repairer(store, queue, fetcher).step),
             Periodic("re-replicate", cfg.anti_entropy_interval_s, ReReplicator(peers, store, references=references).step),
             Periodic("compact", store.config.compact_interval_s, Compactor(store).step),
+            Periodic("heat-save", SAVE_INTERVAL_S, heat.step),
         ]
         scrubber: Scrubber | None = None
         if cfg.scrub_bytes_per_s:
@@ -150,6 +156,8 @@ class ParamServer:
             self.bulk.stop()
         if self.running is not None:
             self.running.stop(grace=1.0)
+        if self.heat is not None:
+            self.heat.step()  # after the last report this server took
         if self.node is not None:
             self.node.close()
         if self.peers is not None:

@@ -256,12 +256,14 @@ def start_server(
     version_check: VersionCheck | None = None,
     member_probe: MemberProbe | None = None,
     hot: HotChunks | None = None,
+    heat: HeatAggregator | None = None,
 ) -> RunningServer:
     """Build, bind and start the gRPC server described by ``config`` (port 0 picks a free port).
 
     ``member_probe``: AddMember's check that a new member answers and runs this cluster
     (paramserver.server.cluster.MemberCheck); None adds members unchecked. ``hot``: the hot-chunk
-    state (paramserver.server.hot_chunks; None: hot chunks off). The write-stream
+    state (paramserver.server.hot_chunks; None: hot chunks off). ``heat``: the heat aggregator
+    (None: a fresh one, kept in memory only). The write-stream
     limits and GetChunks' per-call byte limit come from the config file's extra keys
     ``max_write_streams``, ``write_stream_idle_s`` and ``get_call_bytes``."""
     config.validate()
@@ -278,7 +280,7 @@ def start_server(
     if metadata is not None:
         ring = RingInfo(config.vnodes, config.replication_factor, config.write_quorum)
         meta = MetadataService(metadata, store, ring, fetch_blob=fetch_blob, version_check=version_check, member_probe=member_probe)
-    servicer = ParamServerServicer(chunks, meta, repair_queue=queue, cluster_id=cluster_id(config.cluster_secret, config.vnodes))
+    servicer = ParamServerServicer(chunks, meta, heat=heat, repair_queue=queue, cluster_id=cluster_id(config.cluster_secret, config.vnodes))
 
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix=f"grpc-{config.server_id}"),
