@@ -14,7 +14,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import grpc
 import numpy as np
@@ -33,6 +33,8 @@ from paramserver.wire.proto import pb
 from paramserver.wire.ring import Ring, RingConfig, replication_and_quorum
 from paramserver.server.rpc_errors import PreconditionFailed
 from paramserver.server.store import ChunkStore, StoredChunk
+
+T = TypeVar("T")
 
 
 MembersFn = Callable[[], Sequence[MemberRecord]]
@@ -116,6 +118,18 @@ class PeerSet:
             self._clients[member.grpc_address] = client
         failed.close()
         return client
+
+    def call(self, member: MemberRecord, fn: Callable[[ParamServerClient], T]) -> T:
+        """``fn(client)`` for a peer; when it fails UNAVAILABLE, once more on a fresh client: the failure
+        may be only the old channel's reconnect back-off from while that peer was down (``reconnect``),
+        and a peer just restarted would otherwise get no calls from us until it ends."""
+        client = self.client(member)
+        try:
+            return fn(client)
+        except grpc.RpcError as exc:
+            if (exc.code() if hasattr(exc, "code") else None) != grpc.StatusCode.UNAVAILABLE:
+                raise
+            return fn(self.reconnect(member, client))
 
     def client_config(self, address: str) -> ClientConfig:
         """The one peer-client factory's settings: admin token, and mutual TLS when this server has a certificate."""
@@ -340,20 +354,11 @@ class QuorumVersionCheck:
         absent = np.zeros(n, dtype=bool)
         request = pb.HasChunksRequest(packed_ids=digests.tobytes(), claim=True, with_crc=True)
         deadline = time.monotonic() + self.peer_timeout_s
-        client = self.peers.client(member)
         try:
-            reply = client.stub.HasChunks(request, timeout=self.peer_timeout_s)
-        except grpc.RpcError as exc:
-            left = deadline - time.monotonic()
-            if (exc.code() if hasattr(exc, "code") else None) != grpc.StatusCode.UNAVAILABLE or left <= 0:
-                return absent, None, None  # an unreachable replica holds nothing we can count on
-            # Maybe only our channel's reconnect back-off from while that peer was down (a peer just
-            # restarted would otherwise fail every commit check until the back-off ends): once more,
-            # on a fresh channel.
-            try:
-                reply = self.peers.reconnect(member, client).stub.HasChunks(request, timeout=left)
-            except grpc.RpcError:
-                return absent, None, None
+            # One deadline for both tries (PeerSet.call retries UNAVAILABLE on a fresh channel).
+            reply = self.peers.call(member, lambda c: c.stub.HasChunks(request, timeout=max(0.001, deadline - time.monotonic())))
+        except grpc.RpcError:
+            return absent, None, None  # an unreachable replica holds nothing we can count on
         if len(reply.packed_present) == n:
             present = np.frombuffer(reply.packed_present, np.uint8).astype(bool)
             if len(reply.packed_crc32c) == 4 * n and len(reply.packed_raw) == n:
@@ -457,4 +462,5 @@ def cluster_blob_fetcher(local: ChunkStore, fetch: ReplicaFetcher) -> Callable[[
     return fetch_blob
 
 
-__all__ = ["ChunkData", "MemberCheck", "MembersFn", "PeerSet", "QuorumVersionCheck", "ReplicaFetcher", "cluster_blob_fetcher"]
+__all__ = ["ChunkData", "MemberCheck", "MembersFn", "ParamServerClient", "PeerSet", "QuorumVersionCheck", "ReplicaFetcher",
+           "cluster_blob_fetcher"]

@@ -25,13 +25,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, Hashable, Iterator
 
 import grpc
 
 from consensus.records import MemberRecord
 
-from paramserver.server.cluster import ChunkData, PeerSet
+from paramserver.server.cluster import ChunkData, ParamServerClient, PeerSet
 from paramserver.server.errors import ParamServerError
 from paramserver.wire.ring import Ring, points_of
 from paramserver.server.store import ChunkStore
@@ -146,7 +147,13 @@ class ReReplicator:
                 report.full.append(server)  # its disk was full a moment ago: do not push at it yet
                 continue
             try:
-                self._copy_to(member, ids, report)
+                for start in range(0, len(ids), self.batch):
+                    part = ids[start:start + self.batch]
+                    missing, copied, nbytes = self.peers.call(member, partial(self._copy_batch, part=part))
+                    report.checked += len(part)
+                    report.missing += missing
+                    report.copied += copied
+                    report.bytes_copied += nbytes
             except grpc.RpcError as exc:
                 code = exc.code() if hasattr(exc, "code") else None
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -164,33 +171,14 @@ class ReReplicator:
             log.info("re-replication copied %d chunks (%d bytes)", report.copied, report.bytes_copied)
         return report
 
-    def _copy_to(self, member: MemberRecord, ids: list[str], report: ReplicationReport) -> None:
-        """HasChunks, then a push of what is missing, batch by batch; raises the RpcError that stopped it."""
-        client = self.peers.client(member)
-        fresh = False
-        start = 0
-        while start < len(ids):
-            part = ids[start:start + self.batch]
-            sent = [0]
-            try:
-                missing = [cid for cid, ok in zip(part, client.has_chunks(part)) if not ok]
-                copied = 0
-                if missing:
-                    reply = client.put_chunks(self._chunks(missing, sent), batch_bytes=self.push_batch_bytes)
-                    copied = int(reply.chunks_stored)
-            except grpc.RpcError as exc:
-                if fresh or (exc.code() if hasattr(exc, "code") else None) != grpc.StatusCode.UNAVAILABLE:
-                    raise
-                # Maybe only our channel's reconnect back-off from while that peer was down: a peer just
-                # restarted would get no copies until the back-off (up to 2 min) ends. Once more, on a
-                # fresh channel.
-                client, fresh = self.peers.reconnect(member, client), True
-                continue
-            report.checked += len(part)
-            report.missing += len(missing)
-            report.copied += copied
-            report.bytes_copied += sent[0]
-            start += self.batch
+    def _copy_batch(self, client: ParamServerClient, part: list[str]) -> tuple[int, int, int]:
+        """HasChunks of ``part`` on a peer, then a push of what it lacks: (missing, copied, bytes sent)."""
+        missing = [cid for cid, ok in zip(part, client.has_chunks(part)) if not ok]
+        if not missing:
+            return 0, 0, 0
+        sent = [0]
+        reply = client.put_chunks(self._chunks(missing, sent), batch_bytes=self.push_batch_bytes)
+        return len(missing), int(reply.chunks_stored), sent[0]
 
     def _target_full(self, server: str, exc: grpc.RpcError) -> None:
         previous = self._full.get(server)
