@@ -200,7 +200,6 @@ class HeatAggregator:
             self._saved = self._changes
             return len(self._tables)
 
-
     def _ranked(self, table: _Table) -> tuple[U64, U64, U64]:
         seen = np.flatnonzero(table.hits)
         mean = table.order_sum[seen] / table.hits[seen]
