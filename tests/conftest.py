@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from deploy.local import LocalCluster, LocalClusterConfig, free_port  # free_port: the one helper; tests import it from here too
@@ -63,3 +64,16 @@ def mounted_tmpfs(mount: Path, mib: int, why: str) -> Iterator[Path]:
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+class FakeRpcError(grpc.RpcError):
+    """A gRPC failure with a status code, as a stub raises it: for unit tests of code that reads ``exc.code()``."""
+
+    def __init__(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._code.name.lower()

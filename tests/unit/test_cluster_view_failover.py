@@ -19,20 +19,10 @@ from paramserver.client.cluster_view import ClusterOptions, ClusterView
 from paramserver.client.errors import ClusterUnreachable
 from paramserver.client.failover import FailoverPolicy
 from paramserver.wire.proto import pb
+from tests.conftest import FakeRpcError
 
 FAST = FailoverPolicy(ask_after_s=0.05, ask_every_s=0.05, ask_timeout_s=0.3, retry_after_s=0.02, retry_max_s=0.1)
 ADDR = {"ps1": "10.0.0.1:7070", "ps2": "10.0.0.2:7070", "ps3": "10.0.0.3:7070"}
-
-
-class FakeRpcError(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode) -> None:
-        self._code = code
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._code.name.lower()
 
 
 def info(answering: str, leader: str | None, term: int) -> pb.ClusterInfoReply:

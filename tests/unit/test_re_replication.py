@@ -16,17 +16,7 @@ from paramserver.server.replication import ReReplicator
 from paramserver.server.store import ChunkStore
 from paramserver.wire.proto import pb
 from paramserver.wire.ring import RingConfig
-
-
-class Failed(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode) -> None:
-        self._code = code
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return f"{self._code.name} from a test peer"
+from tests.conftest import FakeRpcError
 
 
 class Peer:
@@ -40,13 +30,13 @@ class Peer:
     def has_chunks(self, ids: list[str]) -> list[bool]:
         self.calls += 1
         if self.fail is not None:
-            raise Failed(self.fail)
+            raise FakeRpcError(self.fail)
         return [cid in self.stored for cid in ids]
 
     def put_chunks(self, chunks: Iterable[ChunkData], batch_bytes: int = 0) -> pb.PutChunksReply:
         self.calls += 1
         if self.fail is not None:
-            raise Failed(self.fail)
+            raise FakeRpcError(self.fail)
         reply = pb.PutChunksReply()
         for c in chunks:
             self.stored.add(c.id)
