@@ -85,7 +85,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench.measure import balanced_orders, ceil3, floor3, hwm_bytes, proc_status_kib, reset_hwm, rss_bytes  # noqa: E402 - after the path
+from bench.measure import (  # noqa: E402 - after the path
+    balanced_orders, ceil3, floor3, hwm_bytes, proc_status_kib, reset_hwm, rss_bytes, stat_cpu_s,
+)
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -122,15 +124,12 @@ def rss_parts() -> dict[str, int]:
 
 def proc_cpu_s(pids: list[int]) -> tuple[float, list[int]]:
     """Sum of utime + stime (all threads) of ``pids`` from /proc/PID/stat, and the pids that are gone."""
-    tick = os.sysconf("SC_CLK_TCK")
     total, gone = 0.0, []
     for pid in pids:
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += stat_cpu_s(f"/proc/{pid}/stat")
         except OSError:
             gone.append(pid)
-            continue
-        total += (int(fields[11]) + int(fields[12])) / tick  # fields 14 and 15: utime, stime
     return total, gone
 
 

@@ -1,8 +1,9 @@
-"""Measuring helpers the benchmarks share: this process's RSS and its high-water mark (Linux
-/proc), and how figures are printed next to a target (truncated toward the failing side)."""
+"""Measuring helpers the benchmarks share: this process's RSS and its high-water mark, CPU time of
+any process or thread (Linux /proc), and how figures are printed next to a target (truncated toward the failing side)."""
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from typing import TypeVar
 
@@ -15,6 +16,14 @@ def proc_status_kib(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def stat_cpu_s(path: str) -> float:
+    """utime + stime in seconds from a /proc ``stat`` file (``/proc/PID/stat``: every thread of the
+    process; ``/proc/PID/task/TID/stat``: one thread). OSError once it is gone."""
+    with open(path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # fields 14 and 15: utime, stime
 
 
 def rss_bytes() -> int:
@@ -43,7 +52,7 @@ def ceil3(x: float) -> str:
     return f"{math.ceil(x * 1000) / 1000:.3f}"
 
 
-__all__ = ["balanced_orders", "ceil3", "floor3", "hwm_bytes", "proc_status_kib", "reset_hwm", "rss_bytes"]
+__all__ = ["balanced_orders", "ceil3", "floor3", "hwm_bytes", "proc_status_kib", "reset_hwm", "rss_bytes", "stat_cpu_s"]
 
 
 def balanced_orders(kinds: Sequence[T], rounds: int) -> list[list[T]]:

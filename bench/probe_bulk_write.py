@@ -43,6 +43,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.measure import stat_cpu_s  # noqa: E402 - after the path
+
 TOKEN = "probe-admin-token"
 
 
@@ -78,12 +80,10 @@ def free_port() -> int:
 
 
 def proc_cpu_s(pids: list[int]) -> float:
-    tick = os.sysconf("SC_CLK_TCK")
     total = 0.0
     for pid in pids:
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
+            total += stat_cpu_s(f"/proc/{pid}/stat")
         except (OSError, IndexError, ValueError):
             pass
     return total

@@ -32,12 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from bench.measure import stat_cpu_s
 from chunking.synthetic import synthetic_state_dict
 from deploy.local import LocalCluster, LocalClusterConfig
 from paramserver.client.push import push
-
-TICK = os.sysconf("SC_CLK_TCK")
-
 
 def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
     """tid -> (comm, CPU seconds) of every live thread of ``pid``."""
@@ -49,14 +47,12 @@ def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
         return out
     for tid in tids:
         try:
-            with open(f"{base}/{tid}/stat") as f:
-                stat = f.read()
+            cpu = stat_cpu_s(f"{base}/{tid}/stat")
             with open(f"{base}/{tid}/comm") as f:
                 comm = f.read().strip()
         except OSError:
             continue  # the thread ended between listdir and open
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[int(tid)] = (comm, (int(fields[11]) + int(fields[12])) / TICK)
+        out[int(tid)] = (comm, cpu)
     return out
 
 
