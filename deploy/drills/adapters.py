@@ -4,8 +4,12 @@ The models are self-verifying: every tensor is generated from a seed that the
 model carries in its ``seed`` tensor, so a loader can check bit-exactness of
 whatever version it got without asking the publisher. The publisher pushes
 with ``paramserver.client.push.push`` (parent "head", then moves the tag); each loader
-keeps one ``worker.client.ClusterClient`` for its whole life, because the
+keeps one ``paramserver.client.session.ClusterClient`` for its whole life, because the
 monotonic-reads guard (invariant 4) lives in the client.
+
+Every client here is made from the cluster's ``ClientSettings`` (``LocalCluster.client_settings()``):
+its addresses, the admin token for writes and the read token for reads, and under ``--tls`` the
+cluster's CA and the client certificate, so a drill runs against a TLS cluster as against a plain one.
 
 Imports of paramserver/worker are lazy: the framework and its unit tests do
 not need a server build.
@@ -15,11 +19,15 @@ from __future__ import annotations
 import hashlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 
 from .framework import Loaded, Published
+
+if TYPE_CHECKING:
+    from paramserver.client.config import ClientSettings
 
 
 @dataclass(frozen=True)
@@ -70,7 +78,6 @@ class PublisherConfig:
     rpc_timeout_s: float = 1.0
     commit_deadline_s: float = 8.0  # CommitVersion retries on UNAVAILABLE this long, then the publish fails
     publisher: str = "drill"
-    token: str | None = None
 
     def validate(self) -> None:
         if self.rpc_timeout_s <= 0:
@@ -87,16 +94,17 @@ class Publisher:
     (``paramserver.client.push`` asks every seed at once and takes the first answer).
     """
 
-    def __init__(self, seeds: Sequence[str], spec: ModelSpec = ModelSpec(),
+    def __init__(self, settings: "ClientSettings", spec: ModelSpec = ModelSpec(),
                  config: PublisherConfig = PublisherConfig()) -> None:
         spec.validate()
         config.validate()
-        if not seeds:
+        if not settings.cluster:
             raise ValueError("a publisher needs at least one server address")
         self.spec = spec
         self.config = config
-        self._all = list(seeds)
-        self._order = list(seeds)
+        self.settings = settings
+        self._all = list(settings.cluster)
+        self._order = list(settings.cluster)
         self._lock = threading.Lock()
 
     @property
@@ -111,21 +119,15 @@ class Publisher:
             self._order = first + [a for a in self._all if a not in first]
 
     def __call__(self, i: int) -> Published:
-        from paramserver.client.cluster_view import ClusterOptions
         from paramserver.client.push import PushOptions, push
 
         state = make_state(self.spec, i)
         c = self.config
-        rep = push(self.seeds, state, model=self.spec.model, tag=self.spec.tag, parent="head", publisher=c.publisher,
-                   token=c.token, options=PushOptions(commit_deadline_s=c.commit_deadline_s),
-                   cluster=ClusterOptions(tuple(self.seeds), token=c.token, timeout_s=c.rpc_timeout_s))
+        seeds = tuple(self.seeds)
+        cluster = replace(self.settings.cluster_options(write=True), seeds=seeds, timeout_s=c.rpc_timeout_s)
+        rep = push(seeds, state, model=self.spec.model, tag=self.spec.tag, parent="head", publisher=c.publisher,
+                   options=PushOptions(commit_deadline_s=c.commit_deadline_s), cluster=cluster)
         return Published(self.spec.model, int(rep.version), self.spec.tag, nbytes=int(rep.bytes_total), seed=i)
-
-
-def make_publisher(seeds: Sequence[str], spec: ModelSpec = ModelSpec(), token: str | None = None,
-                   publisher: str = "drill") -> Publisher:
-    """publish(i): push version seed=i of spec.model and move spec.tag to it."""
-    return Publisher(seeds, spec, PublisherConfig(publisher=publisher, token=token))
 
 
 def verify_loaded(spec: ModelSpec, tensors: Mapping[str, torch.Tensor]) -> tuple[int, bool, int]:
@@ -136,13 +138,12 @@ def verify_loaded(spec: ModelSpec, tensors: Mapping[str, torch.Tensor]) -> tuple
     return seed, ok, nbytes
 
 
-def load_version(seeds: Sequence[str], spec: ModelSpec, version: int, seed: int | None = None,
-                 token: str | None = None) -> Loaded:
+def load_version(settings: "ClientSettings", spec: ModelSpec, version: int, seed: int | None = None) -> Loaded:
     """Load spec.model@version with a fresh worker client (no cache) and verify it; seed: the expected one."""
     from paramserver.client.session import ClusterClient
     from worker.loader import load
 
-    with ClusterClient(list(seeds), token=token) as client:
+    with ClusterClient(settings=settings) as client:
         got = load(client, f"{spec.model}@{version}", device="cpu")
     found, ok, nbytes = verify_loaded(spec, got.tensors)
     if seed is not None and found != seed:
@@ -154,11 +155,10 @@ def load_version(seeds: Sequence[str], spec: ModelSpec, version: int, seed: int 
 class LoaderPool:
     """load(k, i): loader k loads spec.model:spec.tag with its own long-lived ClusterClient and verifies it."""
 
-    def __init__(self, seeds: Sequence[str], spec: ModelSpec = ModelSpec(), token: str | None = None) -> None:
+    def __init__(self, settings: "ClientSettings", spec: ModelSpec = ModelSpec()) -> None:
         spec.validate()
-        self.seeds = list(seeds)
+        self.settings = settings
         self.spec = spec
-        self.token = token
         self._clients: dict[int, Any] = {}
         self._lock = threading.Lock()
 
@@ -167,7 +167,7 @@ class LoaderPool:
 
         with self._lock:
             if k not in self._clients:
-                self._clients[k] = ClusterClient(self.seeds, token=self.token)
+                self._clients[k] = ClusterClient(settings=self.settings)
             return self._clients[k]
 
     def __call__(self, k: int, i: int) -> Loaded:

@@ -3,7 +3,8 @@
 Every read here goes to one named server and asks for its local view, so a
 drill can compare servers (convergence) or watch one side of a partition.
 All calls carry short deadlines: a cut-off server answers nothing, and the
-drill must notice that quickly rather than hang.
+drill must notice that quickly rather than hang. Calls use the cluster's own client
+settings (tokens, and the CA and client certificate of a ``--tls`` cluster).
 """
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ ServerState = dict[str, Any]  # model -> {"versions": [(number, manifest_id, clo
 @dataclass(frozen=True)
 class ProbeConfig:
     timeout_s: float = 2.0  # per RPC; a partitioned server must not stall a drill
-    token: str | None = None
 
     def validate(self) -> None:
         if self.timeout_s <= 0:
@@ -33,16 +33,17 @@ class ClusterProbe:
     """Per-server reads of a LocalCluster: leader views, metadata state, chunk files on disk."""
 
     def __init__(self, cluster: "LocalCluster", config: ProbeConfig | None = None) -> None:
-        config = config or ProbeConfig(token=cluster.config.admin_token or cluster.config.read_token)
+        config = config or ProbeConfig()
         config.validate()
         self.cluster = cluster
         self.config = config
+        self.settings = cluster.client_settings()
 
-    def _client(self, server_id: str) -> Any:
-        from paramserver.client.rpc import ClientConfig, ParamServerClient
+    def _client(self, server_id: str, write: bool = False) -> Any:
+        from paramserver.client.rpc import ParamServerClient
 
-        return ParamServerClient(ClientConfig(self.cluster.slot(server_id).grpc, token=self.config.token,
-                                              timeout_s=self.config.timeout_s))
+        address = self.cluster.slot(server_id).grpc
+        return ParamServerClient(self.settings.client_config(address, write=write, timeout_s=self.config.timeout_s))
 
     # ---- leadership ---------------------------------------------------------------------------
     def leader_view(self, server_id: str) -> str | None:
@@ -121,7 +122,7 @@ class ClusterProbe:
 
         restore_record(self.chunk_path(server_id, chunk_id), record)
         h = parse_header(record[:HEADER_SIZE])
-        with self._client(server_id) as c:
+        with self._client(server_id, write=True) as c:
             c.put_chunks([make_chunk(chunk_id, record[HEADER_SIZE:], codec=h.codec, raw_size=h.raw_size)])
 
 

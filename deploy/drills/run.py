@@ -4,7 +4,7 @@ Drills: kill-leader, partition, corrupt-chunk, restart-server, restart-cluster.
 
 By default the drill starts a fresh local cluster (``deploy.local.LocalCluster``;
 in network-namespace mode for ``partition``, which needs root) in a temporary
-folder and stops it afterwards. With ``--cluster-dir DIR`` it drives a cluster
+folder and stops it afterwards (``--tls``: with mutual TLS). With ``--cluster-dir DIR`` it drives a cluster
 already started by ``python -m deploy.local up --dir DIR`` (the drill needs
 its pids and data dirs to kill, restart and corrupt; the cluster is left
 running). It runs a real publisher (``paramserver.client.push``) and real loaders
@@ -60,6 +60,7 @@ class DrillOptions:
     fresh_dir: Path | None = None  # folder for the fresh cluster (default: a new temporary folder)
     json_path: Path | None = None  # default: <cluster folder>/<drill>-<UTC time>.json
     render: bool = True
+    tls: bool = False  # the fresh cluster runs mutual TLS (a --cluster-dir cluster keeps its own setting)
     ready_timeout_s: float = 90.0
 
     def validate(self) -> None:
@@ -77,6 +78,9 @@ class DrillOptions:
             raise DrillError(f"--servers must be 3..15 (a drill needs a majority that survives), got {self.servers}")
         if self.cluster_dir is not None and self.fresh_dir is not None:
             raise DrillError("give either --cluster-dir (a running cluster) or --dir (a fresh one), not both")
+        if self.cluster_dir is not None and self.tls:
+            raise DrillError("--tls starts a fresh cluster with mutual TLS; a --cluster-dir cluster keeps its own "
+                             "setting (start it with 'python -m deploy.local up --tls'): drop --tls")
 
     @property
     def interval(self) -> float:
@@ -99,7 +103,7 @@ def _open_cluster(opts: DrillOptions) -> tuple["LocalCluster", bool]:
     root = opts.fresh_dir or Path(tempfile.mkdtemp(prefix=f"drill-{opts.drill}-"))
     extra = ("--no-fsync", *FRESH_SERVER_ARGS.get(opts.drill, ()))
     cluster = LocalCluster(LocalClusterConfig(root=root, servers=opts.servers, netns=opts.drill == "partition",
-                                              extra_args=extra))
+                                              extra_args=extra, tls=opts.tls))
     cluster.up(wait=opts.ready_timeout_s)
     return cluster, True
 
@@ -119,23 +123,23 @@ def default_json_path(cluster: "LocalCluster", drill: str) -> Path:
 def execute(opts: DrillOptions) -> tuple[DrillReport, Path]:
     """Run one drill; returns its report and where the JSON went. Raises DrillError / LauncherError
     when the drill cannot run at all (no cluster, no namespaces)."""
-    from .adapters import LoaderPool, ModelSpec, Publisher, PublisherConfig
+    from .adapters import LoaderPool, ModelSpec, Publisher
 
     opts.validate()
     cluster, owned = _open_cluster(opts)
     try:
-        admin = cluster.config.admin_token
-        read = cluster.config.read_token or admin
+        settings = cluster.client_settings()  # addresses, tokens and, under --tls, the CA and client certificate
         addresses = cluster.addresses
         spec = ModelSpec()
-        publisher = Publisher(addresses, spec, PublisherConfig(token=admin))
-        loaders = LoaderPool(addresses, spec, token=read)
+        publisher = Publisher(settings, spec)
+        loaders = LoaderPool(settings, spec)
         json_path = opts.json_path or default_json_path(cluster, opts.drill)
         try:
-            body = _body(opts, cluster, spec, publisher, read)
+            body = _body(opts, cluster, spec, publisher)
 
             def run(report: DrillReport) -> None:
                 report.info.update(cluster=str(cluster.root), fresh_cluster=owned, addresses=addresses,
+                                   tls=cluster.config.tls,
                                    workload={"loaders": opts.loaders, "publish_interval_s": opts.interval,
                                              "model": spec.model, "tag": spec.tag})
                 w = Workload(report, publish=publisher, load=loaders if opts.loaders else None,
@@ -156,16 +160,16 @@ def execute(opts: DrillOptions) -> tuple[DrillReport, Path]:
             cluster.down()
 
 
-def _body(opts: DrillOptions, cluster: "LocalCluster", spec: object, publisher: object,
-          token: str | None) -> Callable[[DrillReport, Workload], None]:
+def _body(opts: DrillOptions, cluster: "LocalCluster", spec: object,
+          publisher: object) -> Callable[[DrillReport, Workload], None]:
     """The drill body for opts.drill, closed over the cluster and the real client operations."""
     from .adapters import LoaderPool, ModelSpec, Publisher, load_version
 
-    addresses = cluster.addresses
     assert isinstance(spec, ModelSpec) and isinstance(publisher, Publisher)
+    settings = publisher.settings
 
     def load_once() -> Loaded:
-        fresh = LoaderPool(addresses, spec, token=token)  # a new worker: no client cache hides anything
+        fresh = LoaderPool(settings, spec)  # a new worker: no client cache hides anything
         try:
             return fresh(0, 0)
         finally:
@@ -184,7 +188,7 @@ def _body(opts: DrillOptions, cluster: "LocalCluster", spec: object, publisher: 
         from .corrupt_chunk import CorruptChunkConfig, run_corrupt_chunk
 
         # One tensor whose weights no other model or version shares, and that no loader reads.
-        cold = Publisher(addresses, ModelSpec(model="drill-cold", tensors=1), publisher.config)
+        cold = Publisher(settings, ModelSpec(model="drill-cold", tensors=1), publisher.config)
         cold_seed = 10_000_000 + int(time.time() * 1000) % 10_000_000
         cfg = CorruptChunkConfig(expect_disk_reads=_cache_off(cluster))
         return lambda r, w: run_corrupt_chunk(cluster, r, w, cfg, load_once=load_once,
@@ -195,7 +199,7 @@ def _body(opts: DrillOptions, cluster: "LocalCluster", spec: object, publisher: 
         return lambda r, w: run_restart_server(cluster, r, w, RestartConfig(down_s=opts.down_s), server=opts.server)
     return lambda r, w: run_restart_cluster(
         cluster, r, w, RestartConfig(),
-        load_version=lambda p: load_version(addresses, spec, p.version, p.seed, token=token),
+        load_version=lambda p: load_version(settings, spec, p.version, p.seed),
         load_once=load_once, publish_once=lambda: publisher(900_001))
 
 
@@ -209,6 +213,9 @@ def build_parser(prog: str = "python -m deploy.drills") -> argparse.ArgumentPars
                             "(partition needs one started with --netns); it is left running")
     where.add_argument("--dir", type=Path, default=None, help="folder for the fresh cluster (kept afterwards, with logs)")
     where.add_argument("--servers", type=int, default=3, help="fresh cluster size (default 3)")
+    where.add_argument("--tls", action="store_true",
+                       help="the fresh cluster runs mutual TLS (a private CA and per-server certificates, as "
+                            "'python -m deploy.local up --tls'); a --cluster-dir cluster keeps its own setting")
     p.add_argument("--json", type=Path, default=None, metavar="FILE",
                    help="write the JSON report here (default: <cluster folder>/<drill>-<UTC time>.json)")
     p.add_argument("--rounds", type=int, default=10, help="kill-leader: kill/restart rounds (default 10)")
@@ -229,7 +236,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m deploy.drills
     args = build_parser(prog).parse_args(argv)
     opts = DrillOptions(drill=args.drill, rounds=args.rounds, hold_s=args.hold, down_s=args.down, server=args.server,
                         loaders=args.loaders, publish_interval_s=args.publish_interval, servers=args.servers,
-                        cluster_dir=args.cluster_dir, fresh_dir=args.dir, json_path=args.json, render=not args.quiet)
+                        cluster_dir=args.cluster_dir, fresh_dir=args.dir, json_path=args.json, render=not args.quiet,
+                        tls=args.tls)
     try:
         report, path = execute(opts)
     except (DrillError, LauncherError) as exc:

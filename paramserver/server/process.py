@@ -84,8 +84,9 @@ class ParamServer:
                                     version_check=QuorumVersionCheck(peers, store, fetch_blob=fetch_blob),
                                     member_probe=MemberCheck(peers, cluster_id(cfg.cluster_secret, cfg.vnodes)), hot=hot,
                                     heat=heat.heat)
-        log.info("%s serving gRPC on %s, Raft on %s; chunk writes %s", cfg.server_id, self.running.address, cfg.raft,
-                 ("fsynced" if cfg.fsync else "not fsynced (--no-fsync)")
+        transport = "plaintext" if cfg.tls_cert is None else "TLS" if cfg.tls_ca is None else "mutual TLS"
+        log.info("%s serving gRPC on %s (%s), Raft on %s; chunk writes %s", cfg.server_id, self.running.address, transport,
+                 cfg.raft, ("fsynced" if cfg.fsync else "not fsynced (--no-fsync)")
                  + (", around the page cache (O_DIRECT)" if store.direct_writes else ", through the page cache"))
         if cfg.bulk_enabled:
             self.bulk = BulkServer(store, AuthConfig(cfg.admin_token, cfg.read_token), cfg.bulk_listen_address,

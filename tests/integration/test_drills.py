@@ -121,3 +121,25 @@ def test_partition_leader_cut_off_with_a_minority(tmp_path: Path) -> None:
     # Issue #10: the publisher leaves the silent old leader as soon as the majority names a new one.
     assert data["summary"]["time_to_next_commit"]["max"] <= 1.5
     assert report.exit_code() == 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("drill, kw", [
+    ("kill-leader", {"rounds": 3}),
+    ("corrupt-chunk", {}),  # the probe also writes: it restores a quarantined chunk through PutChunks
+    ("restart-cluster", {}),
+    pytest.param("partition", {"hold_s": 2.0}, marks=[
+        pytest.mark.root,
+        pytest.mark.skipif(not _NETNS_OK, reason=f"partition drill needs root and network namespaces: {_NETNS_WHY}")]),
+])
+def test_drills_run_against_a_mutual_tls_cluster(tmp_path: Path, drill: str, kw: dict) -> None:
+    """`--tls`: the servers serve only mutual TLS, and the publisher, the loaders and the probe reach them
+    with the cluster's CA and client certificate (partition: on namespace addresses, the certificates'
+    SANs)."""
+    report, data = _run(tmp_path, drill, tls=True, **kw)
+    _assert_held(data)
+    assert data["info"]["tls"] is True
+    assert data["counters"]["publisher.ok"] > 0 and data["bytes_verified"] > 0
+    for log in sorted((tmp_path / "cluster").glob("ps*.log")):
+        assert "(mutual TLS), Raft on" in log.read_text(), log
+    assert report.exit_code() == 0

@@ -14,6 +14,7 @@ from deploy.drills.report import DrillReport, error_kind
 from deploy.drills.restart import RestartConfig
 from deploy.drills.run import DRILLS, DrillOptions, _cache_off, build_parser, main
 from deploy.local import LocalCluster, LocalClusterConfig, ServerSlot
+from paramserver.client.config import ClientSettings
 
 
 def test_every_drill_is_a_cli_choice() -> None:
@@ -59,15 +60,40 @@ def test_cache_off_reads_the_servers_arguments(tmp_path: Path) -> None:
 
 
 def test_publisher_prefer_reorders_seeds_and_restores() -> None:
-    pub = Publisher(["a:1", "b:1", "c:1"], ModelSpec())
+    pub = Publisher(ClientSettings(cluster=("a:1", "b:1", "c:1")), ModelSpec())
     pub.prefer(["c:1", "zz:9"])  # unknown addresses are ignored
     assert pub.seeds == ["c:1", "a:1", "b:1"]
     pub.prefer(None)
     assert pub.seeds == ["a:1", "b:1", "c:1"]
     with pytest.raises(ValueError, match="rpc_timeout_s"):
-        Publisher(["a:1"], ModelSpec(), PublisherConfig(rpc_timeout_s=0))
+        Publisher(ClientSettings(cluster=("a:1",)), ModelSpec(), PublisherConfig(rpc_timeout_s=0))
     with pytest.raises(ValueError, match="at least one"):
-        Publisher([], ModelSpec())
+        Publisher(ClientSettings(), ModelSpec())
+
+
+def test_drill_clients_take_the_clusters_tls_files_and_tokens(tmp_path: Path) -> None:
+    """Publisher, loaders and probe all reach a --tls cluster with its CA, the client certificate and the
+    right token (admin for writes, read for reads): no drill client is plaintext on a TLS cluster."""
+    from deploy.drills.probe import ClusterProbe
+
+    cluster = LocalCluster(LocalClusterConfig(root=tmp_path, tls=True, admin_token="adm", read_token="rd"))
+    cluster.slots = [ServerSlot("ps1", "127.0.0.1:7000", "127.0.0.1:7001", "d", "l")]
+    settings = cluster.client_settings()
+    assert settings.tls and settings.tls_ca == cluster.tls_dir / "ca.pem"
+    assert settings.tls_cert == cluster.tls_dir / "client.pem"
+    write = Publisher(settings, ModelSpec()).settings.cluster_options(write=True)
+    assert write.tls and write.token == "adm" and write.tls_cert == settings.tls_cert
+    probe = ClusterProbe(cluster)
+    assert probe.settings == settings
+    read = settings.client_config("127.0.0.1:7000", write=False, timeout_s=probe.config.timeout_s)
+    assert read.tls and read.token == "rd" and read.client_cert == settings.tls_cert and read.timeout_s == 2.0
+
+
+def test_tls_flag_is_for_fresh_clusters_only(tmp_path: Path) -> None:
+    with pytest.raises(DrillError, match="drop --tls"):
+        DrillOptions(drill="kill-leader", cluster_dir=tmp_path, tls=True).validate()
+    DrillOptions(drill="kill-leader", tls=True).validate()
+    assert build_parser().parse_args(["restart-server", "--tls"]).tls
 
 
 def test_error_kind_looks_through_worker_wrappers() -> None:
