@@ -447,6 +447,54 @@ class LocalCluster:
         slot.pid = None
         self.save_state()
 
+    def add_server(self) -> ServerSlot:
+        """Start one more server, ``ps<N+1>``, with every member's Raft address as a peer and this
+        cluster's secrets (and certificate): it joins once a member adds it (``paramctl member add``,
+        which ``join_command`` spells out). Not in namespace mode (its topology is fixed at ``up``)."""
+        if self.topology is not None or self.config.netns:
+            raise LauncherError("a namespace-mode cluster cannot grow: its network topology is made at 'up'")
+        if not self.running():
+            raise LauncherError(f"no server of the cluster under {self.root} is running; start it with 'up' first")
+        taken = {s.server_id for s in self.slots}
+        n = len(self.slots) + 1
+        while f"ps{n}" in taken:
+            n += 1
+        sid, host = f"ps{n}", self.config.host
+        gp, rp = free_ports(2, host)
+        slot = ServerSlot(server_id=sid, grpc=f"{host}:{gp}", raft=f"{host}:{rp}", data_dir=str(self.root / sid),
+                          log_file=str(self.root / f"{sid}.log"))
+        self.slots.append(slot)
+        try:
+            if self.config.tls:
+                self._make_certs()
+            slot.args = self._args_for(slot)
+            self._spawn(slot)
+        except BaseException:
+            self.slots.remove(slot)
+            raise
+        self.config = replace(self.config, servers=len(self.slots))  # what 'up' restarts this folder with
+        self.save_state()
+        self.write_client_config()
+        return slot
+
+    def join_command(self, server_id: str) -> str:
+        """The ``paramctl`` line that adds ``server_id`` to the running cluster."""
+        slot = self.slot(server_id)
+        return f"paramctl member add {slot.server_id} --grpc {slot.grpc} --raft {slot.raft}"
+
+    def forget(self, server_id: str) -> None:
+        """Stop a server (SIGTERM, then SIGKILL) and drop it from this folder's state, once the cluster
+        no longer has it as a member (``paramctl member remove``); its data folder stays."""
+        slot = self.slot(server_id)
+        if slot.pid and _alive(slot.pid):
+            self.kill(server_id, signal.SIGTERM)
+        if slot.pid and _alive(slot.pid):
+            self.kill(server_id)
+        self.slots.remove(slot)
+        self.config = replace(self.config, servers=len(self.slots))
+        self.save_state()
+        self.write_client_config()
+
     def restart(self, server_id: str) -> None:
         slot = self.slot(server_id)
         if slot.pid and _alive(slot.pid):
@@ -552,7 +600,8 @@ class LocalCluster:
                     leaders.add(None)
                     continue
                 leaders.add(info["leader_id"])
-                if len([m for m in info.get("members", []) if m.get("state") == "up"]) < len(self.slots):
+                # Every server has registered (a drained one stays registered, as leaving).
+                if not {s.server_id for s in self.slots} <= {m.get("server_id") for m in info.get("members", [])}:
                     members_ok = False
             if len(leaders) == 1 and None not in leaders and members_ok:
                 return str(next(iter(leaders)))
@@ -705,6 +754,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="mutual TLS: make a private CA, a certificate per server and one client certificate under "
                          "DIR/tls (reused on restart); servers call each other with their own certificate; the bulk "
                          "read port is off (reads go over gRPC) (default: plaintext)")
+    add = sub.add_parser("add", help="start one more server that joins the running cluster once "
+                                     "'paramctl member add' (printed) adds it")
+    add.add_argument("--dir", default=".cluster", help="the cluster's folder (default .cluster)")
+    forget = sub.add_parser("forget", help="stop a server and drop it from the folder's state, after "
+                                           "'paramctl member remove' took it out of the cluster (its data stays)")
+    forget.add_argument("--dir", default=".cluster", help="the cluster's folder (default .cluster)")
+    forget.add_argument("server_id", metavar="ID")
     for name, text in (("down", "stop every server of the cluster"), ("status", "show servers, pids and the leader"),
                        ("partition", "cut the network between groups of servers (--netns clusters only)"),
                        ("heal", "restore full connectivity (--netns clusters only)")):
@@ -752,6 +808,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "down":
             cluster.down()
             print(f"cluster under {cluster.root} stopped")
+            return 0
+        if args.cmd == "add":
+            slot = cluster.add_server()
+            print(f"started {slot.server_id}  grpc {slot.grpc}  raft {slot.raft}  pid {slot.pid}  log {slot.log_file}")
+            print(f"add it to the cluster with:   {cluster.join_command(slot.server_id)}")
+            return 0
+        if args.cmd == "forget":
+            cluster.forget(args.server_id)
+            print(f"{args.server_id} stopped and dropped from {cluster.root / STATE_FILE} (its data dir stays)")
             return 0
         if args.cmd == "partition":
             groups = [[x.strip() for x in g.split(",") if x.strip()] for g in args.group]

@@ -43,6 +43,9 @@ from paramserver.client.pull import PullOptions, pull
 from paramserver.client.push import PushOptions, PushReport, fetch_manifest, push
 from paramserver.client.refs import ModelRef
 from paramserver.client.errors import TransferError, rpc_code
+from paramserver.client import members as members_api
+from paramserver.wire.address import split_host_port
+from consensus.validation import check_name
 
 DEFAULT_CLUSTER = "127.0.0.1:7000"
 DEFAULT_TIMEOUT_S = 30.0
@@ -52,7 +55,7 @@ EPILOG = f"""\
 {EXIT_CODES_HELP}
 
 {CLIENT_ENV_HELP}
-Writes (push, tag, rollback, untag) send the admin token; reads (pull, ls, status) the read token.
+Writes (push, tag, rollback, untag, member) send the admin token; reads (pull, ls, status) the read token.
 """
 
 KiB, MiB = 1024, 1 << 20
@@ -192,12 +195,61 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("status", help="members, leader, term, and per-server chunk counts and disk use", epilog=EPILOG, formatter_class=fmt)
 
     sp = sub.add_parser(
+        "member", formatter_class=fmt, epilog=MEMBER_EPILOG,
+        help="add a server to the cluster, drain one (move its chunks off it), remove a stopped one",
+    )  # fmt: skip
+    msub = sp.add_subparsers(dest="member_command", metavar="ACTION", required=True)
+    mp = msub.add_parser("add", formatter_class=fmt, epilog=MEMBER_EPILOG,
+                         help="add a running server (started with --peer naming the members' Raft addresses), "
+                              "or put a draining one back up")
+    mp.add_argument("server_id", metavar="ID", help="its --id, e.g. ps4")
+    mp.add_argument("--grpc", required=True, type=_address("--grpc"), metavar="HOST:PORT",
+                    help="its gRPC address (its --advertise, else --listen)")
+    mp.add_argument("--raft", required=True, type=_address("--raft"), metavar="HOST:PORT", help="its Raft address (--raft)")
+    mp.add_argument("--zone", default="", help="its failure zone (--zone), if the cluster uses zones")
+    mp = msub.add_parser("drain", formatter_class=fmt, epilog=MEMBER_EPILOG,
+                         help="mark a server leaving: the ring stops placing chunks on it and re-replication copies "
+                              "them to their new replicas; waits until every member reports its chunks placed")
+    mp.add_argument("server_id", metavar="ID")
+    mp.add_argument("--wait", type=float_in(0, 86400, "--wait", low_inclusive=True), default=600.0, metavar="S",
+                    help="seconds to wait for the drain to finish (default 600; 0: mark it and report, do not wait); "
+                         "exit 7 if it has not finished by then")
+    mp = msub.add_parser("remove", formatter_class=fmt, epilog=MEMBER_EPILOG,
+                         help="remove a drained, stopped server from Raft and the member list")
+    mp.add_argument("server_id", metavar="ID")
+    mp.add_argument("--force", action="store_true",
+                    help="skip the checks (drained, stopped): chunks whose only copies are on it are lost, and a "
+                         "removed server that still runs disturbs elections")
+
+    sp = sub.add_parser(
         "drill", add_help=False, formatter_class=fmt,
         help="fault-injection drills: kill-leader, partition, corrupt-chunk, restart-server, restart-cluster "
         "('paramctl drill --help' for their options)",
     )  # fmt: skip
     sp.add_argument("drill_args", nargs=argparse.REMAINDER, help="the drill and its options")
     return p
+
+
+MEMBER_EPILOG = f"""\
+Scale out: start the new server with --peer for every member's Raft address and the cluster's
+secret and tokens, then 'paramctl member add ps4 --grpc HOST:PORT --raft HOST:PORT'.
+Take a server out: 'paramctl member drain ps3' (waits until its chunks are placed on the other
+servers), stop it, then 'paramctl member remove ps3'. 'member add' with its addresses puts a
+draining server back up.
+
+{EXIT_CODES_HELP}
+"""
+
+
+def _address(flag: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        try:
+            split_host_port(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return text
+
+    return parse
 
 
 def _router_flags(sp: argparse.ArgumentParser) -> None:
@@ -207,7 +259,7 @@ def _router_flags(sp: argparse.ArgumentParser) -> None:
                     help="longest wait for workers to report a version cached (default 300)")
 
 
-WRITES = frozenset({"push", "tag", "rollback", "untag"})
+WRITES = frozenset({"push", "tag", "rollback", "untag", "member"})
 
 
 def client_settings(args: argparse.Namespace) -> ClientSettings:
@@ -499,6 +551,53 @@ def cmd_status(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> 
         return 0
 
 
+def cmd_member(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> int:
+    def say(text: str) -> None:
+        out.print(text, markup=False, highlight=False)
+
+    sid = _checked_server_id(args.server_id)
+    with ClusterView.connect(opts) as view:
+        if args.member_command == "add":
+            members = members_api.add_member(view, sid, args.grpc, args.raft, args.zone)
+            say(f"{sid} is a member ({args.grpc}, Raft {args.raft}); members: "
+                + ", ".join(f"{m.server_id} ({m.state})" for m in members))
+            say("it catches up from the leader, and re-replication moves its share of the chunks to it "
+                "(watch the chunk counts in 'paramctl status')")
+            return 0
+        if args.member_command == "drain":
+            if members_api.drain(view, sid):
+                say(f"{sid} marked leaving: the ring no longer places chunks on it")
+            status = members_api.wait_drained(view, sid, args.wait) if args.wait else members_api.check_drain(view, sid)
+            _print_placement(out, status)
+            if status.drained:
+                say(f"{status.summary()}\nnext: stop {sid}, then 'paramctl member remove {sid}'"
+                    if status.target_answers else f"{status.summary()}\nnext: 'paramctl member remove {sid}'")
+                return 0
+            if not args.wait:
+                say(f"{status.summary()}\nrun 'paramctl member drain {sid}' again to wait for it")
+                return 0
+            raise TransferError(f"after {args.wait:g} s: {status.summary()}", grpc.StatusCode.FAILED_PRECONDITION)
+        members = members_api.remove_member(view, sid, force=args.force)
+        say(f"{sid} removed; members: " + ", ".join(f"{m.server_id} ({m.state})" for m in members))
+        return 0
+
+
+def _checked_server_id(text: str) -> str:
+    try:
+        return check_name("server id", text)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _print_placement(out: Console, status: members_api.DrainStatus) -> None:
+    table = Table(title=f"placement on the ring {','.join(status.ring) or '(empty)'}")
+    for col in ("server", "state", "chunks"):
+        table.add_column(col)
+    for p in status.members:
+        table.add_row(p.server_id, p.state, p.detail)
+    out.print(table)
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace, ClusterOptions, Console], int]] = {
     "push": cmd_push,
     "pull": cmd_pull,
@@ -508,6 +607,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, ClusterOptions, Console], int]
     "ls": cmd_ls,
     "status": cmd_status,
     "prewarm": cmd_prewarm,
+    "member": cmd_member,
 }
 
 

@@ -248,6 +248,13 @@ class ParamServerClient:
     def delete_tag(self, model: str, tag: str, who: str = "") -> pb.DeleteTagReply:
         return self.stub.DeleteTag(pb.DeleteTagRequest(model=model, tag=tag, who=who), timeout=self.config.timeout_s)
 
+    def add_member(self, member: pb.Member) -> pb.MembershipReply:
+        """Add a server to the cluster (Raft and the ring), or update a member's record (its state, its zone)."""
+        return self.stub.AddMember(pb.AddMemberRequest(member=member), timeout=self.config.timeout_s)
+
+    def remove_member(self, server_id: str) -> pb.MembershipReply:
+        return self.stub.RemoveMember(pb.RemoveMemberRequest(server_id=server_id), timeout=self.config.timeout_s)
+
     def report_heat(self, model: str, version: int, worker: str, entries: HeatArrays | Iterable[tuple[int, int, int]]) -> None:
         """``entries``: (chunk index, count, first-access order) each, or the same as arrays."""
         self.report_heat_encoded(report_request(model, version, worker, HeatArrays.of(entries)))

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
+import time
+from dataclasses import dataclass, field, replace
 
 from consensus.config import RaftConfig
 from consensus.errors import MetadataError
@@ -30,6 +31,9 @@ from paramserver.server.service import RunningServer, start_server
 from paramserver.server.store import ChunkStore, StoreConfig
 
 log = logging.getLogger(__name__)
+
+# A server that sees no leader this long is told, once, how it joins a running cluster.
+JOIN_HINT_AFTER_S = 15.0
 
 
 @dataclass
@@ -80,10 +84,12 @@ class ParamServer:
         self.hot = hot = HotChunks(hot_config, store, peers, state_path=cfg.data_dir / STATE_FILE) if hot_config.enabled else None
         self.heat = heat = HeatSnapshots(HeatAggregator(), cfg.data_dir)
         heat.restore()
+        references = References(node, fetch_blob)
+        rereplicator = ReReplicator(peers, store, references=references)
         self.running = start_server(cfg, store, metadata=node, repair_queue=queue, fetch_blob=fetch_blob,
                                     version_check=QuorumVersionCheck(peers, store, fetch_blob=fetch_blob),
                                     member_probe=MemberCheck(peers, cluster_id(cfg.cluster_secret, cfg.vnodes)), hot=hot,
-                                    heat=heat.heat)
+                                    heat=heat.heat, placement=rereplicator.placement)
         transport = "plaintext" if cfg.tls_cert is None else "TLS" if cfg.tls_ca is None else "mutual TLS"
         log.info("%s serving gRPC on %s (%s), Raft on %s; chunk writes %s", cfg.server_id, self.running.address, transport,
                  cfg.raft, ("fsynced" if cfg.fsync else "not fsynced (--no-fsync)")
@@ -94,11 +100,10 @@ class ParamServer:
                                    repair_queue=queue, on_read=hot.record_read if hot is not None else None).start()
             log.info("%s serving bulk chunk reads and writes on %s", cfg.server_id, self.bulk.address)
 
-        references = References(node, fetch_blob)
         threading.Thread(target=self._register_loop, name="register", daemon=True).start()
         self._tasks = [
             Periodic("repair", cfg.repair_interval_s, Repairer(store, queue, fetcher).step),
-            Periodic("re-replicate", cfg.anti_entropy_interval_s, ReReplicator(peers, store, references=references).step),
+            Periodic("re-replicate", cfg.anti_entropy_interval_s, rereplicator.step),
             Periodic("compact", store.config.compact_interval_s, Compactor(store).step),
             Periodic("heat-save", SAVE_INTERVAL_S, heat.step),
         ]
@@ -123,21 +128,36 @@ class ParamServer:
         """Publish this server's member record once a leader exists; retry until it sticks."""
         assert self.node is not None
         cfg = self.config
-        me = MemberRecord(cfg.server_id, cfg.advertise_address, cfg.raft, "up", cfg.zone, self.bulk_advertise_address)
+        me = MemberRecord(cfg.server_id, self.grpc_advertise_address, cfg.raft, "up", cfg.zone, self.bulk_advertise_address)
         delay = 0.1
+        hint_at: float | None = time.monotonic() + JOIN_HINT_AFTER_S
         while not self._stopped.is_set():
             try:
                 if self.node.wait_ready(1.0):
                     current = {m.server_id: m for m in self.node.members().value}.get(cfg.server_id)
+                    if current is not None and current.state == "leaving":
+                        me = replace(me, state="leaving")  # drained by an operator: a restart must not undo it
                     if current == me:
                         self._registered.set()
                         return
                     self.node.add_member(me)
-                    log.info("%s registered as a member (%s)", cfg.server_id, cfg.advertise_address)
+                    log.info("%s registered as a member (%s)", cfg.server_id, me.grpc_address)
+                elif hint_at is not None and time.monotonic() >= hint_at:
+                    hint_at = None
+                    log.warning("%s has seen no Raft leader for %.0f s. If it is new to a running cluster, add it from "
+                                "a client: paramctl member add %s --grpc %s --raft %s%s", cfg.server_id, JOIN_HINT_AFTER_S,
+                                cfg.server_id, me.grpc_address, cfg.raft, f" --zone {cfg.zone}" if cfg.zone else "")
             except MetadataError as exc:
                 log.info("registration of %s not done yet: %s", cfg.server_id, exc)
             self._stopped.wait(delay)
             delay = min(2.0, delay * 2)
+
+    @property
+    def grpc_advertise_address(self) -> str:
+        """--advertise, else the bound gRPC address (--listen with port 0 names a port only once bound)."""
+        if self.config.advertise or self.running is None:
+            return self.config.advertise_address
+        return self.running.address
 
     @property
     def bulk_advertise_address(self) -> str:

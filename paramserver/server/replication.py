@@ -19,6 +19,11 @@ A peer whose disk is full answers a push with RESOURCE_EXHAUSTED: it is then lef
 HasChunks, no push) for a back-off of ``full_backoff_s`` (doubling, up to
 ``max_full_backoff_s``, while it stays full) and tried again after; this is logged once at
 WARNING when it starts and once at INFO when the peer takes copies again, never per chunk.
+
+``placement()`` says which ring this server's chunks are known to be placed on: the up members
+of the last clean pass (every referenced chunk it holds found on all its ring replicas, every
+peer reached). ``paramctl member drain`` compares it with the current ring on every member to
+tell when a leaving server holds nothing that exists nowhere else.
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ from consensus.records import MemberRecord
 from paramserver.server.cluster import ChunkData, ParamServerClient, PeerSet
 from paramserver.server.errors import ParamServerError
 from paramserver.wire.ring import Ring, points_of
+from paramserver.wire.status_keys import PLACEMENT_AT_KEY, PLACEMENT_RING_KEY
 from paramserver.server.store import ChunkStore
 
 log = logging.getLogger(__name__)
@@ -100,11 +106,16 @@ class ReReplicator:
         self.max_full_backoff_s = max_full_backoff_s
         self.clock = clock
         self._full: dict[str, tuple[float, float]] = {}  # server -> (retry at, current back-off)
+        self._placed: tuple[tuple[str, ...], float] | None = None  # (ring of the last clean pass, wall time)
 
     def step(self) -> ReplicationReport:
         report = ReplicationReport()
         ring = self.peers.ring()
-        if len(ring) <= 1:
+        if not len(ring):
+            self._placed = None
+            return report
+        if ring.servers == [self.peers.self_id]:
+            self._placed = (tuple(ring.servers), time.time())  # no other replica to check or copy to
             return report
         r = min(self.peers.replication_factor, len(ring))
         members = self.peers.members()
@@ -114,8 +125,18 @@ class ReReplicator:
             report.skipped = True
             return report
         report = self._pass(report, ring, r, members, refs)
-        self.gate.record(state, clean=not report.unreachable and not report.missing and not report.full)
+        clean = not report.unreachable and not report.missing and not report.full
+        self.gate.record(state, clean=clean)
+        self._placed = (tuple(sorted(ring.servers)), time.time()) if clean else None
         return report
+
+    def placement(self) -> dict[str, str]:
+        """ServerStatus extras: the ring (up members, sorted, comma-separated) on which every committed
+        chunk this server holds was last found complete, and when; empty before a clean pass."""
+        placed = self._placed
+        if placed is None:
+            return {}
+        return {PLACEMENT_RING_KEY: ",".join(placed[0]), PLACEMENT_AT_KEY: f"{placed[1]:.3f}"}
 
     def _pass(self, report: ReplicationReport, ring: Ring, r: int, members: dict[str, MemberRecord],
               refs: frozenset[str] | set[str] | None) -> ReplicationReport:

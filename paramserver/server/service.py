@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -72,12 +72,14 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
         heat: HeatAggregator | None = None,
         repair_queue: RepairQueue | None = None,
         cluster_id: str = "",
+        placement: Callable[[], Mapping[str, str]] | None = None,
     ) -> None:
         self.chunks = chunks
         self.metadata = metadata
         self.heat = heat or HeatAggregator()
         self.repair_queue = repair_queue
         self.cluster_id = cluster_id
+        self.placement = placement
 
     # data plane
     def PutChunks(self, request_iterator: Iterable[pb.PutChunksRequest], context: grpc.ServicerContext) -> pb.PutChunksReply:
@@ -115,6 +117,8 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
             ),
         )
         reply.extra[CLUSTER_ID_KEY] = self.cluster_id
+        if self.placement is not None:
+            reply.extra.update(self.placement())
         if self.chunks.hot is not None:
             h = self.chunks.hot.stats()
             reply.extra.update({"hot_chunks": str(h.hot_chunks), "hot_advertised": str(h.advertised),
@@ -257,13 +261,15 @@ def start_server(
     member_probe: MemberProbe | None = None,
     hot: HotChunks | None = None,
     heat: HeatAggregator | None = None,
+    placement: Callable[[], Mapping[str, str]] | None = None,
 ) -> RunningServer:
     """Build, bind and start the gRPC server described by ``config`` (port 0 picks a free port).
 
     ``member_probe``: AddMember's check that a new member answers and runs this cluster
     (paramserver.server.cluster.MemberCheck); None adds members unchecked. ``hot``: the hot-chunk
     state (paramserver.server.hot_chunks; None: hot chunks off). ``heat``: the heat aggregator
-    (None: a fresh one, kept in memory only). The write-stream
+    (None: a fresh one, kept in memory only). ``placement``: ServerStatus extras saying where this
+    server's chunks are placed (``ReReplicator.placement``). The write-stream
     limits and GetChunks' per-call byte limit come from the config file's extra keys
     ``max_write_streams``, ``write_stream_idle_s`` and ``get_call_bytes``."""
     config.validate()
@@ -280,7 +286,8 @@ def start_server(
     if metadata is not None:
         ring = RingInfo(config.vnodes, config.replication_factor, config.write_quorum)
         meta = MetadataService(metadata, store, ring, fetch_blob=fetch_blob, version_check=version_check, member_probe=member_probe)
-    servicer = ParamServerServicer(chunks, meta, heat=heat, repair_queue=queue, cluster_id=cluster_id(config.cluster_secret, config.vnodes))
+    servicer = ParamServerServicer(chunks, meta, heat=heat, repair_queue=queue, placement=placement,
+                                   cluster_id=cluster_id(config.cluster_secret, config.vnodes))
 
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix=f"grpc-{config.server_id}"),

@@ -16,6 +16,7 @@ from paramserver.server.replication import ReReplicator
 from paramserver.server.store import ChunkStore
 from paramserver.wire.proto import pb
 from paramserver.wire.ring import RingConfig
+from paramserver.wire.status_keys import PLACEMENT_AT_KEY, PLACEMENT_RING_KEY
 from tests.conftest import FakeRpcError
 
 
@@ -45,8 +46,8 @@ class Peer:
 
 
 class Peers(PeerSet):
-    def __init__(self, first: Peer, fresh: Peer) -> None:
-        members = [MemberRecord("ps1", "127.0.0.1:1", "127.0.0.1:2"), MemberRecord("ps2", "127.0.0.1:3", "127.0.0.1:4")]
+    def __init__(self, first: Peer, fresh: Peer, self_state: str = "up") -> None:
+        members = [MemberRecord("ps1", "127.0.0.1:1", "127.0.0.1:2", self_state), MemberRecord("ps2", "127.0.0.1:3", "127.0.0.1:4")]
         super().__init__("ps1", lambda: members, ring_config=RingConfig(vnodes=16), replication_factor=2)
         self.current, self.fresh = first, fresh
         self.reconnects = 0
@@ -100,4 +101,29 @@ def test_other_failures_keep_the_channel(tmp_path: Path, code: grpc.StatusCode) 
     peers = Peers(Peer(fail=code), Peer())
     report = ReReplicator(peers, store, batch=8).step()
     assert peers.reconnects == 0 and report.unreachable == ["ps2"]
+    store.close()
+
+
+def test_placement_names_the_ring_of_the_last_clean_pass_only(tmp_path: Path) -> None:
+    """What `paramctl member drain` reads: set by a pass that found every copy, cleared by one that
+    had to copy or could not reach a peer."""
+    store, ids = _store(tmp_path)
+    peer = Peer()
+    rr = ReReplicator(Peers(peer, Peer()), store, batch=8, full_pass_every=1)
+    assert rr.placement() == {}
+    assert rr.step().copied == len(ids) and rr.placement() == {}  # it had to copy: not known complete yet
+    assert rr.step().missing == 0
+    placed = rr.placement()
+    assert placed[PLACEMENT_RING_KEY] == "ps1,ps2" and float(placed[PLACEMENT_AT_KEY]) > 0
+    peer.fail = grpc.StatusCode.DEADLINE_EXCEEDED
+    assert rr.step().unreachable == ["ps2"] and rr.placement() == {}
+    store.close()
+
+
+def test_a_leaving_server_copies_everything_to_the_ring_without_it_even_a_ring_of_one(tmp_path: Path) -> None:
+    store, ids = _store(tmp_path)
+    peer = Peer()
+    rr = ReReplicator(Peers(peer, Peer(), self_state="leaving"), store, batch=8)
+    assert rr.step().copied == len(ids) and peer.stored == ids
+    assert rr.step().missing == 0 and rr.placement()[PLACEMENT_RING_KEY] == "ps2"
     store.close()
