@@ -85,7 +85,8 @@ class ParamServer:
         self.heat = heat = HeatSnapshots(HeatAggregator(), cfg.data_dir)
         heat.restore()
         references = References(node, fetch_blob)
-        rereplicator = ReReplicator(peers, store, references=references)
+        rereplicator = ReReplicator(peers, store, references=references,
+                                    keep=hot.extras.__contains__ if hot is not None else None)
         self.running = start_server(cfg, store, metadata=node, repair_queue=queue, fetch_blob=fetch_blob,
                                     version_check=QuorumVersionCheck(peers, store, fetch_blob=fetch_blob),
                                     member_probe=MemberCheck(peers, cluster_id(cfg.cluster_secret, cfg.vnodes)), hot=hot,

@@ -20,6 +20,12 @@ HasChunks, no push) for a back-off of ``full_backoff_s`` (doubling, up to
 ``max_full_backoff_s``, while it stays full) and tried again after; this is logged once at
 WARNING when it starts and once at INFO when the peer takes copies again, never per chunk.
 
+Hand-off: a chunk this server holds but the ring no longer places here (a server joined, or this
+one is leaving) is deleted once every one of its ring replicas was found holding it in the same
+pass (HasChunks; a copy just sent counts from the next pass), unless a push claimed it since
+the pass began or ``keep`` says to (the hot-chunk extras, held here on purpose). Without it a
+scale-out would leave every old copy where it was, and disk use on the old servers would not fall.
+
 ``placement()`` says which ring this server's chunks are known to be placed on: the up members
 of the last clean pass (every referenced chunk it holds found on all its ring replicas, every
 peer reached). ``paramctl member drain`` compares it with the current ring on every member to
@@ -53,6 +59,7 @@ class ReplicationReport:
     copied: int = 0
     bytes_copied: int = 0
     missing: int = 0  # (chunk, replica) pairs found missing (and sent)
+    handed_off: int = 0  # chunks deleted here because all their ring replicas hold them
     unreachable: list[str] = field(default_factory=list)
     full: list[str] = field(default_factory=list)  # replicas whose disk is full: not pushed to this pass
     skipped: bool = False  # nothing changed since the last clean pass
@@ -87,6 +94,7 @@ class ReReplicator:
         store: ChunkStore,
         *,
         references: Callable[[], frozenset[str] | set[str] | None] | None = None,
+        keep: Callable[[str], bool] | None = None,
         batch: int = 4096,
         push_batch_bytes: int = 4 << 20,
         full_pass_every: int = 10,
@@ -98,6 +106,7 @@ class ReReplicator:
         # Only chunks of committed versions are copied: copying orphans would hand
         # them back to servers that just collected them, and they would never die.
         self.references = references
+        self.keep = keep  # chunks held here on purpose though the ring places them elsewhere
         self.store = store
         self.batch = batch
         self.push_batch_bytes = push_batch_bytes
@@ -140,6 +149,7 @@ class ReReplicator:
 
     def _pass(self, report: ReplicationReport, ring: Ring, r: int, members: dict[str, MemberRecord],
               refs: frozenset[str] | set[str] | None) -> ReplicationReport:
+        started = time.time()  # a chunk a push claims after this is not handed off in this pass
         stored = list(self.store.iter_ids())
         report.scanned = len(stored)
         ids = stored if refs is None else [cid for cid in stored if cid in refs]
@@ -159,6 +169,7 @@ class ReReplicator:
                 if server != self.peers.self_id:
                     wanted.setdefault(server, []).extend(group)
         now = self.clock()
+        found: dict[str, set[str]] = {}  # replica -> the chunks it was found holding (not sent to it) this pass
         for server, ids in wanted.items():
             member = members.get(server)
             if member is None:
@@ -172,7 +183,9 @@ class ReReplicator:
                     part = ids[start:start + self.batch]
                     missing, copied, nbytes = self.peers.call(member, partial(self._copy_batch, part=part))
                     report.checked += len(part)
-                    report.missing += missing
+                    report.missing += len(missing)
+                    found.setdefault(server, set()).update(part)
+                    found[server].difference_update(missing)
                     report.copied += copied
                     report.bytes_copied += nbytes
             except grpc.RpcError as exc:
@@ -190,16 +203,29 @@ class ReReplicator:
                 log.info("re-replication to %s resumed: it accepts copies again", server)
         if report.copied:
             log.info("re-replication copied %d chunks (%d bytes)", report.copied, report.bytes_copied)
+        self._hand_off(report, by_placement, found, started)
         return report
 
-    def _copy_batch(self, client: ParamServerClient, part: list[str]) -> tuple[int, int, int]:
-        """HasChunks of ``part`` on a peer, then a push of what it lacks: (missing, copied, bytes sent)."""
+    def _hand_off(self, report: ReplicationReport, by_placement: dict[tuple[str, ...], list[str]],
+                  found: dict[str, set[str]], started: float) -> None:
+        me, keep = self.peers.self_id, self.keep
+        moved = [cid for placed, group in by_placement.items() if me not in placed
+                 for cid in group if all(cid in found.get(s, ()) for s in placed) and not (keep is not None and keep(cid))]
+        if not moved:
+            return
+        report.handed_off = len(self.store.delete_unclaimed(moved, started))
+        if report.handed_off:
+            log.info("hand-off: deleted %d chunks the ring places on other servers, each found on all its replicas",
+                     report.handed_off)
+
+    def _copy_batch(self, client: ParamServerClient, part: list[str]) -> tuple[list[str], int, int]:
+        """HasChunks of ``part`` on a peer, then a push of what it lacks: (the missing ids, copied, bytes sent)."""
         missing = [cid for cid, ok in zip(part, client.has_chunks(part)) if not ok]
         if not missing:
-            return 0, 0, 0
+            return [], 0, 0
         sent = [0]
         reply = client.put_chunks(self._chunks(missing, sent), batch_bytes=self.push_batch_bytes)
-        return len(missing), int(reply.chunks_stored), sent[0]
+        return missing, int(reply.chunks_stored), sent[0]
 
     def _target_full(self, server: str, exc: grpc.RpcError) -> None:
         previous = self._full.get(server)

@@ -1,7 +1,7 @@
 """Scale out and take a server out, as an operator does it: real servers, the real `paramctl member`.
 
 A 3-server cluster with a model; `deploy.local add` starts ps4, `paramctl member add` joins it and
-re-replication gives it its share; `member drain ps1` moves placement off ps1 and waits until
+re-replication gives it its share (and the old servers hand off what moved); `member drain ps1` moves placement off ps1 and waits until
 every member reports its chunks placed on the new ring; ps1 is stopped and `member remove`d.
 Every step is checked bit for bit, and the refusals (not drained, still running, an address
 that does not answer) exit with their codes and one line.
@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -63,6 +64,24 @@ def wait_placed(cluster: LocalCluster, ring: str, timeout: float = 60.0) -> None
         view.close()
 
 
+def chunk_counts(cluster: LocalCluster) -> dict[str, int]:
+    view = ClusterView.connect(cluster.client_settings().cluster_options(write=False))
+    try:
+        return {m.server_id: int(view.client(m.grpc_address).server_status().chunk_count) for m in current_members(view)}
+    finally:
+        view.close()
+
+
+def wait_counts(cluster: LocalCluster, ok: Callable[[dict[str, int]], bool], what: str, timeout: float = 60.0) -> dict[str, int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        counts = chunk_counts(cluster)
+        if ok(counts):
+            return counts
+        assert time.monotonic() < deadline, f"{what}: not after {timeout} s: {counts}"
+        time.sleep(0.25)
+
+
 def pulled_equal(cluster: LocalCluster, original: Path, out: Path) -> None:
     ok(paramctl(cluster, "pull", "m:prod", "--out", str(out), "--no-progress"))
     a, b = load_file(str(original)), load_file(str(out))
@@ -79,6 +98,8 @@ def test_add_a_server_then_drain_stop_and_remove_another(tmp_path: Path) -> None
     cluster.up()
     try:
         ok(paramctl(cluster, "push", str(model), "--model", "m", "--tag", "prod", "--no-progress"))
+        n = chunk_counts(cluster)["ps1"]  # every chunk and manifest blob: R=3 on 3 servers
+        assert n > 96
 
         # Scale out: ps4 joins, gets its share (R=3 of 4: about three quarters of the chunks), serves it.
         slot = cluster.add_server()
@@ -88,9 +109,9 @@ def test_add_a_server_then_drain_stop_and_remove_another(tmp_path: Path) -> None
         out = ok(paramctl(cluster, *cluster.join_command("ps4").split()[1:]))
         assert "ps4 (up)" in out
         wait_placed(cluster, "ps1,ps2,ps3,ps4")
-        status = ok(paramctl(cluster, "status"))
-        ps4_row = next(line for line in status.splitlines() if "ps4" in line)
-        assert " 0 B " not in ps4_row, status  # it holds chunks now
+        # Hand-off: each chunk ends on exactly its 3 ring replicas, so the old servers' stores shrink.
+        counts = wait_counts(cluster, lambda c: sum(c.values()) == 3 * n, "three copies of each chunk in all")
+        assert all(0 < c < n for c in counts.values()), counts
         pulled_equal(cluster, model, tmp_path / "a.safetensors")
 
         # Draining refuses what would lose data; a drained server keeps its state across a restart.
@@ -98,6 +119,8 @@ def test_add_a_server_then_drain_stop_and_remove_another(tmp_path: Path) -> None
         refused(paramctl(cluster, "member", "drain", "ps0"), 3, "no member 'ps0'")
         out = ok(paramctl(cluster, "member", "drain", "ps1", "--wait", "120"))
         assert "ps1 marked leaving" in out and "ps1 is drained" in out and "stop ps1" in out
+        counts = wait_counts(cluster, lambda c: c["ps1"] == 0, "ps1 handed every chunk off")
+        assert sum(counts.values()) == 3 * n, counts
         cluster.kill("ps1")
         cluster.restart("ps1")
         cluster.wait_ready(60)

@@ -127,3 +127,29 @@ def test_a_leaving_server_copies_everything_to_the_ring_without_it_even_a_ring_o
     assert rr.step().copied == len(ids) and peer.stored == ids
     assert rr.step().missing == 0 and rr.placement()[PLACEMENT_RING_KEY] == "ps2"
     store.close()
+
+
+def test_hand_off_deletes_what_the_ring_places_elsewhere_once_every_replica_was_found_holding_it(tmp_path: Path) -> None:
+    """A leaving server (the ring is ps2 alone): the pass that copies keeps its copies, the next one,
+    finding them on ps2, deletes them, except the ones ``keep`` names (hot-chunk extras)."""
+    store, ids = _store(tmp_path)
+    kept = sorted(ids)[:3]
+    peer = Peer()
+    rr = ReReplicator(Peers(peer, Peer(), self_state="leaving"), store, batch=8, keep=kept.__contains__)
+    first = rr.step()
+    assert first.copied == len(ids) and first.handed_off == 0 and set(store.iter_ids()) == ids
+    second = rr.step()
+    assert second.handed_off == len(ids) - 3 and sorted(store.iter_ids()) == kept and peer.stored == ids
+    store.close()
+
+
+def test_hand_off_waits_for_every_replica_and_never_touches_a_chunk_placed_here(tmp_path: Path) -> None:
+    store, ids = _store(tmp_path)
+    peer = Peer()
+    peer.stored = set(ids)
+    up = ReReplicator(Peers(peer, Peer()), store, batch=8, full_pass_every=1)  # ps1 and ps2 are both replicas (R=2)
+    assert up.step().handed_off == 0 and set(store.iter_ids()) == ids
+    peer.fail = grpc.StatusCode.DEADLINE_EXCEEDED  # a replica not reached: nothing is known to be there
+    leaving = ReReplicator(Peers(peer, Peer(), self_state="leaving"), store, batch=8)
+    assert leaving.step().handed_off == 0 and set(store.iter_ids()) == ids
+    store.close()
