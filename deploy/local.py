@@ -487,9 +487,11 @@ class LocalCluster:
         no longer has it as a member (``paramctl member remove``); its data folder stays."""
         slot = self.slot(server_id)
         if slot.pid and _alive(slot.pid):
-            self.kill(server_id, signal.SIGTERM)
-        if slot.pid and _alive(slot.pid):
-            self.kill(server_id)
+            try:
+                os.kill(slot.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            self._finish(slot, 10.0)
         self.slots.remove(slot)
         self.config = replace(self.config, servers=len(self.slots))
         self.save_state()
@@ -514,6 +516,17 @@ class LocalCluster:
         while slot.pid and _alive(slot.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
 
+    def _finish(self, slot: ServerSlot, timeout: float) -> None:
+        """Reap a server that was sent SIGTERM; SIGKILL it if it outlives ``timeout``."""
+        self._reap(slot, timeout)
+        if slot.pid and _alive(slot.pid):
+            try:
+                os.kill(slot.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._reap(slot, 5.0)
+        slot.pid = None
+
     def down(self, timeout: float = 10.0) -> None:
         for slot in self.slots:
             if slot.pid and _alive(slot.pid):
@@ -523,16 +536,8 @@ class LocalCluster:
                     pass
         deadline = time.monotonic() + timeout
         for slot in self.slots:
-            if not slot.pid:
-                continue
-            self._reap(slot, max(0.1, deadline - time.monotonic()))
-            if _alive(slot.pid):
-                try:
-                    os.kill(slot.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self._reap(slot, 5.0)
-            slot.pid = None
+            if slot.pid:
+                self._finish(slot, max(0.1, deadline - time.monotonic()))
         if self.topology is not None:
             self.topology.destroy()
         self.save_state()

@@ -16,7 +16,6 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -42,7 +41,7 @@ from paramserver.client.folder import pull_folder, shard_plan
 from paramserver.client.pull import PullOptions, pull
 from paramserver.client.push import PushOptions, PushReport, fetch_manifest, push
 from paramserver.client.refs import ModelRef
-from paramserver.client.errors import TransferError, rpc_code
+from paramserver.client.errors import TransferError
 from paramserver.client import members as members_api
 from paramserver.wire.address import split_host_port
 from consensus.validation import check_name
@@ -522,22 +521,15 @@ def cmd_status(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> 
     with ClusterView.connect(opts) as view:
         info = view.info
         members = list(info.members)
-
-        def status(m: pb.Member) -> pb.ServerStatusReply | str:
-            try:
-                return view.client(m.grpc_address).server_status()
-            except grpc.RpcError as exc:
-                return rpc_code(exc).name.lower()
-
-        with ThreadPoolExecutor(max_workers=max(1, len(members))) as pool:
-            statuses = list(pool.map(status, members))
+        by_id = members_api.server_statuses(view, members)
+        statuses = [by_id[m.server_id] for m in members]
         table = Table(title=f"cluster: leader {info.leader_id or '(none)'}  term {info.term}  commit index {info.commit_index}  "
                             f"R={info.ring.replication_factor} W={info.ring.write_quorum} vnodes={info.ring.vnodes}")  # fmt: skip
         for col in ("server", "grpc", "raft", "state", "zone", "role", "chunks", "disk", "repair queue", "quarantined", "cache"):
             table.add_column(col, justify="right" if col in ("chunks", "disk", "repair queue", "quarantined") else "left")
         for m, st in zip(members, statuses):
             if isinstance(st, str):
-                table.add_row(m.server_id, m.grpc_address, m.raft_address, m.state, m.zone or "-", f"[red]{st}[/red]",
+                table.add_row(m.server_id, m.grpc_address, m.raft_address, m.state, m.zone or "-", f"[red]{st.lower()}[/red]",
                               "-", "-", "-", "-", "-")
                 continue
             role = "leader" if st.is_leader else "follower"

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 import grpc
 
 from paramserver.client.cluster_view import ClusterView
-from paramserver.client.errors import NotFound, TransferError
-from paramserver.client.errors import rpc_code
+from paramserver.client.errors import NotFound, TransferError, rpc_code
 from paramserver.wire.proto import pb
 from paramserver.wire.status_keys import PLACEMENT_AT_KEY, PLACEMENT_RING_KEY
 
@@ -103,7 +102,8 @@ def drain_status(target: str, members: Sequence[pb.Member],
     return DrainStatus(target, by_id[target].state, ring, tuple(out))
 
 
-def _statuses(view: ClusterView, members: Sequence[pb.Member]) -> dict[str, pb.ServerStatusReply | str]:
+def server_statuses(view: ClusterView, members: Sequence[pb.Member]) -> dict[str, pb.ServerStatusReply | str]:
+    """Each member's ServerStatus, asked all at once, or the status code name of why it did not answer."""
     def ask(m: pb.Member) -> pb.ServerStatusReply | str:
         try:
             return view.client(m.grpc_address).server_status()
@@ -121,7 +121,7 @@ def current_members(view: ClusterView) -> list[pb.Member]:
 
 def check_drain(view: ClusterView, target: str) -> DrainStatus:
     members = current_members(view)
-    return drain_status(target, members, _statuses(view, members))
+    return drain_status(target, members, server_statuses(view, members))
 
 
 def add_member(view: ClusterView, server_id: str, grpc_address: str, raft_address: str, zone: str = "") -> list[pb.Member]:
@@ -178,4 +178,4 @@ def remove_member(view: ClusterView, target: str, *, force: bool = False) -> lis
 
 
 __all__ = ["DrainStatus", "LEAVING", "Placement", "UP", "add_member", "check_drain", "current_members", "drain",
-           "drain_status", "remove_member", "wait_drained"]
+           "drain_status", "remove_member", "server_statuses", "wait_drained"]
