@@ -486,11 +486,7 @@ class LocalCluster:
         """Stop a server (SIGTERM, then SIGKILL) and drop it from this folder's state, once the cluster
         no longer has it as a member (``paramctl member remove``); its data folder stays."""
         slot = self.slot(server_id)
-        if slot.pid and _alive(slot.pid):
-            try:
-                os.kill(slot.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+        if _signal(slot, signal.SIGTERM):
             self._finish(slot, 10.0)
         self.slots.remove(slot)
         self.config = replace(self.config, servers=len(self.slots))
@@ -519,21 +515,13 @@ class LocalCluster:
     def _finish(self, slot: ServerSlot, timeout: float) -> None:
         """Reap a server that was sent SIGTERM; SIGKILL it if it outlives ``timeout``."""
         self._reap(slot, timeout)
-        if slot.pid and _alive(slot.pid):
-            try:
-                os.kill(slot.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        if _signal(slot, signal.SIGKILL):
             self._reap(slot, 5.0)
         slot.pid = None
 
     def down(self, timeout: float = 10.0) -> None:
         for slot in self.slots:
-            if slot.pid and _alive(slot.pid):
-                try:
-                    os.kill(slot.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+            _signal(slot, signal.SIGTERM)
         deadline = time.monotonic() + timeout
         for slot in self.slots:
             if slot.pid:
@@ -698,6 +686,17 @@ def _secret_arg(key: str, path: Path | None, env: str) -> str | None:
         return read_secret_file(key, path)
     except ConfigError as exc:
         raise LauncherError(str(exc)) from None
+
+
+def _signal(slot: ServerSlot, sig: int) -> bool:
+    """Send ``sig`` to the slot's server when it is alive; whether it was."""
+    if not (slot.pid and _alive(slot.pid)):
+        return False
+    try:
+        os.kill(slot.pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _alive(pid: int | None) -> bool:
