@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import reprlib
+import struct
 import time
 from typing import Any, Callable
 
@@ -51,6 +52,12 @@ _short.maxstring = _short.maxother = 60  # a refused message is named, never dum
 
 # SyncObj ignores message types it does not know, so peers only see a read.
 KEEPALIVE_MESSAGE = {"type": "pdparams_keepalive"}
+
+# pysyncobj buffers a frame of any declared length (up to 2 GiB), copying the buffer on every read,
+# and checks nothing until the frame is whole. Before a connection is a member's link its frames
+# are the key exchange and an address; after, pysyncobj batches entries and snapshot parts in 64 KiB.
+MAX_HANDSHAKE_FRAME = 64 << 10
+MAX_LINK_FRAME = 64 << 20
 
 
 class RefusalLog:
@@ -177,12 +184,35 @@ class KeepaliveTCPTransport(TCPTransport):  # type: ignore[misc]
     def _onNewIncomingConnection(self, conn: Any) -> None:  # noqa: N802 - overrides pysyncobj
         super()._onNewIncomingConnection(conn)
         conn.pdparams_peer = address = _peer_address(conn)
+        self._cap_frames(conn)
         if conn.encryptor is not None:
             def failed() -> None:
                 what = "a frame" if conn in self._unknownConnections else "a frame of an established link"
                 self.refusals.refuse(address, f"{what} that does not decrypt with the cluster secret (a client "
                                               "without it, or a server with another --cluster-secret)")
             conn.encryptor = _CheckedEncryptor(conn.encryptor, failed)
+
+    def _cap_frames(self, conn: Any) -> None:
+        """Refuse an incoming frame declared over the limit as soon as its length arrives, and stop
+        reading while a whole frame's worth is buffered (the rest waits in the socket)."""
+        read = getattr(conn, "_TcpConnection__processRead", None)
+        if read is None:
+            return  # not pysyncobj 0.3.17's TcpConnection (install() refuses other versions)
+
+        def capped_read() -> bool:
+            more = bool(read())
+            buffered = getattr(conn, "_TcpConnection__readBuffer", b"")
+            if len(buffered) < 4:
+                return more
+            limit = MAX_HANDSHAKE_FRAME if conn in self._unknownConnections else MAX_LINK_FRAME
+            (declared,) = struct.unpack("i", buffered[:4])
+            if not 0 <= declared <= limit:
+                self._refuse(conn, f"a frame declared {declared} bytes long, over the limit of {limit} "
+                                   f"({'before' if limit == MAX_HANDSHAKE_FRAME else 'on'} a member's link)")
+                return False
+            return more and len(buffered) <= limit + 4
+
+        conn._TcpConnection__processRead = capped_read
 
     def _onIncomingMessageReceived(self, conn: Any, message: Any) -> None:  # noqa: N802 - overrides pysyncobj
         """The first messages of an incoming connection: key exchange, then a member's address; nothing else."""

@@ -72,11 +72,17 @@ def check_call(method: str, metadata: Iterable[tuple[str, Any]] | None, config: 
     return f"{name} needs {expected} as 'authorization: Bearer <token>' metadata; {problem}"
 
 
+def _unparsed(raw: bytes) -> bytes:
+    return raw
+
+
 def _abort_handler(handler: grpc.RpcMethodHandler[Any, Any], message: str) -> grpc.RpcMethodHandler[Any, Any]:
     def abort(_request: Any, context: grpc.ServicerContext) -> Any:
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    kwargs = dict(request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    # A refused call's request is never parsed: malformed bytes from a client without a token must
+    # not reach the deserializer (nor grpc's traceback when it fails).
+    kwargs = dict(request_deserializer=_unparsed, response_serializer=handler.response_serializer)
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(abort, **kwargs)
     if handler.request_streaming:

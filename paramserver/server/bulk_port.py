@@ -6,8 +6,13 @@ exactly as on the gRPC path. Tokens follow the gRPC rule for reads.
 
 Silent or slow clients cannot fill the port: the hello must arrive in full within
 ``hello_timeout_s`` (a deadline for the whole hello, not per byte), and one client IP holds at
-most ``max_per_ip`` connections. A refused connection is answered "bad hello" with the reason
-and logged at WARNING with its address (at most one line per reason every few seconds).
+most ``max_per_ip`` connections. Connections still owing their hello are held apart from the
+served ones (``max_connections`` counts only connections whose hello was accepted): at most
+``max_pending`` of them, and a new one pushes out the oldest, so connections that never say
+hello delay a client by no more than the moment its own hello takes. A refused connection is
+answered "bad hello" with the reason and logged at WARNING with its address (at most one line
+per reason every few seconds). An ``accept`` that fails (out of file descriptors) is retried
+after a pause, never the end of the port.
 
 Writes (a hello with the write magic; :class:`_WriteSession`) need the admin token. Each PUT is
 received straight into one fresh buffer, stored with one ``ChunkStore.put_many`` (one group
@@ -59,6 +64,7 @@ from paramserver.wire.bulk_frames import (
 )
 
 log = logging.getLogger(__name__)
+_ACCEPT_PAUSE_S, _ACCEPT_PAUSE_MAX_S = 0.05, 1.0  # after a failed accept (out of file descriptors)
 
 
 def check_token(token: str, auth: AuthConfig) -> str | None:
@@ -94,7 +100,8 @@ def check_write_token(token: str, auth: AuthConfig) -> str | None:
 
 @dataclass(frozen=True)
 class BulkServerConfig:
-    max_connections: int = 64
+    max_connections: int = 64  # connections served at once (past their hello)
+    max_pending: int = 16  # connections still owing their hello; the oldest is dropped for a new one
     idle_timeout_s: float = 300.0  # a connection with no request for this long is closed
     io_timeout_s: float = 30.0  # one send or the rest of a frame must not take longer
     hello_timeout_s: float = 5.0  # the whole hello must arrive within this
@@ -110,6 +117,8 @@ class BulkServerConfig:
             raise ConfigError(f"bulk max_connections must be 1..4096, got {self.max_connections}")
         if not 1 <= self.max_per_ip <= 4096:
             raise ConfigError(f"bulk max_per_ip must be 1..4096, got {self.max_per_ip}")
+        if not 1 <= self.max_pending <= 4096:
+            raise ConfigError(f"bulk max_pending must be 1..4096, got {self.max_pending}")
         if self.idle_timeout_s <= 0 or self.io_timeout_s <= 0 or self.hello_timeout_s <= 0:
             raise ConfigError("bulk idle_timeout_s, io_timeout_s and hello_timeout_s must be > 0")
         if not 1 <= self.max_write_connections <= 4096:
@@ -125,12 +134,12 @@ class BulkServerConfig:
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, object]) -> BulkServerConfig:
-        """From a server config file's extra keys ``bulk_max_connections``, ``bulk_max_per_ip``,
+        """From a server config file's extra keys ``bulk_max_connections``, ``bulk_max_pending``, ``bulk_max_per_ip``,
         ``bulk_hello_timeout_s``, ``bulk_idle_timeout_s``, ``bulk_io_timeout_s``, ``bulk_writes`` (bool),
         ``bulk_max_write_connections``, ``bulk_write_buffer_bytes``, ``bulk_store_workers`` and
         ``bulk_min_write_rate``."""
         values: dict[str, float | int | bool] = {}
-        for name, kind in (("max_connections", int), ("max_per_ip", int), ("hello_timeout_s", float),
+        for name, kind in (("max_connections", int), ("max_pending", int), ("max_per_ip", int), ("hello_timeout_s", float),
                            ("idle_timeout_s", float), ("io_timeout_s", float), ("max_write_connections", int),
                            ("write_buffer_bytes", int), ("store_workers", int), ("min_write_rate", int)):
             value = extra.get(f"bulk_{name}")
@@ -219,6 +228,7 @@ class BulkServer:
         self._slots = threading.BoundedSemaphore(self.config.max_connections)
         self._per_ip: dict[str, int] = {}  # open connections by client address (under _lock)
         self._peer_of: dict[socket.socket, tuple[str, int]] = {}  # accepted, until its thread takes it
+        self._pending: dict[socket.socket, None] = {}  # owing their hello, oldest first (under _lock)
         self._refusals = RateLimitedLog(log)
         self.refused = 0  # connections refused (limits, hello timeout)
         self._conns: set[socket.socket] = set()
@@ -253,11 +263,20 @@ class BulkServer:
     # ------------------------------------------------------------ connections
 
     def _accept_loop(self) -> None:
+        pause = _ACCEPT_PAUSE_S
         while not self._stopped.is_set():
             try:
                 conn, peer = self._sock.accept()
-            except OSError:
-                return  # closed by stop()
+            except OSError as exc:
+                if self._stopped.is_set():
+                    return  # closed by stop()
+                # EMFILE, ENFILE, ENOBUFS, ECONNABORTED...: the port must outlive them.
+                self._refusals.warning("accept_failed", "bulk port accept failed: server=%s error=%s; retrying in %gs",
+                                       self.address, exc, pause)
+                self._stopped.wait(pause)
+                pause = min(_ACCEPT_PAUSE_MAX_S, pause * 2)
+                continue
+            pause = _ACCEPT_PAUSE_S
             ip = str(peer[0])
             with self._lock:
                 mine = self._per_ip.get(ip, 0)
@@ -268,13 +287,19 @@ class BulkServer:
                              f"too many bulk connections from this address (limit {self.config.max_per_ip} per client "
                              "address); reuse them, use GetChunks, or retry later")
                 continue
-            if not self._slots.acquire(blocking=False):
-                self._drop_ip(ip)
-                self._refuse(conn, peer, "connection_limit",
-                             f"too many bulk connections (limit {self.config.max_connections}); use GetChunks or retry later")
-                continue
             with self._lock:
                 self._peer_of[conn] = (ip, int(peer[1]) if len(peer) > 1 else 0)
+                self._pending[conn] = None
+                oldest = next(iter(self._pending)) if len(self._pending) > self.config.max_pending else None
+                if oldest is not None:
+                    del self._pending[oldest]
+            if oldest is not None:
+                self._log_refusal(peer, "pending_limit", f"more than {self.config.max_pending} connections owed their "
+                                                         "hello; the oldest was dropped")
+                try:
+                    oldest.shutdown(socket.SHUT_RDWR)  # its thread's receive ends, and the thread cleans up
+                except OSError:
+                    pass
             threading.Thread(target=self._serve, args=(conn,), name="bulk-conn", daemon=True).start()
 
     def _drop_ip(self, ip: str) -> None:
@@ -305,6 +330,7 @@ class BulkServer:
         with self._lock:
             self._conns.add(conn)
             peer = self._peer_of.pop(conn)
+        served = False  # holds one of the max_connections slots
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
@@ -313,6 +339,10 @@ class BulkServer:
             except TimeoutError:
                 self._log_refusal(peer, "hello_timeout", f"no complete hello within {self.config.hello_timeout_s:g} s")
                 return
+            finally:
+                with self._lock:
+                    self._pending.pop(conn, None)
+            served = mode is not None
             conn.settimeout(self.config.io_timeout_s)
             if mode is not None and mode.startswith("read:"):
                 self._requests(conn, batch_items(int(mode[len("read:"):])))
@@ -330,9 +360,11 @@ class BulkServer:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                self._pending.pop(conn, None)
             conn.close()
             self._drop_ip(str(peer[0]))
-            self._slots.release()
+            if served:
+                self._slots.release()
 
     def _handshake(self, conn: socket.socket, peer: tuple[str, int]) -> str | None:
         """"read:" + the protocol version, or "write:" + the token, once welcomed; None when turned
@@ -354,8 +386,17 @@ class BulkServer:
         problem = check_token(token, self.auth)
         if problem is not None:
             return self._turn_away(conn, peer, W_UNAUTHENTICATED, "unauthenticated", problem)
-        conn.sendall(encode_welcome(W_OK))
+        if not self._slots.acquire(blocking=False):
+            return self._turn_away(conn, peer, W_BAD_HELLO, "connection_limit", self._full_message())
+        try:
+            conn.sendall(encode_welcome(W_OK))
+        except BaseException:
+            self._slots.release()
+            raise
         return f"read:{version}"
+
+    def _full_message(self) -> str:
+        return f"too many bulk connections (limit {self.config.max_connections}); use GetChunks or retry later"
 
     def _write_handshake(self, conn: socket.socket, peer: tuple[str, int], version: int, token_len: int,
                          deadline: float) -> str | None:
@@ -372,13 +413,17 @@ class BulkServer:
             return away(W_UNAUTHENTICATED, "unauthenticated", problem)
         if not self.config.writes:
             return away(W_BAD_HELLO, "writes_off", "bulk writes are off on this server; use PutChunks")
+        if not self._slots.acquire(blocking=False):
+            return away(W_BAD_HELLO, "connection_limit", self._full_message())
         if not self._write_slots.acquire(blocking=False):
+            self._slots.release()
             return away(W_BAD_HELLO, "write_limit", f"too many bulk write sessions (limit {self.config.max_write_connections}); "
                                                     "use PutChunks or retry later")
         try:
             conn.sendall(encode_write_welcome(W_OK))
         except BaseException:
             self._write_slots.release()
+            self._slots.release()
             raise
         return "write:" + token  # forwarded hops are opened with the client's own token
 

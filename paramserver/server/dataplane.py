@@ -8,12 +8,15 @@ names the chunk (and, for PutChunks, this server).
 
 No client can make this server stop serving others (DESIGN invariant 6):
 
-- Write streams (PutChunks) have their own concurrency limit, below the gRPC worker
-  pool (``WriteLimits.max_streams``, half the pool by default): a stream beyond it is
-  answered RESOURCE_EXHAUSTED at once, so reads and status calls always find a thread.
-- A write stream that sends no message for ``WriteLimits.idle_s`` is ended
-  DEADLINE_EXCEEDED by one watchdog thread (a blocked read of the request iterator is
-  woken by cancelling the call), freeing its thread and its slot.
+- Streams hold a gRPC worker thread for as long as they last, so they have concurrency
+  limits below the pool: all streams (PutChunks and GetChunks) together leave
+  ``stream_reserve(workers)`` threads to unary calls (status, metadata, HasChunks), and
+  write streams alone are held to ``WriteLimits.max_streams`` (half the pool by default).
+  A stream beyond a limit is answered RESOURCE_EXHAUSTED at once.
+- A write stream that sends no message for ``WriteLimits.idle_s``, and a read stream whose
+  client takes no message for as long, is ended DEADLINE_EXCEEDED by one watchdog thread
+  (cancelling the call wakes a handler blocked on the request iterator or on a send),
+  freeing its thread and its slot.
 - GetChunks answers each distinct id once, keeps every reply message (chunks and
   per-chunk errors together) near the coalescing target, and answers at most
   ``max_call_bytes`` of chunk data per call.
@@ -105,6 +108,11 @@ class WriteLimits:
         return cls(streams, float(idle))
 
 
+def stream_reserve(workers: int) -> int:
+    """gRPC worker threads that streams never take, so that unary calls always find one."""
+    return min(workers - 1, max(1, workers // 8)) if workers > 1 else 0
+
+
 def _end_call(context: grpc.ServicerContext, code: grpc.StatusCode, details: str) -> None:
     """End a call from another thread, waking a handler blocked on its request iterator.
 
@@ -121,10 +129,11 @@ def _end_call(context: grpc.ServicerContext, code: grpc.StatusCode, details: str
 
 
 class _Watch:
-    __slots__ = ("context", "last", "busy", "expired", "peer")
+    __slots__ = ("context", "kind", "last", "busy", "expired", "peer")
 
-    def __init__(self, context: grpc.ServicerContext) -> None:
+    def __init__(self, context: grpc.ServicerContext, kind: str) -> None:
         self.context = context
+        self.kind = kind  # "write": the client sends nothing; "read": it takes nothing we send
         self.last = time.monotonic()
         self.busy = False  # storing a message: not idle
         self.expired = False
@@ -147,8 +156,8 @@ class StreamWatchdog:
         self._closed = False
         self.expired = 0  # streams ended for idleness
 
-    def watch(self, context: grpc.ServicerContext) -> _Watch:
-        w = _Watch(context)
+    def watch(self, context: grpc.ServicerContext, kind: str = "write") -> _Watch:
+        w = _Watch(context, kind)
         with self._cond:
             self._watches.add(w)
             if self._thread is None and not self._closed:
@@ -185,10 +194,14 @@ class StreamWatchdog:
                         wake = min(wake, left)
             for w in due:
                 self.expired += 1
-                log.warning("write stream ended: idle server=%s peer=%s idle_s=%g", self.server_id, w.peer, self.idle_s)
-                _end_call(w.context, grpc.StatusCode.DEADLINE_EXCEEDED,
-                          f"server {self.server_id}: PutChunks stream sent no message for {self.idle_s:g} s; send chunks "
-                          "without pauses, or end the stream and open a new one")
+                log.warning("%s stream ended: idle server=%s peer=%s idle_s=%g", w.kind, self.server_id, w.peer, self.idle_s)
+                if w.kind == "read":
+                    message = (f"server {self.server_id}: the client took no message of its GetChunks stream for "
+                               f"{self.idle_s:g} s; read a stream as it arrives, or cancel it")
+                else:
+                    message = (f"server {self.server_id}: PutChunks stream sent no message for {self.idle_s:g} s; send "
+                               "chunks without pauses, or end the stream and open a new one")
+                _end_call(w.context, grpc.StatusCode.DEADLINE_EXCEEDED, message)
             with self._cond:
                 if not self._closed:
                     self._cond.wait(timeout=max(0.05, wake))
@@ -219,6 +232,8 @@ class ChunkService:
         self.write_limits = write_limits.validate(workers)
         self.max_write_streams = write_limits.streams_for(workers)
         self._write_slots = threading.BoundedSemaphore(self.max_write_streams)
+        self.max_streams = max(1, workers - stream_reserve(workers))
+        self._stream_slots = threading.BoundedSemaphore(self.max_streams)
         self.watchdog = StreamWatchdog(write_limits.idle_s, server_id)
         self.max_call_bytes = max_call_bytes
         self._refusals = RateLimitedLog(log)
@@ -228,6 +243,15 @@ class ChunkService:
 
     # ----------------------------------------------------------- PutChunks
 
+    def _stream_slot(self, context: grpc.ServicerContext, what: str) -> None:
+        """Take one of the slots every stream needs, or end the call RESOURCE_EXHAUSTED."""
+        if not self._stream_slots.acquire(blocking=False):
+            self._refusals.warning("stream_limit", "stream refused: server=%s peer=%s call=%s reason=stream_limit limit=%d",
+                                   self.server_id, context.peer(), what, self.max_streams)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"server {self.server_id} is serving {self.max_streams} streams, its limit; retry in a moment "
+                          "or read from another replica")
+
     def PutChunks(self, request_iterator: Iterable[pb.PutChunksRequest], context: grpc.ServicerContext) -> pb.PutChunksReply:
         if not self._write_slots.acquire(blocking=False):
             self._refusals.warning("write_limit", "write stream refused: server=%s peer=%s reason=write_limit limit=%d",
@@ -235,6 +259,11 @@ class ChunkService:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"server {self.server_id} is serving {self.max_write_streams} PutChunks streams, its limit; "
                           "retry in a moment")
+        try:
+            self._stream_slot(context, "PutChunks")
+        except BaseException:
+            self._write_slots.release()
+            raise
         try:
             watch = self.watchdog.watch(context)
             try:
@@ -246,6 +275,7 @@ class ChunkService:
             finally:
                 self.watchdog.release(watch)
         finally:
+            self._stream_slots.release()
             self._write_slots.release()
         if reply is None or watch.expired:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -330,6 +360,19 @@ class ChunkService:
         """
         if len(request.ids) > MAX_IDS_PER_CALL:
             invalid(context, f"GetChunks asks for {len(request.ids)} chunks; split the request into calls of at most {MAX_IDS_PER_CALL}")
+        self._stream_slot(context, "GetChunks")
+        watch = self.watchdog.watch(context, "read")
+        watch.touch(busy=True)  # reading from the store is work, not idleness
+        try:
+            for message in self._get(request, context):
+                watch.touch(busy=False)  # from here until the client takes it, the watchdog's clock runs
+                yield message
+                watch.touch(busy=True)
+        finally:
+            self.watchdog.release(watch)
+            self._stream_slots.release()
+
+    def _get(self, request: pb.GetChunksRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         ids = list(dict.fromkeys(request.ids))
         target = request.max_message_bytes or self.get_message_bytes
         # Payload is capped at 3/4 of the hard limit so per-chunk envelopes never overflow it.
@@ -383,11 +426,10 @@ class ChunkService:
         packed = request.packed_ids
         if packed and (request.ids or len(packed) % 32):
             invalid(context, "HasChunks packed_ids must be whole 32-byte ids, and without ids: send one or the other")
-        ids: Sequence[str] = request.ids
-        if packed:
-            ids = hex_ids(packed)  # the store is keyed by hex ids
-        if len(ids) > MAX_IDS_PER_CALL:
-            invalid(context, f"HasChunks asks about {len(ids)} chunks; split it into calls of at most {MAX_IDS_PER_CALL}")
+        count = len(packed) // 32 if packed else len(request.ids)
+        if count > MAX_IDS_PER_CALL:  # counted before any id is expanded
+            invalid(context, f"HasChunks asks about {count} chunks; split it into calls of at most {MAX_IDS_PER_CALL}")
+        ids: Sequence[str] = hex_ids(packed) if packed else request.ids  # the store is keyed by hex ids
         if request.claim:
             if not has_admin_token(context.invocation_metadata(), self.auth):
                 context.abort(grpc.StatusCode.UNAUTHENTICATED,
@@ -449,4 +491,5 @@ class ChunkService:
 
 __all__ = [
     "ChunkService", "DEFAULT_MAX_CALL_BYTES", "MAX_IDS_PER_CALL", "MAX_REPORT_IDS", "RateLimitedLog", "StreamWatchdog", "WriteLimits",
+    "stream_reserve",
 ]

@@ -49,15 +49,23 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
 MAPPED = (ParamServerError, MetadataError, ValueError)
 
 
+MAX_DETAILS = 2000  # status details travel in trailers, which gRPC caps (8 KiB soft limit)
+
+
+def _details(message: str) -> str:
+    """A message that echoes a client's oversized name or id stays within the trailers' limit."""
+    return message if len(message) <= MAX_DETAILS else f"{message[:MAX_DETAILS]}... ({len(message)} chars)"
+
+
 def abort_with(context: grpc.ServicerContext, exc: BaseException) -> NoReturn:
     if isinstance(exc, NotLeader) and exc.leader:
         context.set_trailing_metadata(((LEADER_METADATA_KEY, exc.leader),))
-    context.abort(status_for(exc), str(exc) or type(exc).__name__)
+    context.abort(status_for(exc), _details(str(exc) or type(exc).__name__))
     raise AssertionError("context.abort returned")  # pragma: no cover
 
 
 def invalid(context: grpc.ServicerContext, message: str) -> NoReturn:
-    context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+    context.abort(grpc.StatusCode.INVALID_ARGUMENT, _details(message))
     raise AssertionError("context.abort returned")  # pragma: no cover
 
 

@@ -60,6 +60,58 @@ def _heat_request(raw: bytes) -> pb.ReportHeatRequest | _Oversized:
     return _Oversized(len(raw)) if len(raw) > MAX_HEAT_REQUEST_BYTES else pb.ReportHeatRequest.FromString(raw)
 
 
+class _Malformed:
+    """A request message that does not parse: the call is answered INVALID_ARGUMENT, not logged as
+    grpc's "Exception deserializing message!" traceback (which any client could make it print)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _lenient(deserialize: Callable[[bytes], Any], method: str) -> Callable[[bytes], Any]:
+    def parse(raw: bytes) -> Any:
+        try:
+            return deserialize(raw)
+        except Exception as exc:  # noqa: BLE001 - DecodeError and whatever a message's own checks raise
+            return _Malformed(f"{method}: the request message does not parse ({type(exc).__name__}); send a "
+                              f"{method}Request of paramserver.proto")
+    return parse
+
+
+def _refuse_malformed(context: grpc.ServicerContext, request: Any) -> Any:
+    if isinstance(request, _Malformed):
+        invalid(context, request.error)
+    return request
+
+
+def _checked(handler: grpc.RpcMethodHandler[Any, Any], method: str) -> grpc.RpcMethodHandler[Any, Any]:
+    """``handler`` with a request deserializer that never raises, and a behaviour that refuses
+    what it could not parse."""
+    deserialize = _lenient(handler.request_deserializer or (lambda raw: raw), method)
+    kwargs = dict(request_deserializer=deserialize, response_serializer=handler.response_serializer)
+    if handler.request_streaming:
+        inner = handler.stream_stream if handler.response_streaming else handler.stream_unary
+        assert inner is not None
+
+        def streamed(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            return inner((_refuse_malformed(context, r) for r in requests), context)
+
+        if handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(streamed, **kwargs)
+        return grpc.stream_unary_rpc_method_handler(streamed, **kwargs)
+    single = handler.unary_stream if handler.response_streaming else handler.unary_unary
+    assert single is not None
+
+    def one(request: Any, context: grpc.ServicerContext) -> Any:
+        return single(_refuse_malformed(context, request), context)
+
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(one, **kwargs)
+    return grpc.unary_unary_rpc_method_handler(one, **kwargs)
+
+
 def _no_metadata(context: grpc.ServicerContext) -> Any:
     context.abort(grpc.StatusCode.UNAVAILABLE, "this server runs without a metadata plane yet; ask a server started with --raft")
 
@@ -205,7 +257,8 @@ class _HandlerCapture:
 def register_servicer(servicer: pb_grpc.ParamServerServicer, server: grpc.Server) -> None:
     """Like the generated add_ParamServerServicer_to_server, but GetChunks and GetHeat send
     pre-encoded bytes (paramserver.wire.getchunks, paramserver.server.heat), skipping protobuf's
-    slow serializer, and ReportHeat refuses an oversized message before parsing it."""
+    slow serializer, ReportHeat refuses an oversized message before parsing it, and a request that
+    does not parse is answered INVALID_ARGUMENT."""
     capture = _HandlerCapture()
     pb_grpc.add_ParamServerServicer_to_server(servicer, capture)
     handlers = capture.handlers
@@ -224,6 +277,7 @@ def register_servicer(servicer: pb_grpc.ParamServerServicer, server: grpc.Server
     handlers["ReportHeat"] = grpc.unary_unary_rpc_method_handler(
         report.unary_unary, request_deserializer=_heat_request, response_serializer=report.response_serializer
     )
+    handlers = {name: _checked(handler, name) for name, handler in handlers.items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 

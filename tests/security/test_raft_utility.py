@@ -150,3 +150,31 @@ def test_the_refusal_log_is_one_line_per_host_per_interval_and_bounded() -> None
         assert rl.refuse("10.0.0.1:8", "again")
         assert rl.refuse("10.0.0.3:5", "x")  # the stale entries went, so there is room again
     assert "2 more from 10.0.0.1 not logged" in seen[0] and "1 from other hosts not logged" in seen[0]
+
+
+@pytest.mark.parametrize("declared", [0x7FFFFFFF, 1 << 20, -5])
+def test_a_frame_declared_over_the_limit_is_refused_as_its_length_arrives(
+        secured: MetadataNode, caplog: pytest.LogCaptureFixture, declared: int) -> None:
+    """pysyncobj buffered a frame of any declared length (up to 2 GiB) from anyone, copying the buffer
+    on every read: 32 MiB of filler cost the leader 7 s of CPU and its leadership. Before a
+    connection is a member's link a frame may declare at most MAX_HANDSHAKE_FRAME bytes."""
+    from consensus.links import MAX_HANDSHAKE_FRAME
+
+    address = secured.config.raft_address
+    caplog.set_level(logging.WARNING, logger="consensus.links")
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5, source_address=("127.0.0.5", 0)) as sock:
+        sock.sendall(struct.pack("i", declared))
+        sent = 0
+        try:
+            while sent < 8 << 20:  # the filler a stranger would go on sending
+                sock.sendall(bytes(256 << 10))
+                sent += 256 << 10
+            closed = sock.recv(1) == b""
+        except (ConnectionError, TimeoutError):
+            closed = True
+    assert closed
+    assert sent < 8 << 20 or declared <= MAX_HANDSHAKE_FRAME  # cut off while still sending
+    lines = refusals(caplog)
+    assert lines and "from 127.0.0.5:" in lines[0] and f"declared {declared} bytes" in lines[0], lines
+    assert secured.is_leader() and secured.commit_version("m", "b" * 64, None, "p", 1, 1).number == 1

@@ -14,6 +14,7 @@ the per-call byte limit; the disk-full mapping uses an in-process server.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -275,3 +276,124 @@ def test_limits_from_a_config_file_are_checked() -> None:
     for bad_bulk in ({"bulk_max_per_ip": 0}, {"bulk_hello_timeout_s": -1}, {"bulk_max_per_ip": 2.5}):
         with pytest.raises(ConfigError):
             BulkServerConfig.from_extra(bad_bulk)
+
+
+def test_stalled_read_streams_are_limited_and_ended(tmp_path: Path) -> None:
+    """A read-token client that opens GetChunks streams and never reads them held one gRPC worker
+    each, for good: 20 of them froze ServerStatus. Streams now leave threads to unary calls (a
+    stream past the limit is RESOURCE_EXHAUSTED at once), and one whose client takes nothing for
+    the idle timeout is ended DEADLINE_EXCEEDED, freeing its slot."""
+    idle = 3.0
+    running = start_server(ServerConfig(server_id="ps8", data_dir=tmp_path, listen="127.0.0.1:0", fsync=False, workers=8,
+                                        admin_token=ADMIN, read_token=READ, extra={"write_stream_idle_s": idle}))
+    service = running.servicer.chunks
+    assert service.max_streams == 7  # 8 workers, one kept for unary calls
+    blobs = [os.urandom(256 << 10) for _ in range(96)]  # 24 MiB a stream: far past any flow-control window
+    ids = [content_id(b) for b in blobs]
+    channels = [channel(running.address) for _ in range(service.max_streams + 5)]  # a connection each, as separate clients
+
+    def get_chunks(ch: grpc.Channel) -> Any:
+        call = ch.unary_stream(f"/{SERVICE_NAME}/GetChunks", request_serializer=pb.GetChunksRequest.SerializeToString,
+                               response_deserializer=lambda b: b)
+        return call(pb.GetChunksRequest(ids=ids), metadata=token_metadata(READ), timeout=60)
+
+    try:
+        with ParamServerClient(running.address, token=ADMIN) as admin:
+            for k in range(0, len(blobs), 16):
+                admin.put_chunks([make_chunk(cid, b) for cid, b in zip(ids[k:k + 16], blobs[k:k + 16])])
+        stalled = [get_chunks(ch) for ch in channels]
+        time.sleep(1.0)
+        refused = [c for c in stalled if c.done() and c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED]
+        assert len(refused) == 5 and "its limit" in (refused[0].details() or "")
+        with ParamServerClient(running.address, token=READ) as reader:
+            for _ in range(3):
+                t0 = time.monotonic()
+                assert reader.server_status().server_id == "ps8"
+                assert reader.has_chunks(ids[:2]) == [True, True]
+                assert time.monotonic() - t0 < 2.0
+        held = [c for c in stalled if c not in refused]
+        deadline = time.monotonic() + idle + 10
+        while time.monotonic() < deadline and service.watchdog.expired < len(held):
+            time.sleep(0.2)
+        assert service.watchdog.expired == len(held)
+        # Their slots are free again: a reader that reads gets every chunk, even with pauses that add
+        # up to more than the idle timeout.
+        got: list[str] = []
+        for n, message in enumerate(get_chunks(channels[0])):
+            got += [c.id for c in pb.GetChunksReply.FromString(message).chunks]
+            if n < 3:
+                time.sleep(idle * 0.6)
+        assert got == ids
+        # A stalled client that finally reads finds what arrived, then the server's reason.
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in held[0]:
+                pass
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "took no message" in (info.value.details() or "")
+    finally:
+        for ch in channels:
+            ch.close()
+        running.stop(0)
+
+
+def test_malformed_requests_are_invalid_argument_without_a_traceback(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A body that does not parse made grpc log "Exception deserializing message!" with a traceback,
+    once per call, whoever sent it (refused calls were parsed too)."""
+    running = start_server(ServerConfig(server_id="ps9", data_dir=tmp_path, listen="127.0.0.1:0", fsync=False, workers=4,
+                                        admin_token=ADMIN, read_token=READ))
+    ch = channel(running.address)
+    garbage = b"\xff\xff\xff\xff\x0f" + os.urandom(64)
+    try:
+        caplog.set_level(logging.DEBUG)
+        for method, streaming in (("ServerStatus", False), ("HasChunks", False), ("GetChunks", "out"), ("PutChunks", "in")):
+            path = f"/{SERVICE_NAME}/{method}"
+            for metadata, code in ((token_metadata(ADMIN), grpc.StatusCode.INVALID_ARGUMENT), ((), grpc.StatusCode.UNAUTHENTICATED)):
+                with pytest.raises(grpc.RpcError) as info:
+                    if streaming == "in":
+                        ch.stream_unary(path, request_serializer=lambda b: b)(iter([garbage]), metadata=metadata, timeout=10)
+                    elif streaming == "out":
+                        list(ch.unary_stream(path, request_serializer=lambda b: b)(garbage, metadata=metadata, timeout=10))
+                    else:
+                        ch.unary_unary(path, request_serializer=lambda b: b)(garbage, metadata=metadata, timeout=10)
+                assert info.value.code() == code, (method, info.value.code(), info.value.details())
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    assert "does not parse" in (info.value.details() or "") and method in (info.value.details() or "")
+        assert not [r for r in caplog.records if "deserializ" in r.getMessage().lower() or r.exc_info], \
+            [r.getMessage() for r in caplog.records if r.exc_info]
+        with ParamServerClient(running.address, token=READ) as reader:
+            assert reader.server_status().server_id == "ps9"
+    finally:
+        ch.close()
+        running.stop(0)
+
+
+def test_haschunks_counts_packed_ids_before_expanding_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 64 MiB packed_ids was turned into two million hex strings (600 MB) before being refused."""
+    from paramserver.server import dataplane
+
+    expanded: list[int] = []
+    real = dataplane.hex_ids
+    monkeypatch.setattr(dataplane, "hex_ids", lambda packed: expanded.append(len(packed)) or real(packed))
+    running = start_server(ServerConfig(server_id="ps10", data_dir=tmp_path, listen="127.0.0.1:0", fsync=False, workers=4,
+                                        admin_token=ADMIN, read_token=READ))
+    try:
+        too_many = (dataplane.MAX_IDS_PER_CALL + 1) * 32
+        with ParamServerClient(running.address, token=READ) as reader:
+            with pytest.raises(grpc.RpcError) as info:
+                reader.stub.HasChunks(pb.HasChunksRequest(packed_ids=bytes(too_many)), metadata=token_metadata(READ))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert str(dataplane.MAX_IDS_PER_CALL + 1) in (info.value.details() or "")
+            assert expanded == []
+            reply = reader.stub.HasChunks(pb.HasChunksRequest(packed_ids=bytes(64)), metadata=token_metadata(READ))
+            assert reply.present_count == 0 and expanded == [64]
+    finally:
+        running.stop(0)
+
+
+def test_an_error_that_echoes_a_huge_name_still_fits_the_trailers(address: str) -> None:
+    """A 10,000-character tag came back RESOURCE_EXHAUSTED (the echoed name overflowed gRPC's
+    trailers) instead of the error about the tag."""
+    with ParamServerClient(address, token=READ) as reader:
+        with pytest.raises(grpc.RpcError) as info:
+            reader.stub.ResolveTag(pb.ResolveTagRequest(model="m" * 10_000, tag="t" * 10_000), metadata=token_metadata(READ))
+    assert info.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT), info.value.code()
+    assert len(info.value.details() or "") < 2100

@@ -411,3 +411,70 @@ def test_a_server_that_speaks_only_version_2_is_asked_again_in_version_2(store: 
     magic, status, n = WELCOME.unpack(sock.recv(WELCOME.size, socket.MSG_WAITALL))
     assert status == W_BAD_HELLO and b"speaks 2" in sock.recv(n, socket.MSG_WAITALL)
     sock.close()
+
+
+class _FlakyListener:
+    """A listening socket whose next ``failures`` accepts fail as when the process is out of descriptors."""
+
+    def __init__(self, inner: socket.socket, failures: int) -> None:
+        self._inner = inner
+        self.failures = failures
+
+    def accept(self) -> tuple[socket.socket, object]:
+        if self.failures > 0:
+            self.failures -= 1
+            raise OSError(24, "Too many open files")
+        return self._inner.accept()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+
+def test_a_failed_accept_is_retried_not_the_end_of_the_port(store: ChunkStore, caplog: pytest.LogCaptureFixture) -> None:
+    """EMFILE from accept() used to end the accept thread for good: the port took connections into
+    its backlog and never answered them."""
+    cid, data = put(store, 1000)
+    server = BulkServer(store, AuthConfig(), "127.0.0.1:0", BulkServerConfig())
+    flaky = _FlakyListener(server._sock, failures=3)
+    server._sock = flaky  # type: ignore[assignment]
+    server.start()
+    try:
+        client = BulkClient(server.address)  # its connection waits in the backlog through the failures
+        assert bytes(list(client.fetch([cid]))[0].data) == data
+        client.close()
+        assert flaky.failures == 0
+        assert any("bulk port accept failed" in r.getMessage() and "Too many open files" in r.getMessage() for r in caplog.records)
+    finally:
+        server.stop()
+
+
+def test_connections_owing_their_hello_cannot_fill_the_port(store: ChunkStore) -> None:
+    """Silent connections count against max_pending, not max_connections, and a new connection
+    pushes out the oldest silent one: an honest client is served at once."""
+    cid, data = put(store, 1000)
+    for server in serve(store, max_connections=4, max_pending=3, max_per_ip=64):
+        silent = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(8)]
+        try:
+            client = BulkClient(server.address)
+            assert bytes(list(client.fetch([cid]))[0].data) == data  # a served connection, held in the pool
+            closed = 0
+            for s in silent:
+                s.settimeout(1.0)
+                try:
+                    closed += s.recv(1) == b""
+                except TimeoutError:
+                    pass
+                except ConnectionError:
+                    closed += 1
+            assert closed >= len(silent) - 2, f"only {closed} of {len(silent)} silent connections were pushed out"
+            # Served connections still have their own limit (4): three more clients fit, a fifth does not.
+            others = [BulkClient(server.address) for _ in range(3)]
+            for c in others:
+                assert bytes(list(c.fetch([cid]))[0].data) == data
+            with pytest.raises(BulkProtocolFailure, match="too many bulk connections"):
+                list(BulkClient(server.address).fetch([cid]))
+            for c in [client, *others]:
+                c.close()
+        finally:
+            for s in silent:
+                s.close()
