@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 import grpc
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from chunking.config import ChunkingConfig
@@ -441,7 +442,10 @@ def cmd_rollback(args: argparse.Namespace, opts: ClusterOptions, out: Console) -
 
 def cmd_untag(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> int:
     _write_call(opts, lambda v: v.leader_client().delete_tag(args.model, args.tag, who=_who()))
-    out.print(f"{args.model}:{args.tag} deleted")
+    if args.tag == "latest":  # never deleted: it follows the newest version again
+        out.print(f"{args.model}:latest unpinned; it follows the newest version again", markup=False, highlight=False)
+    else:
+        out.print(f"{args.model}:{args.tag} deleted", markup=False, highlight=False)
     return 0
 
 
@@ -477,6 +481,13 @@ def cmd_ls(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> int:
         by_version: dict[int, list[str]] = {}
         for t in tags:
             by_version.setdefault(t.version, []).append(t.tag)
+        shown = ref.version if ref.version is not None else next((t.version for t in tags if t.tag == ref.tag), None)
+        if ref.tag is not None and shown is None:
+            raise TransferError(f"{args.model} has no tag {ref.tag!r}; 'paramctl ls {args.model}' lists its tags",
+                                grpc.StatusCode.NOT_FOUND)
+        if ref.version is not None and all(v.number != ref.version for v in versions):
+            raise TransferError(f"{args.model} has no version {ref.version}; 'paramctl ls {args.model}' lists its versions",
+                                grpc.StatusCode.NOT_FOUND)
         vt = Table(title=f"{args.model}: versions")
         for col in ("version", "parent", "created", "size", "chunks", "publisher", "clock", "tags", "manifest"):
             vt.add_column(col)
@@ -495,9 +506,6 @@ def cmd_ls(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> int:
             prev = f"v{last.from_version}" if last is not None and last.HasField("from_version") else "-"
             tt.add_row(t.tag, f"v{t.version}", prev, str(len(t.history)), last.who if last else "-", _when(last.when) if last else "-")
         out.print(tt)
-        shown = ref.version if ref.version is not None else next((t.version for t in tags if t.tag == ref.tag), None)
-        if ref.tag is not None and shown is None:
-            raise TransferError(f"{args.model} has no tag {ref.tag!r}", grpc.StatusCode.NOT_FOUND)
         if shown is None and versions:
             shown = max(v.number for v in versions)
         if shown is not None:
@@ -510,10 +518,11 @@ def _print_files(out: Console, manifest: Manifest) -> None:
     ft = Table(title=f"{manifest.model} v{manifest.version}: files")
     for col in ("path", "kind", "size", "blake3 / tensors"):
         ft.add_column(col)
+    # Paths are whatever the publisher's folder held: shown as text, never read as rich markup.
     for path, entries in shard_plan(manifest).items():
-        ft.add_row(path, "weights", human_bytes(sum(t.nbytes for t in entries)), f"{len(entries)} tensors")
+        ft.add_row(escape(path), "weights", human_bytes(sum(t.nbytes for t in entries)), f"{len(entries)} tensors")
     for f in manifest.files:
-        ft.add_row(f.path, "file", human_bytes(f.size), f.blake3[:16])
+        ft.add_row(escape(f.path), "file", human_bytes(f.size), f.blake3[:16])
     out.print(ft)
 
 
@@ -624,9 +633,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _drill([*args.drill_args, *extra])
     if extra:
         build_parser().error(f"unrecognized arguments: {' '.join(extra)}")
-    # Piped output (scripts, CI logs) gets wide tables instead of rich's 80-column fallback.
-    out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
-    err = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else 400)
+    # Piped output (scripts, CI logs) gets wide tables instead of rich's 80-column fallback. No emoji
+    # codes: ':a:' in a model reference or a file name is text.
+    out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200, emoji=False)
+    err = Console(stderr=True, soft_wrap=True, width=None if sys.stderr.isatty() else 400, emoji=False)
     settings: ClientSettings | None = None
     try:
         settings = args.settings = client_settings(args)
@@ -640,7 +650,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         failure = describe_failure(exc, settings)
         return _fail(err, failure.code, failure.message)
     except KeyboardInterrupt:
-        return _fail(err, INTERRUPTED, "interrupted; nothing was committed unless a summary was printed")
+        return _fail(err, INTERRUPTED, _INTERRUPTED.get(args.command, _INTERRUPTED_WRITE).format(model=getattr(args, "model", "")))
+    except OSError as exc:  # a local path: the output folder, an input file
+        where = f" {exc.filename}" if exc.filename else ""
+        code = BAD_ARGUMENTS if isinstance(exc, (PermissionError, FileNotFoundError, FileExistsError, IsADirectoryError,
+                                                 NotADirectoryError)) else OTHER
+        return _fail(err, code, f"{exc.strerror or exc}:{where}; check the path and its permissions")
+
+
+# What an interrupted command may have left: a commit or a tag move can land just before the
+# interrupt does, so only commands that change nothing say that nothing changed.
+_INTERRUPTED_WRITE = "interrupted; the change may or may not have been made: 'paramctl ls {model}' shows the state"
+_INTERRUPTED = {
+    "push": "interrupted; if the push reached its commit, {model} has a new version ('paramctl ls {model}' shows it); "
+            "chunks sent without a commit are collected as orphans",
+    "pull": "interrupted; nothing was written",
+    "ls": "interrupted",
+    "status": "interrupted",
+    "prewarm": "interrupted; the workers keep fetching what they accepted",
+    "member": "interrupted; the change may or may not have been made: 'paramctl status' shows the members",
+}
 
 
 if __name__ == "__main__":

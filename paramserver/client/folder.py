@@ -36,10 +36,10 @@ from paramserver.client.cluster_view import ClusterOptions
 from paramserver.client.errors import NotFound, PullError, TransferError
 from paramserver.client.hostmem import Targets
 from paramserver.client.progress import ProgressFn, no_progress
-from paramserver.client.pull import PullOptions, PullReport, _pull
+from paramserver.client.pull import PullOptions, PullReport, _pull, write_failure
 from paramserver.client.push import PushReport, push
 from paramserver.client.refs import ModelRef
-from paramserver.client.safetensors_out import SafetensorsOut
+from paramserver.client.safetensors_out import SafetensorsOut, current_umask
 from paramserver.client.session import ClusterClient, VersionInfo
 
 SINGLE_FILE_NAME = "model.safetensors"
@@ -133,6 +133,7 @@ def pull_folder(
                             grpc.StatusCode.ALREADY_EXISTS)
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
+    os.chmod(staging, 0o777 & ~current_umask())  # mkdtemp's 0700 would hide the pulled folder from other users
     shards: list[SafetensorsOut] = []
 
     def in_shards(manifest: Manifest, version: VersionInfo) -> Targets:
@@ -146,7 +147,7 @@ def pull_folder(
                 tensors.update(out.targets.tensors)
                 fresh.extend(out.targets.fresh)
         except (OSError, ValueError) as exc:
-            raise TransferError(f"cannot write {final}: {exc}", grpc.StatusCode.UNKNOWN) from None
+            raise write_failure(final, exc) from None
         return Targets(tensors, fresh)
 
     files_bytes = [0]

@@ -182,6 +182,20 @@ def _pull(
         return out, report
 
 
+_PATH_ERRORS = (PermissionError, FileExistsError, FileNotFoundError, IsADirectoryError, NotADirectoryError)
+
+
+def write_failure(out: object, exc: BaseException) -> TransferError:
+    """Writing the pulled weights failed: a path the user named that cannot be written is a bad
+    argument (exit 2); anything else (a full disk) is an error of its own."""
+    if isinstance(exc, OSError) and exc.strerror:
+        text = f"cannot write {out}: {exc.strerror}" + (f" ({exc.filename})" if exc.filename else "")
+    else:
+        text = f"cannot write {out}: {exc}"
+    code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(exc, _PATH_ERRORS) else grpc.StatusCode.UNKNOWN
+    return TransferError(text + "; check the path and its permissions", code)
+
+
 def pull(
     seeds: str | Sequence[str],
     ref: str | ModelRef,
@@ -207,7 +221,7 @@ def pull(
         try:
             holder.append(SafetensorsOut(out, manifest, meta))
         except (OSError, ValueError) as exc:
-            raise TransferError(f"cannot write {out}: {exc}", grpc.StatusCode.UNKNOWN) from None
+            raise write_failure(out, exc) from None
         return holder[0].targets
 
     try:
@@ -223,10 +237,10 @@ def pull(
         holder[0].commit()
     except OSError as exc:
         holder[0].abort()
-        raise TransferError(f"cannot write {out}: {exc}", grpc.StatusCode.UNKNOWN) from None
+        raise write_failure(out, exc) from None
     progress("save", report.bytes_total, report.bytes_total)
     now = time.perf_counter()
     return dataclasses.replace(report, seconds=now - t0, save_seconds=now - t_save, path=str(out))
 
 
-__all__ = ["VERIFY_MODES", "ModelRef", "PullOptions", "PullReport", "parse_ref", "pull", "pull_tensors"]
+__all__ = ["VERIFY_MODES", "ModelRef", "PullOptions", "PullReport", "parse_ref", "pull", "pull_tensors", "write_failure"]

@@ -54,6 +54,20 @@ def header_bytes(manifest: Manifest, metadata: Mapping[str, str],
     return struct.pack("<Q", len(raw)) + raw, offsets
 
 
+def current_umask() -> int:
+    """This process's umask, read without changing it (os.umask sets it, racing other threads)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
 class SafetensorsOut:
     """A .safetensors file being filled in place; ``commit`` or ``abort`` it."""
 
@@ -70,6 +84,7 @@ class SafetensorsOut:
         size = len(head) + sum(t.nbytes for t in entries)
         fd, self.tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
         self._fd: int | None = fd
+        os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp's 0600 would hide the pulled file from other users
         self._area: mmap.mmap | None = None
         try:
             os.ftruncate(fd, size)
@@ -129,4 +144,4 @@ class SafetensorsOut:
             self._fd = None
 
 
-__all__ = ["SafetensorsOut", "supported", "header_bytes"]
+__all__ = ["current_umask", "SafetensorsOut", "supported", "header_bytes"]
