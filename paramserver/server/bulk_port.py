@@ -98,6 +98,14 @@ def check_write_token(token: str, auth: AuthConfig) -> str | None:
     return f"bulk writes need the admin token (paramctl --token or ${ADMIN_TOKEN_ENV}) in the bulk hello; {problem}"
 
 
+_BULK_KEYS: tuple[tuple[str, type], ...] = (
+    ("max_connections", int), ("max_pending", int), ("max_per_ip", int), ("hello_timeout_s", float), ("idle_timeout_s", float),
+    ("io_timeout_s", float), ("max_write_connections", int), ("write_buffer_bytes", int), ("store_workers", int),
+    ("min_write_rate", int),
+)
+CONFIG_KEYS = ("bulk_writes", *(f"bulk_{name}" for name, _ in _BULK_KEYS))  # a server config's keys for the bulk port
+
+
 @dataclass(frozen=True)
 class BulkServerConfig:
     max_connections: int = 64  # connections served at once (past their hello)
@@ -139,9 +147,7 @@ class BulkServerConfig:
         ``bulk_max_write_connections``, ``bulk_write_buffer_bytes``, ``bulk_store_workers`` and
         ``bulk_min_write_rate``."""
         values: dict[str, float | int | bool] = {}
-        for name, kind in (("max_connections", int), ("max_pending", int), ("max_per_ip", int), ("hello_timeout_s", float),
-                           ("idle_timeout_s", float), ("io_timeout_s", float), ("max_write_connections", int),
-                           ("write_buffer_bytes", int), ("store_workers", int), ("min_write_rate", int)):
+        for name, kind in _BULK_KEYS:
             value = extra.get(f"bulk_{name}")
             if value is None:
                 continue
@@ -922,4 +928,4 @@ class _WriteSession:
         return acks
 
 
-__all__ = ["BulkServer", "BulkServerConfig", "check_token", "check_write_token"]
+__all__ = ["CONFIG_KEYS", "BulkServer", "BulkServerConfig", "check_token", "check_write_token"]

@@ -8,6 +8,7 @@ Options given on the command line override those in ``--config FILE``.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import signal
@@ -37,7 +38,11 @@ def _parser() -> argparse.ArgumentParser:
                        description="Run one parameter server. The Raft port must be reachable only by cluster members: "
                                    "pysyncobj unpickles peer messages. On a non-loopback address the server refuses to start without "
                                    "--cluster-secret-file (Raft) and --admin-token-file (gRPC) unless --insecure is given.")
-    s.add_argument("--config", type=Path, help="TOML or JSON file with the same keys as these options (flags win)")
+    s.add_argument("--config", type=Path,
+                   help="TOML or JSON file of server settings: the options' names in snake case with sizes in bytes "
+                        "(server_id, data_dir, listen, raft, peers, cache_bytes, admin_token_file, ...; see "
+                        "deploy/systemd/paramserver.toml.example) and the tuning keys in the README; flags win; an unknown "
+                        "key is an error"),
     s.add_argument("--id", dest="server_id", help="server id, unique in the cluster (required here or in --config)")
     s.add_argument("--data-dir", type=Path, help="chunk store, Raft journal and dump (required here or in --config)")
     s.add_argument("--listen", help=f"gRPC listen address HOST:PORT (default {d['listen']})")
@@ -163,6 +168,24 @@ def _overrides(a: argparse.Namespace) -> dict[str, Any]:
     return o
 
 
+def check_extra_keys(config: ServerConfig) -> None:
+    """Refuse a config key nothing reads: a misspelt one would otherwise leave its default in force, silently."""
+    from paramserver.server import bulk_port, dataplane, hot_chunks, service, store
+
+    tuning = {*store.CONFIG_KEYS, *hot_chunks.CONFIG_KEYS, *bulk_port.CONFIG_KEYS, *dataplane.CONFIG_KEYS, *service.CONFIG_KEYS,
+              "metrics_port"}
+    unknown = sorted(set(config.extra) - tuning)
+    if not unknown:
+        return
+    names = [*tuning, *(f.name for f in fields(ServerConfig) if f.name != "extra")]
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key.replace("-", "_"), names, n=1)
+        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise ConfigError(f"unknown config key{'s' if len(unknown) > 1 else ''} {', '.join(hints)}: see paramserver serve --help "
+                      "for the keys")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     for key in ("admin_token", "read_token", "cluster_secret"):
@@ -183,12 +206,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         from paramserver.server.hot_chunks import HotConfig
 
         HotConfig.from_extra(config.extra)
+        check_extra_keys(config)
+        port = config.extra.get("metrics_port")
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
+            raise ConfigError(f"metrics_port must be a port number 0..65535, got {port!r}")
     except ConfigError as exc:
         print(f"paramserver: {exc}", file=sys.stderr)
         return 2
     from paramserver.server.process import ParamServer  # after argument checks: --help stays fast
 
-    server = ParamServer(config, metrics_port=args.metrics_port)
+    metrics_port = args.metrics_port if args.metrics_port is not None else config.extra.get("metrics_port")
+    server = ParamServer(config, metrics_port=metrics_port)
 
     def stop(signum: int, frame: object) -> None:
         server._stopped.set()

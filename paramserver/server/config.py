@@ -218,7 +218,6 @@ class ServerConfig:
         data = dict(values.get("server", values))
         data.update({k: v for k, v in overrides.items() if v is not None})
         known = {f.name for f in dataclasses.fields(cls)}
-        extra = {k: v for k, v in data.items() if k not in known}
         for key in SECRET_KEYS:
             file_key = f"{key}_file"
             path = data.pop(file_key, None)
@@ -227,6 +226,7 @@ class ServerConfig:
             if data.get(key) is not None:
                 raise ConfigError(f"both {key} and {file_key} are set; give one")
             data[key] = read_secret_file(key, path)
+        extra = {k: v for k, v in data.items() if k not in known}
         kwargs = {k: v for k, v in data.items() if k in known}
         for key in ("data_dir", "tls_cert", "tls_key", "tls_ca"):
             if kwargs.get(key) is not None:

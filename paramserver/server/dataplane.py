@@ -78,6 +78,9 @@ class RateLimitedLog:
         return True
 
 
+CONFIG_KEYS = ("max_write_streams", "write_stream_idle_s")  # a server config's keys for stream limits
+
+
 @dataclass(frozen=True)
 class WriteLimits:
     """Write-stream limits. ``max_streams`` None: half the gRPC worker pool (at least 1)."""
@@ -490,6 +493,7 @@ class ChunkService:
 
 
 __all__ = [
+    "CONFIG_KEYS",
     "ChunkService", "DEFAULT_MAX_CALL_BYTES", "MAX_IDS_PER_CALL", "MAX_REPORT_IDS", "RateLimitedLog", "StreamWatchdog", "WriteLimits",
     "stream_reserve",
 ]

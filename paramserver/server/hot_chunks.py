@@ -135,7 +135,7 @@ _KEYS = {  # HotConfig field -> config file key
     "max_hot_bytes": "hot_max_bytes", "max_extra_chunks": "hot_max_extra_chunks", "max_extra_bytes": "hot_max_extra_bytes",
     "max_tracked": "hot_max_tracked", "push_bytes_per_step": "hot_push_bytes_per_step",
 }
-KNOWN_KEYS = frozenset((*_KEYS.values(), "hot_chunks"))
+CONFIG_KEYS = ("hot_chunks", *_KEYS.values())  # a server config's keys for hot chunks
 
 
 # --------------------------------------------------------------------------- pure parts
@@ -652,4 +652,7 @@ def _hot_messages(chunks: list[pb.Chunk], batch_bytes: int = 4 * MiB) -> Iterabl
         yield pb.PutChunksRequest(chunks=batch, hot_copy=True)
 
 
-__all__ = ["ExtraCopies", "HotChunks", "HotConfig", "HotPolicy", "HotReport", "HotStats", "HotUpdate", "RateTracker", "STATE_FILE"]
+__all__ = [
+    "CONFIG_KEYS", "ExtraCopies", "HotChunks", "HotConfig", "HotPolicy", "HotReport", "HotStats", "HotUpdate", "RateTracker",
+    "STATE_FILE",
+]

@@ -296,9 +296,12 @@ class RunningServer:
         self.servicer.chunks.close()
 
 
+CONFIG_KEYS = ("get_call_bytes",)  # a server config's keys for the gRPC service
+
+
 def get_call_bytes(extra: Any) -> int:
     """GetChunks' per-call byte limit: the config file's extra key ``get_call_bytes``, else the default."""
-    value = extra.get("get_call_bytes", DEFAULT_MAX_CALL_BYTES)
+    value = extra.get(CONFIG_KEYS[0], DEFAULT_MAX_CALL_BYTES)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"get_call_bytes must be a positive integer, got {value!r}")
     return value
@@ -365,5 +368,5 @@ def start_server(
     return RunningServer(server, port, f"{host}:{port}", servicer, health_servicer)
 
 
-__all__ = ["MAX_HEAT_ENTRIES_PER_CALL", "MAX_HEAT_REQUEST_BYTES", "ParamServerServicer", "RunningServer", "get_call_bytes",
+__all__ = ["CONFIG_KEYS", "MAX_HEAT_ENTRIES_PER_CALL", "MAX_HEAT_REQUEST_BYTES", "ParamServerServicer", "RunningServer", "get_call_bytes",
            "register_servicer", "start_server"]

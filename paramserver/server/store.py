@@ -139,6 +139,13 @@ _COALESCE_MAX = 64 * 1024  # ... of chunks up to this size (larger ones are read
 _COALESCE_GAP = 32 * 1024
 
 
+_STORE_KEYS: tuple[tuple[str, type], ...] = (
+    ("segment_bytes", int), ("compact_live_fraction", float), ("compact_dead_ratio", float), ("compact_bytes_per_s", int),
+    ("compact_interval_s", float), ("meta_reserve_bytes", int), ("verify_index_on_open", bool),
+)
+CONFIG_KEYS = ("store_direct_writes", *(f"store_{name}" for name, _ in _STORE_KEYS))  # a server config's keys for the store
+
+
 @dataclass(frozen=True)
 class StoreConfig:
     """Options of the segment store (defaults are what a server runs with)."""
@@ -188,9 +195,7 @@ class StoreConfig:
             if not (isinstance(direct, bool) or direct == "auto"):
                 raise ConfigError(f'store_direct_writes must be true, false or "auto", got {direct!r}')
             values["direct_writes"] = None if direct == "auto" else direct
-        for name, kind in (("segment_bytes", int), ("compact_live_fraction", float), ("compact_dead_ratio", float),
-                           ("compact_bytes_per_s", int), ("compact_interval_s", float), ("meta_reserve_bytes", int),
-                           ("verify_index_on_open", bool)):
+        for name, kind in _STORE_KEYS:
             value = extra.get(f"store_{name}")
             if value is None:
                 continue
@@ -1738,6 +1743,7 @@ def _unlink_quietly(path: str) -> None:
 
 
 __all__ = [
+    "CONFIG_KEYS",
     "ChunkStore", "StoreConfig", "StoredChunk", "StoreStats", "ChunkHeader", "ChunkLocation", "HEADER_SIZE", "HEADER_SIZE_V1",
     "FORMAT", "FORMAT_V1", "DEFAULT_MAX_RAW_BYTES", "TMP_PREFIX", "encode_header", "decode_header", "parse_header",
 ]

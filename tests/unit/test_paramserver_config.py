@@ -71,3 +71,35 @@ def test_bad_files_are_named(tmp_path: Path) -> None:
     nodir.write_text('{"server_id": "x"}')
     with pytest.raises(ConfigError, match="data_dir"):
         ServerConfig.from_file(nodir)
+
+
+def test_an_unknown_config_key_is_refused_naming_the_closest_one(tmp_path: Path) -> None:
+    """A misspelt key used to be kept in ``extra`` and never read: its default stayed in force, silently."""
+    import subprocess
+    import sys
+
+    config = tmp_path / "ps.toml"
+    config.write_text(f'server_id = "ps1"\ndata_dir = "{tmp_path / "d"}"\ncache-mb = 5\nwrite_stream_idle = 4\nhot_rate = 2.0\n')
+    done = subprocess.run([sys.executable, "-m", "paramserver", "serve", "--config", str(config)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1 and "'cache-mb' (did you mean 'cache_bytes'?)" in done.stderr
+    assert "'write_stream_idle' (did you mean 'write_stream_idle_s'?)" in done.stderr and "hot_rate" not in done.stderr
+    assert not (tmp_path / "d").exists()  # refused before anything started
+
+
+def test_the_shipped_server_configs_use_only_known_keys() -> None:
+    import tomllib
+
+    import yaml
+
+    from paramserver.server.cli import check_extra_keys
+
+    root = Path(__file__).resolve().parents[2] / "deploy"
+    texts = [text for doc in yaml.safe_load_all((root / "k8s" / "10-paramserver-config.yaml").read_text())
+             for text in (doc.get("data") or {}).values()]
+    texts.append((root / "systemd" / "paramserver.toml.example").read_text())
+    assert len(texts) >= 4
+    for text in texts:
+        values = {k: v for k, v in tomllib.loads(text).items() if not k.endswith("_file")}  # secrets: files absent here
+        check_extra_keys(ServerConfig.from_mapping(values, insecure=True))  # insecure: the secrets were left out
