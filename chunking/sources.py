@@ -23,6 +23,8 @@ def load_source(source: Source) -> dict[str, torch.Tensor]:
     path = Path(source)
     if not path.is_file():
         raise InvalidInput(f"weights file {path} does not exist")
+    if not os.access(path, os.R_OK):
+        raise InvalidInput(f"weights file {path} cannot be read: permission denied; check its owner and mode")
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
@@ -54,6 +56,8 @@ def _torch_load(path: Path) -> Any:
 def _unloadable(path: Path, exc: Exception) -> InvalidInput:
     # torch's own message suggests weights_only=False, which would run arbitrary pickled code: not here.
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "weights_only" in first or "weights only" in first.lower():  # torch's advice to load it unrestricted: never here
+        first = "it holds objects other than tensors"
     return InvalidInput(
         f"{path} cannot be read as a weights-only torch file ({first[:200]}). Only tensors are accepted, never "
         "other pickled objects: save it with torch.save(model.state_dict(), path) or as .safetensors"

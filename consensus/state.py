@@ -130,7 +130,7 @@ class MetadataState:
                         f"concurrent push to {model_name}: this commit's parent is "
                         f"{_version_label(model_name, parent)} but the head is {model_name}:{head['number']} "
                         f"(clock {dict(head['clock'])} vs {clock.to_dict()}); pull {model_name}:{head['number']}, "
-                        "rebase on it and commit again, or commit with force=True to keep both"
+                        "push your change on top of it again (callers of the API may commit with force=True to keep both)"
                     )
                 forced = True
 
@@ -180,7 +180,8 @@ class MetadataState:
         while keep and previous[keep - 1] not in model["versions"]:
             keep -= 1
         if not keep:
-            raise Conflict(f"tag {model_name}:{tag} has no earlier target to roll back to; use set_tag to move it")
+            raise Conflict(f"tag {model_name}:{tag} has no earlier target to roll back to; point it at a version with "
+                           f"'paramctl tag {model_name} {tag} VERSION'")
         target = previous[keep - 1]
         del previous[keep - 1:]
         _move_tag(model, model_name, tag, target, who, when, remember=False)
