@@ -15,6 +15,10 @@ through the topology's host port. Then real partitions can be cut and healed:
 
 The same ``LocalCluster`` class drives the integration tests and the fault
 drills, so what the tests exercise is what a user launches.
+
+Failures print one line, ``error: ...``, and exit with the CLIs' codes: 1 other, 2 bad arguments
+(or a damaged cluster.json), 3 no cluster there, 4 a cluster already running there (or a port it
+needs taken), 6 not ready in time, 130 interrupted.
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Collection, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, Sequence
 
 from paramserver.wire.address import split_host_port
 
@@ -49,9 +53,22 @@ CLIENT_CERT = "client"  # the one client certificate 'up --tls' issues
 NETNS_GRPC_PORT = 7070  # in namespace mode every server has its own port space, so all use the same ports
 NETNS_RAFT_PORT = 7071
 
+# The exit codes of the CLIs (paramserver/client/exit_codes.py), spelled out here because importing that
+# module pulls in torch (about 2 s) before 'up' or '--help' can answer.
+EXIT_OTHER = 1
+EXIT_BAD_ARGUMENTS = 2
+EXIT_NOT_FOUND = 3
+EXIT_CONFLICT = 4
+EXIT_UNAVAILABLE = 6
+EXIT_INTERRUPTED = 130
+
 
 class LauncherError(RuntimeError):
-    """The local cluster could not be started, found or stopped."""
+    """The local cluster could not be started, found or stopped; ``code`` is the CLI's exit code."""
+
+    def __init__(self, message: str, code: int = EXIT_OTHER) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -97,13 +114,13 @@ class LocalClusterConfig:
 
     def validate(self) -> None:
         if not 1 <= self.servers <= 15:
-            raise LauncherError(f"--servers must be between 1 and 15, got {self.servers}")
+            raise LauncherError(f"--servers must be between 1 and 15, got {self.servers}", EXIT_BAD_ARGUMENTS)
         if self.base_port and not 1024 <= self.base_port <= 65535 - 2 * self.servers:
-            raise LauncherError(f"--base-port {self.base_port} leaves no room for {self.servers} servers")
+            raise LauncherError(f"--base-port {self.base_port} leaves no room for {self.servers} servers", EXIT_BAD_ARGUMENTS)
         if self.replication < 1:
-            raise LauncherError("--replication must be at least 1")
+            raise LauncherError("--replication must be at least 1", EXIT_BAD_ARGUMENTS)
         if not self.netns and (self.netns_prefix or self.netns_subnet or self.netns_clients):
-            raise LauncherError("netns_prefix, netns_subnet and netns_clients need netns=True (--netns)")
+            raise LauncherError("netns_prefix, netns_subnet and netns_clients need netns=True (--netns)", EXIT_BAD_ARGUMENTS)
 
 
 @dataclass
@@ -285,23 +302,32 @@ class LocalCluster:
         for i, s in enumerate(self.slots):
             if s.server_id == server_id:
                 return i
-        raise LauncherError(f"no server {server_id!r} in this cluster (have {[s.server_id for s in self.slots]})")
+        raise LauncherError(f"no server {server_id!r} in this cluster (have {[s.server_id for s in self.slots]})",
+                            EXIT_NOT_FOUND)
 
     def slot(self, server_id: str) -> ServerSlot:
         for s in self.slots:
             if s.server_id == server_id:
                 return s
-        raise LauncherError(f"no server {server_id!r} in this cluster (have {[s.server_id for s in self.slots]})")
+        raise LauncherError(f"no server {server_id!r} in this cluster (have {[s.server_id for s in self.slots]})",
+                            EXIT_NOT_FOUND)
 
     # ---- processes ----------------------------------------------------------------
     def up(self, wait: float = 60.0) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            what = "is a file, not a folder" if self.root.exists() else f"cannot be made ({exc.strerror or exc})"
+            raise LauncherError(f"--dir {self.root} {what}: give a folder for the cluster's data, logs and {STATE_FILE}",
+                                EXIT_BAD_ARGUMENTS) from None
         previous: list[ServerSlot] | None = None
+        # Every refusal comes before the try below: the folder may belong to a running cluster, whose
+        # state a refused start must leave as it is.
         if (self.root / STATE_FILE).exists():
             old = self.load_state(self.root)
             if any(_alive(s.pid) for s in old.slots):
                 raise LauncherError(f"a cluster is already running under {self.root}: "
-                                    f"run 'python -m deploy.local down --dir {self.root}' first")
+                                    f"run 'python -m deploy.local down --dir {self.root}' first", EXIT_CONFLICT)
             previous = self._restartable(old)
         try:
             if self.config.netns:
@@ -318,7 +344,12 @@ class LocalCluster:
             self.wait_ready(wait)
         except BaseException:
             # Never leave processes or namespaces behind a failed start; the logs stay for reading.
-            self.down()
+            # With no slot planned yet there is nothing to stop or record, and saving would wipe the
+            # folder's state (a stopped cluster's ports, which its Raft journal needs).
+            if self.slots:
+                self.down()
+            elif self.topology is not None:
+                self.topology.destroy()
             raise
 
     def _restartable(self, old: "LocalCluster") -> list[ServerSlot] | None:
@@ -339,12 +370,13 @@ class LocalCluster:
             why = ("namespace clusters cannot be restarted on new namespaces" if old.config.netns
                    else "it cannot be restarted in namespaces")
             raise LauncherError(
-                f"{self.root} holds the data of a stopped {'namespace ' if old.config.netns else ''}cluster; {why}: {fresh}"
+                f"{self.root} holds the data of a stopped {'namespace ' if old.config.netns else ''}cluster; {why}: {fresh}",
+                EXIT_BAD_ARGUMENTS,
             )
         if len(old.slots) != self.config.servers:
             raise LauncherError(
                 f"{self.root} holds the data of a {len(old.slots)}-server cluster: start it with --servers {len(old.slots)} "
-                f"to keep its data, or {fresh}"
+                f"to keep its data, or {fresh}", EXIT_BAD_ARGUMENTS,
             )
         slots = [
             replace(slot, data_dir=str(self.root / slot.server_id), log_file=str(self.root / f"{slot.server_id}.log"), pid=None, args=[])
@@ -355,7 +387,7 @@ class LocalCluster:
             if wanted is not None and (wanted[i].grpc, wanted[i].raft) != (slot.grpc, slot.raft):
                 raise LauncherError(
                     f"{self.root} holds a cluster whose {slot.server_id} listens on {slot.grpc} (Raft {slot.raft}), not on "
-                    f"{wanted[i].grpc}: leave out --base-port to restart it where it was, or {fresh}"
+                    f"{wanted[i].grpc}: leave out --base-port to restart it where it was, or {fresh}", EXIT_BAD_ARGUMENTS,
                 )
             for address in (slot.grpc, slot.raft):
                 with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
@@ -365,7 +397,7 @@ class LocalCluster:
                     except OSError:
                         raise LauncherError(
                             f"{slot.server_id} must come back on {address} (its peers know it there) but that port is in use; "
-                            f"free it, or {fresh}"
+                            f"free it, or {fresh}", EXIT_CONFLICT,
                         ) from None
         return slots
 
@@ -599,7 +631,8 @@ class LocalCluster:
             if len(leaders) == 1 and None not in leaders and members_ok:
                 return str(next(iter(leaders)))
             time.sleep(0.2)
-        raise LauncherError(f"cluster under {self.root} not ready after {timeout:.0f}s (last answer: {last}); see the logs in {self.root}")
+        raise LauncherError(f"cluster under {self.root} not ready after {timeout:.0f}s (last answer: {last}); see the logs in {self.root}",
+                            EXIT_UNAVAILABLE)
 
     # ---- state file -------------------------------------------------------------------
     def save_state(self) -> None:
@@ -618,14 +651,31 @@ class LocalCluster:
         path = Path(root) / STATE_FILE
         if not path.exists():
             raise LauncherError(f"no cluster found under {root} ({STATE_FILE} missing): "
-                                f"start one with 'python -m deploy.local up --dir {root}'")
-        data = json.loads(path.read_text())
+                                f"start one with 'python -m deploy.local up --dir {root}'", EXIT_NOT_FOUND)
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise LauncherError(f"cannot read {path}: {exc.strerror or exc}", EXIT_BAD_ARGUMENTS) from None
+        try:
+            return cls._from_state(Path(root), json.loads(text))
+        except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:
+            reason = " ".join(f"{type(exc).__name__}: {exc}".split())
+            # The pids and ports it held are gone with it: running servers can only be stopped by hand,
+            # and the folder's data only restarts on the old ports (each ps*.log names them).
+            raise LauncherError(
+                f"{path} is damaged or not a deploy.local state file ({reason}): stop any server still running "
+                f"from {Path(root).resolve()} by hand, then start afresh with 'python -m deploy.local up' in another --dir",
+                EXIT_BAD_ARGUMENTS,
+            ) from None
+
+    @classmethod
+    def _from_state(cls, root: Path, data: Any) -> "LocalCluster":
         cfg = data["config"]
         config = LocalClusterConfig(
             root=Path(cfg["root"]), servers=cfg["servers"], host=cfg["host"], base_port=cfg["base_port"],
-            admin_token=_read_secret(Path(root) / SECRETS_DIR / SECRET_FILES["admin_token"]),
-            read_token=_read_secret(Path(root) / SECRETS_DIR / SECRET_FILES["read_token"]),
-            secret=_read_secret(Path(root) / SECRETS_DIR / SECRET_FILES["secret"]),
+            admin_token=_read_secret(root / SECRETS_DIR / SECRET_FILES["admin_token"]),
+            read_token=_read_secret(root / SECRETS_DIR / SECRET_FILES["read_token"]),
+            secret=_read_secret(root / SECRETS_DIR / SECRET_FILES["secret"]),
             generate_secrets=cfg.get("generate_secrets", False),
             replication=cfg.get("replication", 3), extra_args=tuple(cfg.get("extra_args", ())),
             env=tuple(tuple(x) for x in cfg.get("env", ())),
@@ -685,7 +735,7 @@ def _secret_arg(key: str, path: Path | None, env: str) -> str | None:
     try:
         return read_secret_file(key, path)
     except ConfigError as exc:
-        raise LauncherError(str(exc)) from None
+        raise LauncherError(str(exc), EXIT_BAD_ARGUMENTS) from None
 
 
 def _signal(slot: ServerSlot, sig: int) -> bool:
@@ -729,14 +779,40 @@ def _tail(path: str, lines: int = 20) -> str:
         return "(no log)"
 
 
+def _int_in(low: int, high: int, flag: str) -> Callable[[str], int]:
+    """An argparse type: a whole number in [low, high], else argparse's one error line naming the range."""
+    def parse(text: str) -> int:
+        t = text.strip()
+        if not t.lstrip("-").isdigit() or not low <= int(t) <= high:
+            raise argparse.ArgumentTypeError(f"{flag} must be a whole number from {low} to {high}, got {text!r}")
+        return int(t)
+
+    return parse
+
+
+def _seconds(high: float, flag: str) -> Callable[[str], float]:
+    """An argparse type: seconds above 0 and at most ``high``."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not 0 < value <= high:  # also refuses nan and inf
+            raise argparse.ArgumentTypeError(f"{flag} must be a number of seconds above 0 and at most {high:g}, got {text!r}")
+        return value
+
+    return parse
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m deploy.local", description="Run a local paramserver cluster on 127.0.0.1.")
     sub = p.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="start N servers and wait for a leader")
-    up.add_argument("--servers", type=int, default=3, help="number of servers (default 3)")
+    up.add_argument("--servers", type=_int_in(1, 15, "--servers"), default=3, help="number of servers, 1 to 15 (default 3)")
     up.add_argument("--dir", default=".cluster", help="folder for data dirs, logs and cluster.json (default .cluster)")
     up.add_argument("--base-port", type=int, default=0, help="first port; gRPC = base+2i, Raft = base+2i+1 (default: free ports)")
-    up.add_argument("--replication", type=int, default=3, help="replicas per chunk, capped by the cluster size (default 3)")
+    up.add_argument("--replication", type=_int_in(1, 15, "--replication"), default=3,
+                    help="replicas per chunk, 1 to 15, capped by the cluster size (default 3)")
     up.add_argument("--admin-token-file", type=Path, metavar="FILE",
                     help="file with the token for writes (or env PARAMS_ADMIN_TOKEN; default: generated)")
     up.add_argument("--read-token-file", type=Path, metavar="FILE",
@@ -747,13 +823,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--no-secrets", action="store_true",
                     help="generate no tokens and no cluster secret: every port open to anyone on this machine "
                          "(loopback only; not with --netns)")
-    up.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for a leader (default 60)")
+    up.add_argument("--timeout", type=_seconds(3600, "--timeout"), default=60.0,
+                    help="seconds to wait for a leader, above 0 and at most 3600 (default 60)")
     up.add_argument("--netns", action="store_true",
                     help="run each server in its own network namespace on a private bridge, so partitions can be cut "
                          "(root on Linux, iproute2); servers then bind 10.231.X.i instead of 127.0.0.1")
     up.add_argument("--subnet", help="with --netns: a private /24 for the bridge (default: a free 10.231.X.0/24)")
-    up.add_argument("--client-namespaces", type=int, default=0,
-                    help="with --netns: extra client namespaces on the bridge, for loaders on one side (default 0)")
+    up.add_argument("--client-namespaces", type=_int_in(0, 16, "--client-namespaces"), default=0,
+                    help="with --netns: extra client namespaces on the bridge, 0 to 16, for loaders on one side (default 0)")
     up.add_argument("--tls", action="store_true",
                     help="mutual TLS: make a private CA, a certificate per server and one client certificate under "
                          "DIR/tls (reused on restart); servers call each other with their own certificate; the bulk "
@@ -780,7 +857,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "up":
             if args.no_secrets and args.netns:
                 raise LauncherError("--no-secrets cannot be used with --netns: servers on non-loopback addresses need "
-                                    "a cluster secret and an admin token")
+                                    "a cluster secret and an admin token", EXIT_BAD_ARGUMENTS)
             cluster = LocalCluster(LocalClusterConfig(
                 root=Path(args.dir), servers=args.servers, base_port=args.base_port, replication=args.replication,
                 generate_secrets=not args.no_secrets,
@@ -788,11 +865,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 read_token=_secret_arg("read_token", args.read_token_file, "PARAMS_READ_TOKEN"),
                 secret=_secret_arg("cluster_secret", args.cluster_secret_file, "PARAMS_CLUSTER_SECRET"),
                 netns=args.netns, netns_subnet=args.subnet, netns_clients=args.client_namespaces, tls=args.tls))
-            try:
-                cluster.up(wait=args.timeout)
-            except BaseException:
-                cluster.down()
-                raise
+            # up() stops what it started when the start fails; a refusal (a cluster already running
+            # there) must leave that cluster and its state alone, so nothing more is stopped here.
+            cluster.up(wait=args.timeout)
             leader = cluster.leader_id()
             c = cluster.config
             security = ", ".join(x for x in ("mutual TLS" if c.tls else "", "tokens" if c.admin_token else "",
@@ -839,7 +914,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     except LauncherError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return e.code
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

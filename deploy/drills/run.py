@@ -10,7 +10,8 @@ its pids and data dirs to kill, restart and corrupt; the cluster is left
 running). It runs a real publisher (``paramserver.client.push``) and real loaders
 (``worker.loader``), prints the report tables, writes a JSON report and
 exits 0 when every invariant held, 1 when one broke, 2 when the drill could
-not run (no cluster, not root for ``partition``, bad options).
+not run (no cluster, not root for ``partition``, bad options, a ``--json`` path
+that cannot be written), 130 when interrupted.
 
 ``main(argv)`` is the entry point ``paramctl drill ...`` calls; ``execute``
 is the same as a library call (the tests use it).
@@ -18,6 +19,7 @@ is the same as a library call (the tests use it).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
 
 DRILLS = ("kill-leader", "partition", "corrupt-chunk", "restart-server", "restart-cluster")
 EXIT_CANNOT_RUN = 2
+EXIT_INTERRUPTED = 130
 
 # Server options of a fresh drill cluster, per drill (every drill adds --no-fsync: kill -9 keeps the page cache).
 FRESH_SERVER_ARGS: dict[str, tuple[str, ...]] = {
@@ -81,12 +84,34 @@ class DrillOptions:
         if self.cluster_dir is not None and self.tls:
             raise DrillError("--tls starts a fresh cluster with mutual TLS; a --cluster-dir cluster keeps its own "
                              "setting (start it with 'python -m deploy.local up --tls'): drop --tls")
+        if self.json_path is not None:
+            check_report_path(self.json_path)
 
     @property
     def interval(self) -> float:
         if self.publish_interval_s is not None:
             return self.publish_interval_s
         return 1.0 if self.drill == "corrupt-chunk" else 0.2  # corrupt-chunk: few versions, so the scrubber keeps up
+
+
+def check_report_path(path: Path) -> None:
+    """Refuse a --json path the report could not be written to, before a drill runs for minutes and
+    its report is lost. It is probed, not judged by mode bits (root passes those even on /proc)."""
+    path = Path(path)
+    if path.is_dir():
+        raise DrillError(f"--json {path} is a folder: give a file name for the report, e.g. {path / 'report.json'}")
+    # The report is written as a temporary file beside it, then renamed; missing folders are made.
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        if not folder.is_dir():
+            raise NotADirectoryError(f"{folder} is not a folder")
+        os.rmdir(tempfile.mkdtemp(prefix=".drill-probe-", dir=folder))
+    except OSError as exc:
+        reason = exc.strerror if exc.strerror else str(exc)
+        raise DrillError(f"--json {path}: the report cannot be written there ({reason} in {folder}); "
+                         f"give a file in a folder you can write") from None
 
 
 def _open_cluster(opts: DrillOptions) -> tuple["LocalCluster", bool]:
@@ -151,13 +176,25 @@ def execute(opts: DrillOptions) -> tuple[DrillReport, Path]:
                     w.stop()
 
             report = run_drill(opts.drill, run, render=opts.render)
-            report.write_json(json_path)
-            return report, json_path
+            return report, _write_report(report, json_path, opts.drill)
         finally:
             loaders.close()
     finally:
         if owned:
             cluster.down()
+
+
+def _write_report(report: DrillReport, path: Path, drill: str) -> Path:
+    """Write the JSON report to ``path``; if that fails after all (the folder went away, the disk filled), to
+    a temporary file instead, so a drill's minutes of results are not lost. Returns where it went."""
+    try:
+        return report.write_json(path)
+    except OSError as exc:
+        fd, spare = tempfile.mkstemp(prefix=f"{drill}-", suffix=".json")
+        os.close(fd)
+        report.write_json(spare)
+        print(f"warning: cannot write the report to {path} ({exc.strerror or exc}); wrote it to {spare}", file=sys.stderr)
+        return Path(spare)
 
 
 def _body(opts: DrillOptions, cluster: "LocalCluster", spec: object,
@@ -243,6 +280,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m deploy.drills
     except (DrillError, LauncherError) as exc:
         print(f"error: drill {args.drill} could not run: {exc}", file=sys.stderr)
         return EXIT_CANNOT_RUN
+    except KeyboardInterrupt:
+        print(f"error: drill {args.drill} interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     if args.quiet:
         broken = ", ".join(c.name for c in report.broken)
         print(f"drill {args.drill}: " + (f"invariant broken: {broken}" if broken else "every invariant held"))
