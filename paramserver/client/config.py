@@ -135,7 +135,11 @@ class ClientSettings:
         for name in ("admin_token", "read_token"):
             token = getattr(self, name)
             if token is not None and (not token or any(c.isspace() for c in token)):
-                raise ConfigError(f"{name} must be a non-empty string without whitespace{where}")
+                # The value may come from a flag, the environment or the file: name them all, blame none.
+                env = ADMIN_TOKEN_ENV if name == "admin_token" else READ_TOKEN_ENV
+                source = f", or {self.config_file}" if self.config_file is not None else ""
+                raise ConfigError(f"{name} must be a non-empty string without whitespace: check --token / --token-file, "
+                                  f"${env}{source}")
         return self
 
     # ---------------------------------------------------------------- what the client stack takes

@@ -209,3 +209,13 @@ def test_token_file_keeps_the_token_out_of_argv(tmp_path: Path) -> None:
         settings_from_args(parser.parse_args(["--cluster", "127.0.0.1:1", "--token-file", str(tmp_path / "nope")]), {})
     with pytest.raises(SystemExit):
         parser.parse_args(["--token", "a", "--token-file", str(f)])
+
+
+def test_an_empty_token_is_refused_without_blaming_the_config_file(tmp_path: Path) -> None:
+    """'--token ""' used to be reported as coming "(from client.toml)" when a config file was in use."""
+    settings = ClientSettings(cluster=("127.0.0.1:1",), admin_token="", config_file=tmp_path / "client.toml")
+    with pytest.raises(ConfigError) as info:
+        settings.validate()
+    text = str(info.value)
+    assert "admin_token must be a non-empty string" in text and "--token" in text and "PARAMS_ADMIN_TOKEN" in text
+    assert "(from " not in text
