@@ -42,7 +42,7 @@ from paramserver.client.folder import pull_folder, shard_plan
 from paramserver.client.pull import PullOptions, pull
 from paramserver.client.push import PushOptions, PushReport, fetch_manifest, push
 from paramserver.client.refs import ModelRef
-from paramserver.client.errors import TransferError
+from paramserver.client.errors import ClusterUnreachable, TransferError
 from paramserver.client import members as members_api
 from paramserver.wire.address import split_host_port
 from consensus.validation import check_name
@@ -532,7 +532,11 @@ def cmd_status(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> 
         members = list(info.members)
         by_id = members_api.server_statuses(view, members)
         statuses = [by_id[m.server_id] for m in members]
-        table = Table(title=f"cluster: leader {info.leader_id or '(none)'}  term {info.term}  commit index {info.commit_index}  "
+        # The member that answered ClusterInfo may name a leader that has since died: only a leader
+        # that says so itself is shown as one.
+        leaders = [m.server_id for m, st in zip(members, statuses) if not isinstance(st, str) and st.is_leader]
+        leader = leaders[0] if leaders else f"(none reachable; last known {info.leader_id or 'none'})"
+        table = Table(title=f"cluster: leader {leader}  term {info.term}  commit index {info.commit_index}  "
                             f"R={info.ring.replication_factor} W={info.ring.write_quorum} vnodes={info.ring.vnodes}")  # fmt: skip
         for col in ("server", "grpc", "raft", "state", "zone", "role", "chunks", "disk", "repair queue", "quarantined", "cache"):
             table.add_column(col, justify="right" if col in ("chunks", "disk", "repair queue", "quarantined") else "left")
@@ -549,6 +553,10 @@ def cmd_status(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> 
                 str(st.repair_queue), str(st.quarantined), cache,
             )  # fmt: skip
         out.print(table)
+        if not leaders:
+            answering = sum(not isinstance(st, str) for st in statuses)
+            raise ClusterUnreachable(f"no reachable server is the Raft leader ({answering} of {len(members)} members answer): "
+                                     "writes and linearizable reads wait for a majority; start the stopped servers")
         return 0
 
 

@@ -130,3 +130,20 @@ def test_an_interrupted_push_does_not_claim_nothing_was_committed(monkeypatch: p
     assert "if the push reached its commit" in err and "paramctl ls m" in err and "nothing was committed" not in err
     assert ctl.main(["pull", "m:prod", "--out", str(tmp_path / "o.safetensors")]) == 130
     assert "nothing was written" in capsys.readouterr().err
+
+
+def test_status_without_a_reachable_leader_says_so_and_exits_6(tmp_path: Path) -> None:
+    """With two of three servers down, the survivor still names the last leader it knew: status
+    showed it in the header, exit 0, while that server's own row said unavailable."""
+    with local_cluster(tmp_path, servers=3, admin_token=ADMIN, read_token=READ, extra_args=("--no-fsync",)) as c:
+        healthy = paramctl(c, "status")
+        assert healthy.returncode == 0 and "(none reachable" not in healthy.stdout, healthy.stderr
+        leader = c.leader_id()
+        survivor = next(s.server_id for s in c.slots if s.server_id != leader)
+        for slot in c.slots:
+            if slot.server_id != survivor:
+                c.kill(slot.server_id)
+        result = paramctl(c, "--cluster", next(s.grpc for s in c.slots if s.server_id == survivor), "status")
+        assert result.returncode == 6, (result.stdout, result.stderr)
+        assert f"leader (none reachable; last known {leader})" in result.stdout or "(none reachable" in result.stdout
+        assert "no reachable server is the Raft leader (1 of 3 members answer)" in one_line_error(result)
