@@ -295,7 +295,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (WorkerError, ClientError, grpc.RpcError, ChunkingError) as exc:
         return _fail(describe_worker_failure(exc, settings))
     except KeyboardInterrupt:
-        return INTERRUPTED
+        return _fail(Failure(INTERRUPTED, _INTERRUPTED[args.cmd]))
+
+
+# serve turns SIGINT into a clean stop once it is serving; these are the interrupts that end a command early.
+_INTERRUPTED = {
+    "load": "interrupted; the load was abandoned (chunks already in a --disk-cache stay there for the next load)",
+    "serve": "interrupted before serving began; nothing was served",
+}
 
 
 if __name__ == "__main__":

@@ -96,10 +96,18 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     thread's current device as its index: the load's own threads would otherwise use device 0."""
     if device is None or device == "auto":
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev: torch.device | None = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):  # torch's word for a malformed device string
+        dev = None
+    # Other torch device types (meta, mps, ...) parse, but the load path only knows host and CUDA copies.
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {str(device)!r} is not one of cpu, cuda, cuda:N or auto; give e.g. --device cpu")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {device} asked for but CUDA is not available here; use --device cpu")
     index: int | None = dev.index  # None for a bare "cuda" (torch's stubs say int)
+    if dev.type == "cuda" and index is not None and index >= (count := torch.cuda.device_count()):
+        raise ConfigError(f"device {device} asked for but this machine has {count} CUDA device(s); give cuda:0..cuda:{count - 1}")
     if dev.type == "cuda" and index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return dev

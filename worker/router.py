@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import math
 import os
@@ -366,7 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a tag resolution is reused (default 1)")
     p.add_argument("--no-affinity", action="store_true",
                    help="choose a random worker among those that can answer (the baseline affinity is measured against)")
-    add_client_arguments(p, write=False)
+    add_client_arguments(p, write=False, cluster_default="none: tags are then resolved from what the workers report, "
+                                                        "with a warning")
     return p
 
 
@@ -390,17 +392,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ClientError as exc:
         print(f"paramrouter: error: {exc}", file=sys.stderr)
         return 2
-    if resolver is None:
-        print("paramrouter: warning: no cluster given (--cluster, PARAMS_CLUSTER or PARAMS_CONFIG): tags are resolved from "
-              "what workers report", file=sys.stderr)
     options = RouterOptions(args.listen, args.request_timeout_s, args.resolve_ttl_s,
                             RouterConfig(lease_s=args.lease_s, spill_queue=args.spill_queue, affinity=not args.no_affinity))
     router = Router(options, resolver)
     try:
         return asyncio.run(_serve(router, host or "127.0.0.1", port_no))
-    except OSError as exc:
-        print(f"paramrouter: error: cannot listen on {args.listen}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
+    except OSError as exc:  # only binding --listen raises it this far
+        why = (f"port {port_no} is in use; pick another --listen (port 0 picks a free one)" if exc.errno == errno.EADDRINUSE
+               else f"{exc.strerror or exc}; give a local HOST:PORT")
+        print(f"paramrouter: error: cannot listen on {args.listen}: {why}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
     finally:
@@ -411,18 +412,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 async def _serve(router: Router, host: str, port: int) -> int:
     runner = web.AppRunner(router.app(), access_log=None, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=1024)
-    await site.start()
-    server = site._server
-    sockets = getattr(server, "sockets", None) or []
-    bound = sockets[0].getsockname()[:2] if sockets else (host, port)
-    print(f"LISTENING {bound[0]}:{bound[1]} affinity={'on' if router.state.config.affinity else 'off'}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await runner.cleanup()
+    try:  # cleanup closes the router's client session too, also when the bind fails
+        site = web.TCPSite(runner, host, port, backlog=1024)
+        await site.start()
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        bound = sockets[0].getsockname()[:2] if sockets else (host, port)
+        print(f"LISTENING {bound[0]}:{bound[1]} affinity={'on' if router.state.config.affinity else 'off'}", flush=True)
+        if router._resolver is None:  # warned once listening: a failed start stays one line
+            print("paramrouter: warning: no cluster given (--cluster, PARAMS_CLUSTER or PARAMS_CONFIG): tags are resolved from "
+                  "what workers report", file=sys.stderr, flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
     return 0
 
 

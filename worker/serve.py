@@ -19,6 +19,8 @@ after the swap never gets the old version's answer; each answer names the versio
 """
 from __future__ import annotations
 
+import errno
+import functools
 import importlib
 import json
 import socket as socketlib
@@ -133,14 +135,29 @@ def load_factory(spec: str) -> Callable[[], torch.nn.Module]:
     """``package.module:function`` -> the function (called with no arguments, returns an nn.Module)."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise WorkerError(f"--factory {spec!r} must be package.module:function")
+        raise ConfigError(f"--factory {spec!r} must be package.module:function")
     try:
         fn: object = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise WorkerError(f"--factory {spec!r} cannot be imported ({exc}); is the package on PYTHONPATH?") from None
+        raise ConfigError(f"--factory {spec!r} cannot be imported ({exc}); is the package on PYTHONPATH?") from None
     if not callable(fn):
-        raise WorkerError(f"--factory {spec!r} is not callable")
-    return cast("Callable[[], torch.nn.Module]", fn)  # what it returns is checked where it is called
+        raise ConfigError(f"--factory {spec!r} is not callable; name a function that returns the nn.Module")
+
+    # What the factory does is only known once it runs (under empty_weights, possibly after the
+    # load has started), so its failures are turned into the same configuration error there.
+    @functools.wraps(fn)
+    def build() -> torch.nn.Module:
+        try:
+            module = fn()
+        except Exception as exc:  # the user's code: one line naming it, not its traceback
+            raise ConfigError(f"--factory {spec!r} failed ({type(exc).__name__}: {exc}); it must build the model "
+                              "when called with no arguments") from exc
+        if not isinstance(module, torch.nn.Module):
+            raise ConfigError(f"--factory {spec!r} returned {type(module).__name__}, not a torch.nn.Module; "
+                              "make it return the model")
+        return module
+
+    return build
 
 
 class ModelServer:
@@ -566,16 +583,17 @@ class ModelServer:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self, listen: str, poll_s: float) -> str:
-        host, _, port = listen.rpartition(":")
+        # Bound before the first load starts: a port taken is reported at once, not after the weights arrive.
+        http = self._bind(listen)
         try:
-            port_no = int(port or 0)
-        except ValueError:
-            raise ConfigError(f"--listen {listen!r} must be HOST:PORT") from None
-        if self.cold_start:
-            self._start_cold()
-        else:
-            self.swapper.start()
-            self._loaded_event.set()
+            if self.cold_start:
+                self._start_cold()
+            else:
+                self.swapper.start()
+                self._loaded_event.set()
+        except BaseException:
+            http.server_close()
+            raise
         threading.Thread(target=self._heat_loop, name="paramworker-heat", daemon=True).start()
         if self.swapper.ref.tag is not None and poll_s > 0:
             def follow_after_load() -> None:  # tag checks begin once the first version is in
@@ -583,10 +601,27 @@ class ModelServer:
                 if self.load_error is None:
                     self.swapper.follow(poll_s, self._stop)
             threading.Thread(target=follow_after_load, name="paramworker-follow-start", daemon=True).start()
-        self._http = _Server((host or "127.0.0.1", port_no), _handler(self), self.serve_config.max_connections)
-        threading.Thread(target=self._http.serve_forever, name="paramworker-http", daemon=True).start()
-        h, p = self._http.socket.getsockname()[:2]
+        self._http = http
+        threading.Thread(target=http.serve_forever, name="paramworker-http", daemon=True).start()
+        h, p = http.socket.getsockname()[:2]
         return f"{h}:{p}"
+
+    def _bind(self, listen: str) -> _Server:
+        host, _, port = listen.rpartition(":")
+        try:
+            port_no = int(port or 0)
+        except ValueError:
+            raise ConfigError(f"--listen {listen!r} must be HOST:PORT") from None
+        if not 0 <= port_no <= 65535:
+            raise ConfigError(f"--listen {listen!r}: port must be 0..65535 (0 picks a free one)")
+        try:
+            return _Server((host or "127.0.0.1", port_no), _handler(self), self.serve_config.max_connections)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ConfigError(f"--listen {listen}: port {port_no} is in use; pick another --listen "
+                                  "(port 0 picks a free one)") from None
+            raise ConfigError(f"--listen {listen}: cannot listen there ({exc.strerror or exc}); give a local "
+                              "HOST:PORT") from None
 
     def stop(self) -> None:
         self._stop.set()

@@ -21,7 +21,9 @@ from enum import Enum
 from typing import Any
 from pathlib import Path
 
-from paramserver.client.errors import StaleRead
+import grpc
+
+from paramserver.client.errors import ConfigError, StaleRead
 
 
 class Order(Enum):
@@ -100,6 +102,13 @@ def judge(seen: Resolution | None, new: Resolution, allow_rollback: bool = True)
     )
 
 
+class MonotonicFileError(ConfigError, StaleRead):
+    """The persisted memory cannot be read: a configuration error (exit 2), since only the operator
+    can fix or remove the file. Still a StaleRead, which is what an unreadable file raised before."""
+
+    default_code = grpc.StatusCode.INVALID_ARGUMENT
+
+
 class MonotonicReads:
     """Thread-safe memory of the newest resolution per (model, tag); optionally persisted as JSON
     so a restarted worker cannot be rolled back either."""
@@ -109,14 +118,25 @@ class MonotonicReads:
         self.allow_rollback = allow_rollback
         self._lock = threading.Lock()
         self._seen: dict[tuple[str, str], Resolution] = {}
+        if self.path is not None and self.path.is_dir():
+            raise MonotonicFileError(f"monotonic-read memory {self.path} is a directory; give a file path "
+                                     "(--monotonic-file), e.g. a name inside it")
         if self.path is not None and self.path.exists():
             try:
                 rows = json.loads(self.path.read_text())
+                if not isinstance(rows, list):
+                    raise TypeError(f"expected a JSON list, got {type(rows).__name__}")
                 for row in rows:
+                    if not isinstance(row, Mapping):
+                        raise TypeError(f"expected JSON objects in the list, got {type(row).__name__}")
                     r = Resolution.from_json(row)
                     self._seen[(r.model, r.tag)] = r
+            except OSError as exc:
+                raise MonotonicFileError(f"monotonic-read memory {self.path} cannot be read ({exc.strerror or exc}); "
+                                         "fix its permissions or give another file (--monotonic-file)") from None
             except (ValueError, KeyError, TypeError, AssertionError) as exc:
-                raise StaleRead(f"monotonic-read memory {self.path} is unreadable ({exc}); delete it to start afresh") from None
+                raise MonotonicFileError(f"monotonic-read memory {self.path} is unreadable ({exc}); delete it to start "
+                                         "afresh, or give another file (--monotonic-file)") from None
 
     def seen(self, model: str, tag: str) -> Resolution | None:
         with self._lock:
@@ -149,10 +169,15 @@ class MonotonicReads:
     def _save_locked(self) -> None:
         if self.path is None:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps([r.to_json() for r in self._seen.values()], sort_keys=True))
-        os.replace(tmp, self.path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(self.path.name + f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps([r.to_json() for r in self._seen.values()], sort_keys=True))
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            # Not a MonotonicFileError: resolve_ref takes a StaleRead from accept() for a stale answer.
+            raise ConfigError(f"monotonic-read memory {self.path} cannot be written ({exc.strerror or exc}); fix the "
+                              "path or its permissions, or give another file (--monotonic-file)") from None
 
 
-__all__ = ["MonotonicReads", "Order", "Resolution", "Verdict", "compare_clocks", "judge"]
+__all__ = ["MonotonicFileError", "MonotonicReads", "Order", "Resolution", "Verdict", "compare_clocks", "judge"]
