@@ -8,8 +8,9 @@ Silent or slow clients cannot fill the port: the hello must arrive in full withi
 ``hello_timeout_s`` (a deadline for the whole hello, not per byte), and one client IP holds at
 most ``max_per_ip`` connections. Connections still owing their hello are held apart from the
 served ones (``max_connections`` counts only connections whose hello was accepted): at most
-``max_pending`` of them, and a new one pushes out the oldest, so connections that never say
-hello delay a client by no more than the moment its own hello takes. A refused connection is
+``max_pending`` of them, and a new one pushes out the oldest once that one has had
+``EVICT_AFTER_S`` for its hello (a burst of fresh connections is not cut short: the newcomer is
+refused instead), so connections that never say hello cannot lock clients out. A refused connection is
 answered "bad hello" with the reason and logged at WARNING with its address (at most one line
 per reason every few seconds). An ``accept`` that fails (out of file descriptors) is retried
 after a pause, never the end of the port.
@@ -65,6 +66,7 @@ from paramserver.wire.bulk_frames import (
 
 log = logging.getLogger(__name__)
 _ACCEPT_PAUSE_S, _ACCEPT_PAUSE_MAX_S = 0.05, 1.0  # after a failed accept (out of file descriptors)
+EVICT_AFTER_S = 1.0  # a pending connection this old may be pushed out for a new one (a hello takes milliseconds)
 
 
 def check_token(token: str, auth: AuthConfig) -> str | None:
@@ -109,7 +111,7 @@ CONFIG_KEYS = ("bulk_writes", *(f"bulk_{name}" for name, _ in _BULK_KEYS))  # a 
 @dataclass(frozen=True)
 class BulkServerConfig:
     max_connections: int = 64  # connections served at once (past their hello)
-    max_pending: int = 16  # connections still owing their hello; the oldest is dropped for a new one
+    max_pending: int = 64  # connections still owing their hello; the oldest is dropped for a new one
     idle_timeout_s: float = 300.0  # a connection with no request for this long is closed
     io_timeout_s: float = 30.0  # one send or the rest of a frame must not take longer
     hello_timeout_s: float = 5.0  # the whole hello must arrive within this
@@ -234,7 +236,7 @@ class BulkServer:
         self._slots = threading.BoundedSemaphore(self.config.max_connections)
         self._per_ip: dict[str, int] = {}  # open connections by client address (under _lock)
         self._peer_of: dict[socket.socket, tuple[str, int]] = {}  # accepted, until its thread takes it
-        self._pending: dict[socket.socket, None] = {}  # owing their hello, oldest first (under _lock)
+        self._pending: dict[socket.socket, float] = {}  # owing their hello -> accepted at, oldest first (under _lock)
         self._refusals = RateLimitedLog(log)
         self.refused = 0  # connections refused (limits, hello timeout)
         self._conns: set[socket.socket] = set()
@@ -293,12 +295,18 @@ class BulkServer:
                              f"too many bulk connections from this address (limit {self.config.max_per_ip} per client "
                              "address); reuse them, use GetChunks, or retry later")
                 continue
+            now = time.monotonic()
             with self._lock:
-                self._peer_of[conn] = (ip, int(peer[1]) if len(peer) > 1 else 0)
-                self._pending[conn] = None
-                oldest = next(iter(self._pending)) if len(self._pending) > self.config.max_pending else None
-                if oldest is not None:
-                    del self._pending[oldest]
+                oldest: socket.socket | None = None
+                if len(self._pending) >= self.config.max_pending:
+                    first, since = next(iter(self._pending.items()))
+                    if now - since >= EVICT_AFTER_S:
+                        oldest = first
+                        del self._pending[first]
+                full = len(self._pending) >= self.config.max_pending
+                if not full:
+                    self._peer_of[conn] = (ip, int(peer[1]) if len(peer) > 1 else 0)
+                    self._pending[conn] = now
             if oldest is not None:
                 self._log_refusal(peer, "pending_limit", f"more than {self.config.max_pending} connections owed their "
                                                          "hello; the oldest was dropped")
@@ -306,6 +314,11 @@ class BulkServer:
                     oldest.shutdown(socket.SHUT_RDWR)  # its thread's receive ends, and the thread cleans up
                 except OSError:
                     pass
+            if full:
+                self._drop_ip(ip)
+                self._refuse(conn, peer, "pending_limit",
+                             f"{self.config.max_pending} connections are still owed their hello here; retry in a moment")
+                continue
             threading.Thread(target=self._serve, args=(conn,), name="bulk-conn", daemon=True).start()
 
     def _drop_ip(self, ip: str) -> None:

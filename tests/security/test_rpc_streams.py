@@ -317,13 +317,15 @@ def test_stalled_read_streams_are_limited_and_ended(tmp_path: Path) -> None:
             time.sleep(0.2)
         assert service.watchdog.expired == len(held)
         # Their slots are free again: a reader that reads gets every chunk, even with pauses that add
-        # up to more than the idle timeout.
+        # up to more than the idle timeout. (The server sees a pause as a blocked send, which lasts as
+        # long as the client takes to free the flow-control window: several messages' pauses.)
         got: list[str] = []
-        for n, message in enumerate(get_chunks(channels[0])):
+        paused = 0.0
+        for message in get_chunks(channels[0]):
             got += [c.id for c in pb.GetChunksReply.FromString(message).chunks]
-            if n < 3:
-                time.sleep(idle * 0.6)
-        assert got == ids
+            time.sleep(0.15)
+            paused += 0.15
+        assert got == ids and paused > idle
         # A stalled client that finally reads finds what arrived, then the server's reason.
         with pytest.raises(grpc.RpcError) as info:
             for _ in held[0]:
