@@ -658,6 +658,8 @@ class LocalCluster:
             raise LauncherError(f"cannot read {path}: {exc.strerror or exc}", EXIT_BAD_ARGUMENTS) from None
         try:
             return cls._from_state(Path(root), json.loads(text))
+        except LauncherError:
+            raise  # already says what is wrong (a secret file that cannot be read)
         except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as exc:
             reason = " ".join(f"{type(exc).__name__}: {exc}".split())
             # The pids and ports it held are gone with it: running servers can only be stopped by hand,
@@ -711,6 +713,10 @@ def _read_secret(path: Path) -> str | None:
         return path.read_text().strip() or None
     except FileNotFoundError:
         return None
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not text"
+        raise LauncherError(f"cannot read the cluster's secret {path} ({why}): run as the user who started the "
+                            f"cluster, or fix the file's owner and mode (0600)", EXIT_BAD_ARGUMENTS) from None
 
 
 def _write_private(path: Path, text: str) -> None:

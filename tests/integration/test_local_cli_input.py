@@ -156,3 +156,14 @@ def test_report_goes_to_a_spare_file_when_its_path_fails_late(tmp_path: Path, ca
         assert str(where) in capsys.readouterr().err
     finally:
         where.unlink()
+
+
+def test_a_secret_that_cannot_be_read_is_one_line(tmp_path: Path) -> None:
+    """A secret file that exists but cannot be read ended status/down in a traceback."""
+    root = tmp_path / "c"
+    (root / local.SECRETS_DIR / local.SECRET_FILES["admin_token"]).mkdir(parents=True)  # a folder where the file goes
+    (root / local.STATE_FILE).write_text(
+        '{"config": {"root": "%s", "servers": 1, "host": "127.0.0.1", "base_port": 0}, "slots": []}' % root)
+    for cmd in ("status", "down"):
+        one_line(cli("deploy.local", cmd, "--dir", str(root)), local.EXIT_BAD_ARGUMENTS, "cannot read the cluster's secret",
+                 local.SECRET_FILES["admin_token"])
