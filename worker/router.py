@@ -14,7 +14,8 @@ this module is the thin HTTP layer around it:
   to the chosen worker with a deadline (``X-Pdparams-Timeout-S`` header or ``?timeout_s=``,
   default ``--request-timeout-s``); a worker that fails, vanishes, sheds or does not hold the
   version is retried once on another. Errors are one-line JSON ``{"error": ...}``: 404 unknown
-  model or tag, 503 with ``Retry-After`` when no worker can answer, 504 past the deadline.
+  model, tag or version (checked with the cluster when --cluster is given), 503 with
+  ``Retry-After`` when no worker can answer, 504 past the deadline.
 - ``POST /prewarm`` ``{"ref": "MODEL:TAG", "workers": N | null}``: asks N workers (null: all) to
   fetch that version into their cache tiers without swapping; ``GET /warm/MODEL:TAG``: how much of
   the version each worker caches (``paramctl prewarm --wait`` and ``paramctl tag --when-warm`` read it).
@@ -193,6 +194,7 @@ class Router:
         """``(model@N, exact)`` for a reference; raises BadModelRef, NotFound or LookupError (unresolvable)."""
         ref = ModelRef.parse(text)
         if ref.version is not None:
+            await self._check_exists(ref)
             return VersionKey(ref.model, ref.version), True
         cache_key = str(ref)
         cached = self.refs.get(cache_key)
@@ -212,6 +214,22 @@ class Router:
         if version is None:
             raise LookupError(f"cannot resolve {ref}: {why}, and no worker reports it loaded")
         return VersionKey(ref.model, version), False
+
+    async def _check_exists(self, ref: ModelRef) -> None:
+        """An exact version the cluster says does not exist is NotFound here (404 at once), rather than
+        a request no worker can answer (503, retried) or a pre-warm that never completes. Unverified
+        when there is no cluster or it does not answer: the workers then say."""
+        cache_key = str(ref)
+        if self._resolver is None or self.refs.get(cache_key) is not None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self._resolver, ref), RESOLVE_TIMEOUT_S)
+        except NotFound:
+            raise
+        except (ClientError, TimeoutError, OSError):
+            return
+        assert ref.version is not None
+        self.refs.put(cache_key, ref.version)
 
     # ------------------------------------------------------------ inference
 

@@ -270,3 +270,10 @@ def test_router_errors_are_one_line_json(cluster: Cluster, tmp_path: Path, procs
     assert status == 400 and "heartbeat" in body["error"]
     status, body = request(router.address, "POST", "/infer/x@1", {"input": [[1.0]]}, headers={"X-Pdparams-Timeout-S": "-1"})
     assert status == 400
+    # A version the cluster does not have is 404 at once, not 503 "retry later" (nor a pre-warm that never completes).
+    v1 = cluster.push(slow_net_weights(4), "exact", tag="prod").version.number
+    for method, path, payload in (("POST", f"/infer/exact@{v1 + 98}", {"input": [[1.0]]}),
+                                  ("POST", "/prewarm", {"ref": f"exact@{v1 + 98}", "workers": None}),
+                                  ("GET", f"/warm/exact@{v1 + 98}", None)):
+        status, body = request(router.address, method, path, payload)
+        assert status == 404 and f"{v1 + 98}" in body["error"], (path, status, body)
