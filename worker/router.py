@@ -420,7 +420,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                else f"{exc.strerror or exc}; give a local HOST:PORT")
         print(f"paramrouter: error: cannot listen on {args.listen}: {why}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # SIGINT once serving is a clean stop; before that it ends the start-up
+        print("paramrouter: error: interrupted before the router was listening", file=sys.stderr)
         return 130
     finally:
         if client is not None:
