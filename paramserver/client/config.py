@@ -53,6 +53,20 @@ FILE_KEYS = frozenset({
 })  # fmt: skip
 
 
+def _check_pem(name: str, path: Path, where: str) -> None:
+    """A TLS file must hold what its name says, in PEM: gRPC would only log its complaint and then
+    fail every call as UNAVAILABLE."""
+    try:
+        text = path.read_bytes()[: 1 << 20]
+    except OSError as exc:
+        raise ConfigError(f"{name} file {path} cannot be read ({exc.strerror or exc}){where}") from None
+    wanted = b"PRIVATE KEY-----" if name == "tls_key" else b"-----BEGIN CERTIFICATE-----"
+    if wanted not in text:
+        what = "a PEM private key" if name == "tls_key" else "a PEM certificate"
+        raise ConfigError(f"{name} file {path} does not hold {what}{where}; give the file 'deploy.local up --tls' or your CA "
+                          "issued")
+
+
 def int_in(low: int, high: int, what: str) -> Callable[[str], int]:
     """An argparse type: a decimal integer in [low, high], else one line naming the range."""
     def parse(text: str) -> int:
@@ -128,6 +142,8 @@ class ClientSettings:
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ConfigError(f"{name} file {path} does not exist{where}")
+            if path is not None:
+                _check_pem(name, Path(path), where)
         if self.verify not in VERIFY_MODES:
             raise ConfigError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {self.verify!r}{where}")
         if not self.timeout_s > 0:

@@ -15,7 +15,8 @@ from paramserver.client.errors import ConfigError
 def tls_files(tmp_path: Path) -> dict[str, Path]:
     files = {}
     for name in ("ca.pem", "client.pem", "client.key", "other.pem", "other.key"):
-        (tmp_path / name).write_text("-----BEGIN TEST-----\n")
+        kind = "PRIVATE KEY" if name.endswith(".key") else "CERTIFICATE"  # the markers settings check for
+        (tmp_path / name).write_text(f"-----BEGIN {kind}-----\n")
         files[name] = tmp_path / name
     return files
 
@@ -219,3 +220,15 @@ def test_an_empty_token_is_refused_without_blaming_the_config_file(tmp_path: Pat
     text = str(info.value)
     assert "admin_token must be a non-empty string" in text and "--token" in text and "PARAMS_ADMIN_TOKEN" in text
     assert "(from " not in text
+
+
+def test_a_tls_file_that_is_not_pem_is_refused_up_front(tmp_path: Path) -> None:
+    """gRPC only logged "Could not load any root certificate" and then failed every call as UNAVAILABLE (exit 6)."""
+    bogus = tmp_path / "ca.pem"
+    bogus.write_text("not a certificate\n")
+    with pytest.raises(ConfigError, match="tls_ca file .*ca.pem does not hold a PEM certificate"):
+        ClientSettings(cluster=("127.0.0.1:1",), tls_ca=bogus).validate()
+    key = tmp_path / "client.key"
+    key.write_text("-----BEGIN CERTIFICATE-----\n")
+    with pytest.raises(ConfigError, match="tls_key file .*client.key does not hold a PEM private key"):
+        ClientSettings(cluster=("127.0.0.1:1",), tls_cert=key, tls_key=key).validate()
