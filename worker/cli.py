@@ -241,7 +241,7 @@ def cmd_serve(args: argparse.Namespace, settings: ClientSettings) -> int:
             advertise = args.advertise or address
             if advertise.startswith(("0.0.0.0:", "[::]:", ":::")):
                 raise ConfigError(f"--listen {args.listen} binds every address: give --advertise HOST:PORT for the routers")
-            server.register(args.router, advertise, args.worker_id)
+            server.register(args.router, advertise, args.worker_id, token=settings.token_for(write=False))
         _module, loaded = server.snapshot()
         state = "" if server.wait_loaded(0) else " (loading: answering while the weights arrive)"
         print(f"LISTENING {address} serving {loaded.info.model} v{loaded.info.number}{state}", flush=True)

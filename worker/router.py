@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import hmac
 import json
 import math
 import os
@@ -100,8 +101,12 @@ def error(status: int, message: str, headers: dict[str, str] | None = None) -> w
 class Router:
     """The HTTP layer: parse, resolve, ask ``RouterState``, forward with a deadline, count."""
 
-    def __init__(self, options: RouterOptions, resolver: Callable[[ModelRef], Any] | None = None) -> None:
+    def __init__(self, options: RouterOptions, resolver: Callable[[ModelRef], Any] | None = None,
+                 beat_token: str | None = None) -> None:
+        """``beat_token``: the token a heartbeat or a leave must carry (the cluster's read token, which
+        workers read with); None takes them from anyone (a router without a cluster, on loopback)."""
         self.options = options
+        self._beat_token = beat_token
         self.state = RouterState(time.monotonic, options.state, random.Random())
         self.refs = RefCache(time.monotonic, options.resolve_ttl_s)
         self.metrics = RouterMetrics()
@@ -148,7 +153,23 @@ class Router:
 
     # ------------------------------------------------------------ workers
 
+    def _refused_beat(self, request: web.Request) -> web.Response | None:
+        """401 unless the request carries the beat token: a beat names the URL the router forwards
+        requests to, and a leave takes a worker out, so neither may come from a client."""
+        if self._beat_token is None:
+            return None
+        given = request.headers.get("Authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._beat_token.encode()):
+            return None
+        problem = "no token was sent" if not given else "the token sent is wrong"
+        return error(401, f"{request.path} needs the cluster's read token as 'Authorization: Bearer <token>' "
+                          f"(paramworker serve sends the one it reads with); {problem}")
+
     async def heartbeat(self, request: web.Request) -> web.Response:
+        refused = self._refused_beat(request)
+        if refused is not None:
+            return refused
         try:
             beat = Heartbeat.from_json(await request.json())
         except (ValueError, HeartbeatError) as exc:
@@ -158,6 +179,9 @@ class Router:
         return web.json_response({"ok": True, "lease_s": self.state.config.lease_s})
 
     async def leave(self, request: web.Request) -> web.Response:
+        refused = self._refused_beat(request)
+        if refused is not None:
+            return refused
         try:
             body = await request.json()
             worker_id = body["worker_id"]
@@ -398,6 +422,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"paramrouter: error: --listen {args.listen!r} must be HOST:PORT", file=sys.stderr)
         return 2
     resolver: Callable[[ModelRef], Any] | None = None
+    beat_token: str | None = None
     client = None
     try:
         if args.cluster or os.environ.get(CLUSTER_ENV) or args.config_file or os.environ.get(CONFIG_ENV):
@@ -407,12 +432,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             client = ClusterClient(settings.cluster, token=settings.token_for(write=False),
                                    config=SessionConfig(call_timeout_s=RESOLVE_TIMEOUT_S), settings=settings)
             resolver = client.resolve_ref
+            beat_token = settings.token_for(write=False)
     except ClientError as exc:
         print(f"paramrouter: error: {exc}", file=sys.stderr)
         return 2
     options = RouterOptions(args.listen, args.request_timeout_s, args.resolve_ttl_s,
                             RouterConfig(lease_s=args.lease_s, spill_queue=args.spill_queue, affinity=not args.no_affinity))
-    router = Router(options, resolver)
+    router = Router(options, resolver, beat_token)
     try:
         return asyncio.run(_serve(router, host or "127.0.0.1", port_no))
     except OSError as exc:  # only binding --listen raises it this far

@@ -223,6 +223,7 @@ class ModelServer:
         self.advertise = ""
         self.router_error: str | None = None
         self.beats_sent = 0
+        self._router_token: str | None = None
 
     def _build(self, new: LoadedModel) -> torch.nn.Module:
         if self.hf is not None:
@@ -551,8 +552,11 @@ class ModelServer:
                 "device_free_bytes": free}
 
     def _post_router(self, url: str, path: str, body: dict[str, Any], timeout: float) -> None:
+        headers = {"Content-Type": "application/json"}
+        if self._router_token:  # routers take beats only from holders of the cluster's read token
+            headers["Authorization"] = f"Bearer {self._router_token}"
         request = urllib.request.Request(f"{url.rstrip('/')}{path}", data=json.dumps(body).encode(), method="POST",
-                                         headers={"Content-Type": "application/json"})
+                                         headers=headers)
         with urllib.request.urlopen(request, timeout=timeout) as r:
             r.read()
 
@@ -569,12 +573,14 @@ class ModelServer:
             if self._stop.wait(HEARTBEAT_S):
                 return
 
-    def register(self, routers: Sequence[str], advertise: str, worker_id: str | None = None) -> None:
-        """Beat to every router in ``routers`` each second from now on (``advertise``: HOST:PORT they reach us at)."""
+    def register(self, routers: Sequence[str], advertise: str, worker_id: str | None = None, token: str | None = None) -> None:
+        """Beat to every router in ``routers`` each second from now on (``advertise``: HOST:PORT they reach us at;
+        ``token``: the read token the routers check beats against)."""
         for url in routers:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"--router {url!r} must be http://HOST:PORT")
         self.routers = tuple(u.rstrip("/") for u in routers)
+        self._router_token = token
         self.advertise = advertise
         self.worker_id = worker_id or f"{socketlib.gethostname()}:{advertise.rpartition(':')[2]}"
         for url in self.routers:

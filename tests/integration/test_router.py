@@ -277,3 +277,22 @@ def test_router_errors_are_one_line_json(cluster: Cluster, tmp_path: Path, procs
                                   ("GET", f"/warm/exact@{v1 + 98}", None)):
         status, body = request(router.address, method, path, payload)
         assert status == 404 and f"{v1 + 98}" in body["error"], (path, status, body)
+
+
+def test_beats_need_the_read_token_when_the_router_has_one(cluster: Cluster, tmp_path: Path, procs: list[Proc]) -> None:
+    """Anyone who reached the router could beat for a made-up worker (every request then went to a
+    URL of their choosing, bodies included) or make real workers leave: beats and leaves now carry
+    the read token the router was given, which paramworker sends."""
+    token = tmp_path / "read.token"
+    token.write_text("beat-token-1\n")
+    cluster.push(slow_net_weights(5), "beat", tag="prod")
+    router = start_router(cluster, tmp_path, procs, "--token-file", str(token))
+    for path, headers, problem in (("/heartbeat", {}, "no token was sent"),
+                                   ("/heartbeat", {"Authorization": "Bearer wrong"}, "the token sent is wrong"),
+                                   ("/leave", {}, "no token was sent")):
+        status, body = request(router.address, "POST", path, {"worker_id": "evil"}, headers=headers)
+        assert status == 401 and "read token" in body["error"] and problem in body["error"], (path, status, body)
+    start_worker(cluster, tmp_path, procs, "beat:prod", router, "w-beat", 0.02, "--token-file", str(token))
+    wait_for(lambda: [w for w in request(router.address, "GET", "/workers")[1]["workers"] if w["worker_id"] == "w-beat"],
+             90, "the worker registered with its token")
+    assert [w["worker_id"] for w in request(router.address, "GET", "/workers")[1]["workers"]] == ["w-beat"]
