@@ -58,6 +58,8 @@ from worker.router_state import (
 MAX_BODY = 64 << 20
 MAX_TIMEOUT_S = 600.0
 RESOLVE_TIMEOUT_S = 2.0
+BODY_TIMEOUT_S = 10.0  # a beat, leave or pre-warm body must arrive within this
+KEEPALIVE_S = 30.0  # an idle client connection is closed after this
 ROUTER_ENV = "PARAMS_ROUTER"
 WORKER_HEADER = "X-Pdparams-Worker"  # on every answer: the worker that gave it
 
@@ -171,7 +173,7 @@ class Router:
         if refused is not None:
             return refused
         try:
-            beat = Heartbeat.from_json(await request.json())
+            beat = Heartbeat.from_json(await _json(request))
         except (ValueError, HeartbeatError) as exc:
             return error(400, f"bad heartbeat: {exc}")
         if not self.state.heartbeat(beat):
@@ -183,7 +185,7 @@ class Router:
         if refused is not None:
             return refused
         try:
-            body = await request.json()
+            body = await _json(request)
             worker_id = body["worker_id"]
         except (ValueError, KeyError, TypeError):
             return error(400, 'send {"worker_id": ID}')
@@ -278,7 +280,10 @@ class Router:
 
     async def _infer(self, request: web.Request, started: float) -> web.Response:
         deadline = started + self._deadline_s(request)
-        body = await request.read()
+        try:  # a body that trickles in holds a connection: it gets the request's deadline, no more
+            body = await asyncio.wait_for(request.read(), max(0.001, deadline - time.monotonic()))
+        except (TimeoutError, asyncio.TimeoutError):
+            return error(408, f"the request body did not arrive within the deadline ({deadline - started:.3g} s)")
         resolved = await self._resolved(request.match_info["ref"], shed=True)
         if isinstance(resolved, web.Response):
             return resolved
@@ -335,7 +340,7 @@ class Router:
 
     async def prewarm(self, request: web.Request) -> web.Response:
         try:
-            body = await request.json()
+            body = await _json(request)
             ref_text = body["ref"]
             count = body.get("workers")
         except (ValueError, KeyError, TypeError):
@@ -380,6 +385,15 @@ class Router:
                              "bytes_memory": cached.bytes_memory, "bytes_disk": cached.bytes_disk} if cached else {})})
         return web.json_response({"model": key.model, "version": key.version, "workers": rows,
                                   "complete": sum(1 for r in rows if r["complete"])})
+
+
+async def _json(request: web.Request) -> Any:
+    """A small JSON body (beats, leaves, pre-warms), read within BODY_TIMEOUT_S: a client that sends
+    it slowly must not hold the connection."""
+    try:
+        return await asyncio.wait_for(request.json(), BODY_TIMEOUT_S)
+    except (TimeoutError, asyncio.TimeoutError):
+        raise web.HTTPRequestTimeout(reason=f"the request body did not arrive within {BODY_TIMEOUT_S:g} s") from None
 
 
 def _error_text(data: bytes) -> str:
@@ -455,7 +469,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _serve(router: Router, host: str, port: int) -> int:
-    runner = web.AppRunner(router.app(), access_log=None, handle_signals=False)
+    # keepalive_timeout: an idle client connection is closed after this, not aiohttp's hour.
+    runner = web.AppRunner(router.app(), access_log=None, handle_signals=False, keepalive_timeout=KEEPALIVE_S)
     await runner.setup()
     try:  # cleanup closes the router's client session too, also when the bind fails
         site = web.TCPSite(runner, host, port, backlog=1024)

@@ -101,6 +101,9 @@ class Heartbeat:
     max_queue: int = 64
     other_versions: int = 0  # versions it loads on demand besides the one it follows (0: none)
     device_free_bytes: int | None = None
+    # Whether its on-demand loads may be of other models (a Hugging Face worker builds any model from
+    # its folder's config); a factory worker builds one architecture, so only its own model's versions.
+    any_model: bool = False
 
     @property
     def model(self) -> str:
@@ -122,7 +125,7 @@ class Heartbeat:
                 "loaded": [{"model": k.model, "version": k.version} for k in self.loaded],
                 "cached": [c.to_json() for c in self.cached], "queue": self.queue, "running": self.running,
                 "max_queue": self.max_queue, "other_versions": self.other_versions,
-                "device_free_bytes": self.device_free_bytes}
+                "device_free_bytes": self.device_free_bytes, "any_model": self.any_model}
 
     @classmethod
     def from_json(cls, d: object) -> Heartbeat:
@@ -147,13 +150,16 @@ class Heartbeat:
                 raise HeartbeatError("each 'cached' entry is an object")
             cached.append(Cached(_str(item, "model"), _int(item, "version", low=1), _int(item, "bytes_total"),
                                  _int(item, "bytes_cached"), _int(item, "bytes_memory", 0), _int(item, "bytes_disk", 0)))
+        any_model = d.get("any_model", False)
+        if not isinstance(any_model, bool):
+            raise HeartbeatError("heartbeat field 'any_model' must be true or false")
         free = d.get("device_free_bytes")
         if free is not None and (isinstance(free, bool) or not isinstance(free, int) or free < 0):
             raise HeartbeatError("heartbeat field 'device_free_bytes' must be null or an integer >= 0")
         return cls(worker_id=_str(d, "worker_id", 200), url=url, serves=_str(d, "serves"), loaded=tuple(loaded),
                    cached=tuple(cached), queue=_int(d, "queue", 0), running=_int(d, "running", 0),
                    max_queue=_int(d, "max_queue", 64), other_versions=_int(d, "other_versions", 0),
-                   device_free_bytes=free)
+                   device_free_bytes=free, any_model=any_model)
 
 
 @dataclass
@@ -259,7 +265,7 @@ class RouterState:
         b = w.beat
         if key in b.loaded:
             return True
-        if b.other_versions > 0:
+        if b.other_versions > 0 and (b.model == key.model or b.any_model):
             return True
         # A tag request may be answered by a worker following that model on another version
         # (it serves the old version until the new one is loaded, as a worker does on its own).

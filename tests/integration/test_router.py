@@ -296,3 +296,19 @@ def test_beats_need_the_read_token_when_the_router_has_one(cluster: Cluster, tmp
     wait_for(lambda: [w for w in request(router.address, "GET", "/workers")[1]["workers"] if w["worker_id"] == "w-beat"],
              90, "the worker registered with its token")
     assert [w["worker_id"] for w in request(router.address, "GET", "/workers")[1]["workers"]] == ["w-beat"]
+
+
+def test_a_body_that_trickles_in_is_cut_off_at_the_deadline(cluster: Cluster, tmp_path: Path, procs: list[Proc]) -> None:
+    """The body was read outside the request deadline: stalled bodies held their connections for good."""
+    import socket
+
+    router = start_router(cluster, tmp_path, procs)
+    host, port = router.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /infer/x@1 HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\nContent-Length: 100\r\n"
+                  b"X-Pdparams-Timeout-S: 1\r\n\r\n{\"input\":")
+        started = time.monotonic()
+        answer = s.recv(4096).decode(errors="replace")
+        took = time.monotonic() - started
+    assert answer.startswith("HTTP/1.1 408") and "did not arrive within the deadline" in answer, answer
+    assert took < 5, took

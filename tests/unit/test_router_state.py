@@ -19,9 +19,9 @@ class Clock:
 
 
 def beat(wid: str, serves: str, loaded: tuple[VersionKey, ...], queue: int = 0, running: int = 0,
-         cached: tuple[Cached, ...] = (), other_versions: int = 0) -> Heartbeat:
+         cached: tuple[Cached, ...] = (), other_versions: int = 0, any_model: bool = False) -> Heartbeat:
     return Heartbeat(wid, f"http://{wid}:1", serves, loaded, cached, queue=queue, running=running,
-                     other_versions=other_versions)
+                     other_versions=other_versions, any_model=any_model)
 
 
 def state(clock: Clock, **config: object) -> RouterState:
@@ -48,9 +48,14 @@ def test_a_worker_of_another_model_is_never_chosen_unless_it_loads_on_demand() -
     s.heartbeat(beat("w3", "b:prod", (B1,)))
     d = s.choose(A1)
     assert d.worker_id is None and "no live worker" in d.reason
+    # A factory worker loads other versions of its own model only: its factory builds one architecture.
     s.heartbeat(beat("w4", "b:prod", (B1,), other_versions=1))
+    assert s.choose(A1).worker_id is None
+    assert s.choose(VersionKey("b", 7)).worker_id == "w4"
+    # A Hugging Face worker builds any model from its folder's config.
+    s.heartbeat(beat("w5", "b:prod", (B1,), other_versions=1, any_model=True))
     d = s.choose(A1)
-    assert d.worker_id == "w4" and not d.hit
+    assert d.worker_id == "w5" and not d.hit
 
 
 def test_tag_request_may_go_to_a_worker_of_the_model_on_another_version_exact_may_not() -> None:
@@ -123,7 +128,8 @@ def test_random_choice_spreads_over_every_able_worker() -> None:
     clock = Clock()
     s = state(clock, affinity=False)
     for i in range(4):
-        s.heartbeat(beat(f"w{i}", "a:prod" if i < 2 else "b:prod", (A1,) if i < 2 else (B1,), other_versions=1))
+        s.heartbeat(beat(f"w{i}", "a:prod" if i < 2 else "b:prod", (A1,) if i < 2 else (B1,), other_versions=1,
+                         any_model=True))
     picks = [s.choose(A1) for _ in range(400)]
     counts = {w: sum(1 for p in picks if p.worker_id == w) for w in ("w0", "w1", "w2", "w3")}
     assert all(60 < n < 140 for n in counts.values()), counts
