@@ -4,6 +4,9 @@ At most ``max_concurrency`` forward passes run at once; at most ``max_queue`` re
 a slot, each at most ``queue_timeout_s``. A request beyond the queue, or one that waited too
 long, is shed at once with :class:`Shed` (the HTTP layer answers 503 with ``Retry-After``), so
 an overload costs a quick refusal instead of a pile of threads and memory.
+
+:class:`ByteBudget` bounds the bytes of request bodies read and parsed at once, across all
+connections (bodies arrive before a forward slot is asked for, so admission alone does not).
 """
 from __future__ import annotations
 
@@ -107,4 +110,43 @@ class Admission:
                 self._cond.notify()
 
 
-__all__ = ["Admission", "AdmissionConfig", "Shed"]
+class ByteBudget:
+    """A counting semaphore over bytes: ``acquire(n, wait_s)`` takes ``n`` (at most ``capacity``) or
+    gives up after ``wait_s``; ``release(n)`` gives them back. Thread-safe."""
+
+    def __init__(self, capacity: int, clock: Callable[[], float] = time.monotonic) -> None:
+        if capacity < 1:
+            raise ConfigError(f"a byte budget must be at least 1 byte, got {capacity}")
+        self.capacity = capacity
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._used = 0
+        self.refused = 0
+
+    @property
+    def used(self) -> int:
+        with self._cond:
+            return self._used
+
+    def acquire(self, n: int, wait_s: float) -> bool:
+        """Take ``n`` bytes (callers ask for at most ``capacity``); False when they are not free within ``wait_s``."""
+        if not 0 <= n <= self.capacity:
+            raise ValueError(f"cannot take {n} bytes of a {self.capacity}-byte budget")
+        with self._cond:
+            end = self._clock() + wait_s
+            while self._used + n > self.capacity:
+                left = end - self._clock()
+                if left <= 0:
+                    self.refused += 1
+                    return False
+                self._cond.wait(left)
+            self._used += n
+            return True
+
+    def release(self, n: int) -> None:
+        with self._cond:
+            self._used = max(0, self._used - n)
+            self._cond.notify_all()
+
+
+__all__ = ["Admission", "AdmissionConfig", "ByteBudget", "Shed"]

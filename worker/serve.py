@@ -9,6 +9,12 @@ Endpoints (stdlib ``http.server``, HTTP/1.1 keep-alive, JSON):
 - ``GET /healthz``: ``{"model", "tag", "version", "swaps", "last_error", ...}``.
 - ``GET /metrics``: Prometheus text (``worker.serve_metrics``).
 
+Connection bounds: one request's request line, headers and body must arrive within
+``request_read_timeout_s`` of its first byte (a client trickling bytes cannot hold a connection);
+between keep-alive requests a connection may idle ``idle_timeout_s``. Request bodies being read and
+parsed share a byte budget (``body_budget_bytes``, default 4x ``max_body_bytes``): a request that
+cannot get its share within ``body_budget_wait_s`` is a 503 with ``Retry-After``.
+
 A tag move loads the new version beside the old one (only changed chunks travel), builds a new
 module from the factory (under ``worker.loader.empty_weights``: parameters on meta, buffers as the
 constructor makes them), and swaps the module reference; requests in flight finish on the old one.
@@ -22,8 +28,11 @@ from __future__ import annotations
 import errno
 import functools
 import importlib
+import io
 import json
+import logging
 import socket as socketlib
+import sys
 import threading
 import time
 import urllib.error
@@ -39,13 +48,13 @@ import numpy as np
 import torch
 
 from paramserver.client.session import ClusterClient
-from worker.admission import Admission, AdmissionConfig, Shed
+from worker.admission import Admission, AdmissionConfig, ByteBudget, Shed
 from worker.config import PrefetchConfig
 from worker.errors import ConfigError, WorkerError
 from worker.forward_heat import ForwardHeat
 from worker.hf import HFServing
 from chunking.manifest import Manifest
-from paramserver.client.errors import ClientError
+from paramserver.client.errors import ClientError, NotFound
 from paramserver.client.refs import ModelRef
 from worker.cold_start import ColdStart, start_cold
 from worker.loader import LoadedModel, LoadReport, empty_weights, fill_module, load, make_report, start_load
@@ -59,6 +68,9 @@ from worker.swap import HotSwapper
 from worker.tiered_cache import TieredCache
 
 MAX_BODY = 64 << 20
+BODY_CHUNK = 64 << 10  # a body is read (and its budget taken) this many bytes at a time
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -71,18 +83,28 @@ class ServeConfig:
     request_timeout_s: float = 60.0  # a request waiting on an identical one gives up after this
     idle_timeout_s: float = 30.0  # a keep-alive connection with no request is closed after this
     max_body_bytes: int = MAX_BODY
+    request_read_timeout_s: float = 10.0  # request line + headers + body, from its first byte
+    body_budget_bytes: int = 0  # request body bytes read/parsed at once over all connections; 0: 4x max_body_bytes
+    body_budget_wait_s: float = 1.0  # longest wait for body budget before a 503
+
+    @property
+    def body_budget(self) -> int:
+        return self.body_budget_bytes or 4 * self.max_body_bytes
 
     def validate(self) -> ServeConfig:
         self.result_cache.validate()
         self.admission.validate()
         if not 1 <= self.max_connections <= 100_000:
             raise ConfigError(f"max_connections must be 1..100000, got {self.max_connections}")
-        for name in ("request_timeout_s", "idle_timeout_s"):
+        for name in ("request_timeout_s", "idle_timeout_s", "request_read_timeout_s", "body_budget_wait_s"):
             value = getattr(self, name)
             if not 0 < value <= 3600:
                 raise ConfigError(f"{name} must be in (0, 3600] seconds, got {value}")
         if not 1 <= self.max_body_bytes <= 1 << 30:
             raise ConfigError(f"max_body_bytes must be 1 B..1 GiB, got {self.max_body_bytes}")
+        if self.body_budget_bytes and not self.max_body_bytes <= self.body_budget_bytes <= 64 << 30:
+            raise ConfigError(f"body_budget_bytes must be 0 (4x max_body_bytes) or max_body_bytes..64 GiB, "
+                              f"got {self.body_budget_bytes}")
         return self
 
 
@@ -92,6 +114,10 @@ class BadRequest(WorkerError, ValueError):
 
 class Misdirected(WorkerError):
     """A router asked for a version this worker neither holds nor loads on demand; answered 421."""
+
+
+class UnknownVersion(WorkerError):
+    """A request named a version of this worker's model that the cluster does not have; answered 404."""
 
 
 MAX_PREWARMED = 16  # versions a worker keeps track of pre-warming (the oldest finished one is forgotten first)
@@ -360,14 +386,22 @@ class ModelServer:
         module, loaded, heat = target if target is not None else self._serving()
         try:
             key = None
-            if use_cache and self.results.config.enabled:
-                params = {"dtype": str(self._dtype(module)), "device": self.swapper.device.type, "factory": self.factory_name}
-                key = result_key(loaded.manifest.fingerprint, request if request is not None else {"input": data}, params)
+            keyed = request if request is not None else {"input": data}
+            try:  # one canonical pass over the request: the key's, or (no key) a check that JSON can carry it
+                if use_cache and self.results.config.enabled:
+                    params = {"dtype": str(self._dtype(module)), "device": self.swapper.device.type, "factory": self.factory_name}
+                    key = result_key(loaded.manifest.fingerprint, keyed, params)
+                else:
+                    canonical_json(keyed)
+            except ValueError as exc:  # a number out of float range (1e999): not JSON we can key
+                raise BadRequest(f"the request holds a number JSON cannot carry ({exc})") from None
+            except RecursionError:
+                raise BadRequest("the body nests too deeply to be an input; send a JSON list of numbers") from None
             return self.results.answer(key, lambda: self._forward(module, data, request)), loaded
         finally:
             self._release(heat)
 
-    def handle_infer(self, raw: bytes, want: str | None = None, exact: bool = False) -> tuple[int, bytes, dict[str, str]]:
+    def handle_infer(self, raw: bytes | bytearray, want: str | None = None, exact: bool = False) -> tuple[int, bytes, dict[str, str]]:
         """HTTP status, body and extra headers for one ``POST /infer`` body; counts it in the metrics.
 
         ``want`` (a router's ``X-Pdparams-Want: MODEL@N``): the version asked for; with ``exact`` False
@@ -386,6 +420,8 @@ class ModelServer:
             return 400, canonical_json({"error": str(exc)}), {}
         except Misdirected as exc:
             return MISDIRECTED, canonical_json({"error": str(exc)}), {}
+        except UnknownVersion as exc:
+            return 404, canonical_json({"error": str(exc)}), {}
         except Shed as exc:
             outcome = "shed"
             return 503, canonical_json({"error": str(exc)}), {"Retry-After": str(exc.retry_after_s)}
@@ -444,6 +480,8 @@ class ModelServer:
         if loaded.info.model == ref.model and (not exact or loaded.info.number == ref.version):
             return served
         self._release(served.heat)
+        if loaded.info.model != ref.model and self.hf is None:  # a factory builds its one model: never another's weights
+            raise Misdirected(f"this worker serves model {loaded.info.model}, not {ref.model} ({want})")
         key = (ref.model, ref.version)
         with self._others_lock:
             hit = self._others.get(key)
@@ -455,21 +493,28 @@ class ModelServer:
                                   "other version on demand (paramworker serve --other-versions N)")
             gate = self._others_loading.setdefault(key, threading.Lock())
         with gate:  # one load per version; requests for it meanwhile wait for that load
-            with self._others_lock:
-                hit = self._others.get(key)
-            if hit is not None:
-                return hit
-            new = load(self.swapper.client, ref, self.swapper.device, self.swapper.cache, config=self.swapper.config,
-                       report_heat=False)
-            built = Serving(self._build(new), new, None)  # versions on demand record no heat
-            r = new.report
-            self.metrics.loaded(r.bytes_memory, r.bytes_disk, r.bytes_network)
-            with self._others_lock:
-                self._others[key] = built
-                self._others_loading.pop(key, None)
-                while len(self._others) > self.other_versions:
-                    self._others.popitem(last=False)
-            return built
+            try:
+                with self._others_lock:
+                    hit = self._others.get(key)
+                if hit is not None:
+                    return hit
+                try:
+                    new = load(self.swapper.client, ref, self.swapper.device, self.swapper.cache,
+                               config=self.swapper.config, report_heat=False)
+                except NotFound as exc:
+                    raise UnknownVersion(f"{want}: the cluster has no such version ({exc})") from None
+                built = Serving(self._build(new), new, None)  # versions on demand record no heat
+                r = new.report
+                self.metrics.loaded(r.bytes_memory, r.bytes_disk, r.bytes_network)
+                with self._others_lock:
+                    self._others[key] = built
+                    while len(self._others) > self.other_versions:
+                        self._others.popitem(last=False)
+                return built
+            finally:  # loaded or failed: the gate goes (a failed version must not leave one behind)
+                with self._others_lock:
+                    if self._others_loading.get(key) is gate:
+                        del self._others_loading[key]
 
     def prewarm(self, model: str, version: int) -> _Prewarm:
         """Fetch ``model@version`` into the cache tiers in the background (throwaway CPU tensors, no swap);
@@ -549,6 +594,7 @@ class ModelServer:
                 "cached": [self._cached(mv[0], mv[1], m) for mv, m in list(manifests.items())[:64]],
                 "queue": self.admission.waiting, "running": self.admission.running,
                 "max_queue": self.serve_config.admission.max_queue, "other_versions": self.other_versions,
+                "any_model": self.hf is not None,
                 "device_free_bytes": free}
 
     def _post_router(self, url: str, path: str, body: dict[str, Any], timeout: float) -> None:
@@ -645,10 +691,19 @@ class ModelServer:
         self.results.close()
 
 
-def parse_request(raw: bytes) -> tuple[dict[str, Any], bool]:
-    """(request without its ``cache`` field, whether to use the cache) of a ``POST /infer`` body."""
+def _no_constant(name: str) -> Any:
+    raise BadRequest(f"the request holds a number JSON cannot carry ({name})")
+
+
+def parse_request(raw: bytes | bytearray) -> tuple[dict[str, Any], bool]:
+    """(request without its ``cache`` field, whether to use the cache) of a ``POST /infer`` body.
+
+    NaN and Infinity are refused here; a number that overflows to infinity (``1e999``) is refused by
+    the one canonical pass over the request that ``ModelServer.infer`` makes (the result key's)."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_no_constant)
+    except BadRequest:
+        raise
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(f"the body is not JSON ({exc}); send a JSON list or {{\"input\": [...]}}") from None
     except RecursionError:
@@ -660,12 +715,6 @@ def parse_request(raw: bytes) -> tuple[dict[str, Any], bool]:
     use_cache = body.pop("cache", True)
     if not isinstance(use_cache, bool):
         raise BadRequest(f'"cache" must be true or false, got {use_cache!r}')
-    try:
-        canonical_json(body)
-    except ValueError as exc:  # NaN or Infinity: not JSON we can key
-        raise BadRequest(f"the request holds a number JSON cannot carry ({exc})") from None
-    except RecursionError:
-        raise BadRequest("the body nests too deeply to be an input; send a JSON list of numbers") from None
     return body, use_cache
 
 
@@ -717,9 +766,51 @@ class _Server(ThreadingHTTPServer):
             with self._count_lock:
                 self._active -= 1
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """One line, not a traceback: a client that went away (or was too slow) is routine."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):  # BrokenPipeError, ConnectionResetError, ...
+            log.debug("HTTP connection from %s ended: %s: %s", client_address, type(exc).__name__, exc)
+        else:
+            log.warning("HTTP connection from %s failed: %s: %s", client_address, type(exc).__name__, exc)
+
+
+class _DeadlineReader(io.RawIOBase):
+    """A connection's socket reads, each under the idle timeout and, once a request's first byte has
+    arrived (``deadline`` set), under the time left before its read deadline: trickling one byte at
+    a time does not restart the clock."""
+
+    def __init__(self, sock: socket, idle_s: float, request_s: float) -> None:
+        super().__init__()
+        self._sock = sock
+        self._idle_s = idle_s
+        self._request_s = request_s
+        self.deadline: float | None = None  # None: waiting for a request's first byte
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        timeout = self._idle_s
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"the request did not arrive within {self._request_s:g} s")
+            timeout = min(timeout, left)
+        self._sock.settimeout(timeout)
+        try:
+            n = self._sock.recv_into(buffer)
+        finally:
+            self._sock.settimeout(self._idle_s)  # writes keep the idle timeout
+        if n and self.deadline is None:
+            self.deadline = time.monotonic() + self._request_s
+        return n
+
 
 def _handler(server: ModelServer) -> type[BaseHTTPRequestHandler]:
     config = server.serve_config
+    budget = ByteBudget(config.body_budget)
+    chunk = min(BODY_CHUNK, budget.capacity)
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -727,6 +818,15 @@ def _handler(server: ModelServer) -> type[BaseHTTPRequestHandler]:
         # Headers and body leave in two writes: without TCP_NODELAY, Nagle holds the body back
         # until the client's delayed ACK (about 40 ms per answer on a keep-alive connection).
         disable_nagle_algorithm = True
+
+        def setup(self) -> None:
+            super().setup()
+            self._reader = _DeadlineReader(self.connection, config.idle_timeout_s, config.request_read_timeout_s)
+            self.rfile = io.BufferedReader(self._reader)
+
+        def handle_one_request(self) -> None:
+            self._reader.deadline = None  # the clock starts with this request's first byte
+            super().handle_one_request()
 
         def log_message(self, format: str, *args: Any) -> None:
             pass
@@ -770,10 +870,39 @@ def _handler(server: ModelServer) -> type[BaseHTTPRequestHandler]:
                 self._json(400 if length <= config.max_body_bytes else 413,
                            {"error": f"send a JSON body of 1 to {config.max_body_bytes} bytes with a Content-Length"})
                 return
-            raw = self.rfile.read(length)
-            want = self.headers.get(WANT_HEADER)
-            code, data, headers = server.handle_infer(raw, want, self.headers.get(EXACT_HEADER, "1") != "0")
+            held = 0
+            try:
+                raw = bytearray(length)
+                view = memoryview(raw)
+                pos = 0
+                while pos < length:  # the budget is taken as the bytes arrive, not for a Content-Length alone
+                    n = min(chunk, length - pos)
+                    if not budget.acquire(n, config.body_budget_wait_s):
+                        self._shed_body()
+                        return
+                    held += n
+                    end = pos + n
+                    while pos < end:
+                        got = self.rfile.readinto(view[pos:end])
+                        if not got:  # the client went away mid-body
+                            self.close_connection = True
+                            return
+                        pos += got
+                view.release()
+                want = self.headers.get(WANT_HEADER)
+                code, data, headers = server.handle_infer(raw, want, self.headers.get(EXACT_HEADER, "1") != "0")
+                del raw
+            finally:
+                budget.release(held)
             self._send(code, data, headers)
+
+        def _shed_body(self) -> None:
+            self.close_connection = True  # the rest of the body is not read
+            server.metrics.requests.labels("shed").inc()
+            retry = max(1, server.admission.retry_after_s())
+            self._send(503, canonical_json({"error": f"overloaded: request bodies being read use the whole body budget "
+                                                     f"({budget.capacity} bytes); retry after {retry} s"}),
+                       {"Retry-After": str(retry), "Connection": "close"})
 
         def _prewarm(self) -> None:
             try:
@@ -805,7 +934,12 @@ def _handler(server: ModelServer) -> type[BaseHTTPRequestHandler]:
             except ValueError:
                 length = 0
             if 0 < length <= config.max_body_bytes:
-                self.rfile.read(length)
+                while length > 0:  # read and dropped a chunk at a time: no memory for a body nobody needs
+                    got = len(self.rfile.read(min(chunk, length)))
+                    if not got:
+                        self.close_connection = True
+                        return
+                    length -= got
             elif length:
                 self.close_connection = True
 
