@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from paramserver.client.session import ClusterClient
+from paramserver.wire.auth import token_metadata
 from worker.admission import Admission, AdmissionConfig, ByteBudget, Shed
 from worker.config import PrefetchConfig
 from worker.errors import ConfigError, WorkerError
@@ -598,9 +599,8 @@ class ModelServer:
                 "device_free_bytes": free}
 
     def _post_router(self, url: str, path: str, body: dict[str, Any], timeout: float) -> None:
-        headers = {"Content-Type": "application/json"}
-        if self._router_token:  # routers take beats only from holders of the cluster's read token
-            headers["Authorization"] = f"Bearer {self._router_token}"
+        # Routers take beats only from holders of the cluster's read token.
+        headers = {"Content-Type": "application/json", **dict(token_metadata(self._router_token))}
         request = urllib.request.Request(f"{url.rstrip('/')}{path}", data=json.dumps(body).encode(), method="POST",
                                          headers=headers)
         with urllib.request.urlopen(request, timeout=timeout) as r:

@@ -8,7 +8,6 @@ Clients: paramserver.client.channel.
 """
 from __future__ import annotations
 
-import hmac
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -16,7 +15,9 @@ from typing import Any, Callable, Iterable
 import grpc
 
 from paramserver.server.errors import ConfigError
-from paramserver.wire.auth import ADMIN_TOKEN_ENV, AUTH_HEADER, OPEN_PREFIXES, READ_TOKEN_ENV, WRITE_METHODS, read_tls_file
+from paramserver.wire.auth import (
+    ADMIN_TOKEN_ENV, AUTH_HEADER, OPEN_PREFIXES, READ_TOKEN_ENV, WRITE_METHODS, bearer_token, read_tls_file, tokens_match,
+)  # fmt: skip
 
 @dataclass(frozen=True)
 class AuthConfig:
@@ -36,19 +37,13 @@ class AuthConfig:
 def _bearer(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
     for key, value in metadata or ():
         if key == AUTH_HEADER:
-            text = value.decode() if isinstance(value, bytes) else str(value)
-            scheme, _, token = text.partition(" ")
-            return token.strip() if scheme.lower() == "bearer" else None
+            return bearer_token(value)
     return None
-
-
-def _matches(given: str | None, expected: str | None) -> bool:
-    return given is not None and expected is not None and hmac.compare_digest(given.encode(), expected.encode())
 
 
 def has_admin_token(metadata: Iterable[tuple[str, Any]] | None, config: AuthConfig) -> bool:
     """Whether a call may do what needs the admin token: no admin token configured, or it was sent."""
-    return config.admin_token is None or _matches(_bearer(metadata), config.admin_token)
+    return config.admin_token is None or tokens_match(_bearer(metadata), config.admin_token)
 
 
 def check_call(method: str, metadata: Iterable[tuple[str, Any]] | None, config: AuthConfig) -> str | None:
@@ -58,13 +53,13 @@ def check_call(method: str, metadata: Iterable[tuple[str, Any]] | None, config: 
     token = _bearer(metadata)
     is_write = method in WRITE_METHODS
     if is_write:
-        if config.admin_token is None or _matches(token, config.admin_token):
+        if config.admin_token is None or tokens_match(token, config.admin_token):
             return None
         expected = f"the admin token (paramctl --token or ${ADMIN_TOKEN_ENV})"
     else:
         if config.read_token is None:
             return None  # only writes are protected
-        if _matches(token, config.read_token) or _matches(token, config.admin_token):
+        if tokens_match(token, config.read_token) or tokens_match(token, config.admin_token):
             return None
         expected = f"the read token or the admin token (--token, ${READ_TOKEN_ENV} or ${ADMIN_TOKEN_ENV})"
     name = method.rsplit("/", 1)[-1]
@@ -76,20 +71,27 @@ def _unparsed(raw: bytes) -> bytes:
     return raw
 
 
+def handler_like(handler: grpc.RpcMethodHandler[Any, Any], behaviour: Callable[[Any, grpc.ServicerContext], Any],
+                 request_deserializer: Callable[[bytes], Any]) -> grpc.RpcMethodHandler[Any, Any]:
+    """A method handler of ``handler``'s kind (unary or streaming, each way) and response serializer,
+    with another behaviour and request deserializer."""
+    kwargs = dict(request_deserializer=request_deserializer, response_serializer=handler.response_serializer)
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(behaviour, **kwargs)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(behaviour, **kwargs)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(behaviour, **kwargs)
+    return grpc.unary_unary_rpc_method_handler(behaviour, **kwargs)
+
+
 def _abort_handler(handler: grpc.RpcMethodHandler[Any, Any], message: str) -> grpc.RpcMethodHandler[Any, Any]:
     def abort(_request: Any, context: grpc.ServicerContext) -> Any:
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     # A refused call's request is never parsed: malformed bytes from a client without a token must
     # not reach the deserializer (nor grpc's traceback when it fails).
-    kwargs = dict(request_deserializer=_unparsed, response_serializer=handler.response_serializer)
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(abort, **kwargs)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(abort, **kwargs)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(abort, **kwargs)
-    return grpc.unary_unary_rpc_method_handler(abort, **kwargs)
+    return handler_like(handler, abort, _unparsed)
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
@@ -116,4 +118,4 @@ def server_credentials(cert: str | Path, key: str | Path, client_ca: str | Path 
     return grpc.ssl_server_credentials([(key_bytes, cert_bytes)], root_certificates=ca, require_client_auth=ca is not None)
 
 
-__all__ = ["AuthConfig", "TokenAuthInterceptor", "check_call", "has_admin_token", "server_credentials"]
+__all__ = ["AuthConfig", "TokenAuthInterceptor", "check_call", "handler_like", "has_admin_token", "server_credentials"]

@@ -27,7 +27,7 @@ from consensus.api import MetadataPlane
 from consensus.errors import MetadataError
 from consensus.validation import MAX_NAME_LENGTH
 
-from paramserver.server.auth import AuthConfig, TokenAuthInterceptor, server_credentials
+from paramserver.server.auth import AuthConfig, TokenAuthInterceptor, handler_like, server_credentials
 from paramserver.server.config import ServerConfig
 from paramserver.server.dataplane import DEFAULT_MAX_CALL_BYTES, ChunkService, WriteLimits
 from paramserver.server.errors import ConfigError
@@ -90,26 +90,15 @@ def _checked(handler: grpc.RpcMethodHandler[Any, Any], method: str) -> grpc.RpcM
     """``handler`` with a request deserializer that never raises, and a behaviour that refuses
     what it could not parse."""
     deserialize = _lenient(handler.request_deserializer or (lambda raw: raw), method)
-    kwargs = dict(request_deserializer=deserialize, response_serializer=handler.response_serializer)
-    if handler.request_streaming:
-        inner = handler.stream_stream if handler.response_streaming else handler.stream_unary
-        assert inner is not None
+    inner = handler.stream_stream or handler.stream_unary or handler.unary_stream or handler.unary_unary
+    assert inner is not None
 
-        def streamed(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-            return inner((_refuse_malformed(context, r) for r in requests), context)
+    def behaviour(request: Any, context: grpc.ServicerContext) -> Any:
+        if handler.request_streaming:  # an iterator of requests, each checked as it is taken
+            return inner((_refuse_malformed(context, r) for r in request), context)
+        return inner(_refuse_malformed(context, request), context)
 
-        if handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(streamed, **kwargs)
-        return grpc.stream_unary_rpc_method_handler(streamed, **kwargs)
-    single = handler.unary_stream if handler.response_streaming else handler.unary_unary
-    assert single is not None
-
-    def one(request: Any, context: grpc.ServicerContext) -> Any:
-        return single(_refuse_malformed(context, request), context)
-
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(one, **kwargs)
-    return grpc.unary_unary_rpc_method_handler(one, **kwargs)
+    return handler_like(handler, behaviour, deserialize)
 
 
 def _no_metadata(context: grpc.ServicerContext) -> Any:
