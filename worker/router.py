@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
-import hmac
 import json
 import math
 import os
@@ -47,6 +46,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from paramserver.wire.address import split_host_port
+from paramserver.wire.auth import AUTH_HEADER, bearer_token, tokens_match
 from paramserver.client.config import CLUSTER_ENV, CONFIG_ENV, ClientSettings, add_client_arguments, float_in, int_in, settings_from_args
 from paramserver.client.errors import ClientError, NotFound
 from paramserver.client.refs import BadModelRef, ModelRef
@@ -160,9 +160,8 @@ class Router:
         requests to, and a leave takes a worker out, so neither may come from a client."""
         if self._beat_token is None:
             return None
-        given = request.headers.get("Authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._beat_token.encode()):
+        given = request.headers.get(AUTH_HEADER)
+        if tokens_match(bearer_token(given), self._beat_token):
             return None
         problem = "no token was sent" if not given else "the token sent is wrong"
         return error(401, f"{request.path} needs the cluster's read token as 'Authorization: Bearer <token>' "
@@ -217,45 +216,38 @@ class Router:
             return error(503, str(exc), {"Retry-After": "1"})
 
     async def resolve(self, text: str) -> tuple[VersionKey, bool]:
-        """``(model@N, exact)`` for a reference; raises BadModelRef, NotFound or LookupError (unresolvable)."""
+        """``(model@N, exact)`` for a reference; raises BadModelRef, NotFound or LookupError (unresolvable).
+
+        An exact version the cluster says does not exist is NotFound (404 at once), rather than a
+        request no worker can answer (503, retried) or a pre-warm that never completes; when there is
+        no cluster or it does not answer, it goes unverified and the workers say."""
         ref = ModelRef.parse(text)
+        number, why = await self._cluster_number(ref)
         if ref.version is not None:
-            await self._check_exists(ref)
             return VersionKey(ref.model, ref.version), True
+        if number is None:
+            number = self.state.version_from_workers(ref.model, ref.tag)
+            if number is None:
+                raise LookupError(f"cannot resolve {ref}: {why}, and no worker reports it loaded")
+        return VersionKey(ref.model, number), False
+
+    async def _cluster_number(self, ref: ModelRef) -> tuple[int | None, str]:
+        """The version number the cluster gives ``ref`` (reused for ``resolve_ttl_s``), or None and why
+        not; NotFound when the cluster says it does not exist."""
         cache_key = str(ref)
         cached = self.refs.get(cache_key)
         if cached is not None:
-            return VersionKey(ref.model, cached), False
-        why = "no --cluster given"
-        if self._resolver is not None:
-            try:
-                info = await asyncio.wait_for(asyncio.to_thread(self._resolver, ref), RESOLVE_TIMEOUT_S)
-                self.refs.put(cache_key, int(info.number))
-                return VersionKey(ref.model, int(info.number)), False
-            except NotFound:
-                raise
-            except (ClientError, TimeoutError, OSError) as exc:
-                why = f"the cluster did not answer ({str(exc)[:200]})"
-        version = self.state.version_from_workers(ref.model, ref.tag)
-        if version is None:
-            raise LookupError(f"cannot resolve {ref}: {why}, and no worker reports it loaded")
-        return VersionKey(ref.model, version), False
-
-    async def _check_exists(self, ref: ModelRef) -> None:
-        """An exact version the cluster says does not exist is NotFound here (404 at once), rather than
-        a request no worker can answer (503, retried) or a pre-warm that never completes. Unverified
-        when there is no cluster or it does not answer: the workers then say."""
-        cache_key = str(ref)
-        if self._resolver is None or self.refs.get(cache_key) is not None:
-            return
+            return cached, ""
+        if self._resolver is None:
+            return None, "no --cluster given"
         try:
-            await asyncio.wait_for(asyncio.to_thread(self._resolver, ref), RESOLVE_TIMEOUT_S)
+            info = await asyncio.wait_for(asyncio.to_thread(self._resolver, ref), RESOLVE_TIMEOUT_S)
         except NotFound:
             raise
-        except (ClientError, TimeoutError, OSError):
-            return
-        assert ref.version is not None
-        self.refs.put(cache_key, ref.version)
+        except (ClientError, TimeoutError, OSError) as exc:
+            return None, f"the cluster did not answer ({str(exc)[:200]})"
+        self.refs.put(cache_key, int(info.number))
+        return int(info.number), ""
 
     # ------------------------------------------------------------ inference
 
