@@ -246,22 +246,22 @@ class ChunkService:
 
     # ----------------------------------------------------------- PutChunks
 
+    def _take_slot(self, slots: threading.BoundedSemaphore, limit: int, context: grpc.ServicerContext, what: str,
+                   reason: str, serving: str, retry: str = "retry in a moment") -> None:
+        """Take one of ``slots`` (``limit`` in all), or end the call RESOURCE_EXHAUSTED."""
+        if not slots.acquire(blocking=False):
+            self._refusals.warning(reason, "%s refused: server=%s peer=%s reason=%s limit=%d",
+                                   what, self.server_id, context.peer(), reason, limit)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"server {self.server_id} is serving {limit} {serving}, its limit; {retry}")
+
     def _stream_slot(self, context: grpc.ServicerContext, what: str) -> None:
         """Take one of the slots every stream needs, or end the call RESOURCE_EXHAUSTED."""
-        if not self._stream_slots.acquire(blocking=False):
-            self._refusals.warning("stream_limit", "stream refused: server=%s peer=%s call=%s reason=stream_limit limit=%d",
-                                   self.server_id, context.peer(), what, self.max_streams)
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"server {self.server_id} is serving {self.max_streams} streams, its limit; retry in a moment "
-                          "or read from another replica")
+        self._take_slot(self._stream_slots, self.max_streams, context, f"{what} stream", "stream_limit", "streams",
+                        "retry in a moment or read from another replica")
 
     def PutChunks(self, request_iterator: Iterable[pb.PutChunksRequest], context: grpc.ServicerContext) -> pb.PutChunksReply:
-        if not self._write_slots.acquire(blocking=False):
-            self._refusals.warning("write_limit", "write stream refused: server=%s peer=%s reason=write_limit limit=%d",
-                                   self.server_id, context.peer(), self.max_write_streams)
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"server {self.server_id} is serving {self.max_write_streams} PutChunks streams, its limit; "
-                          "retry in a moment")
+        self._take_slot(self._write_slots, self.max_write_streams, context, "write stream", "write_limit", "PutChunks streams")
         try:
             self._stream_slot(context, "PutChunks")
         except BaseException:
