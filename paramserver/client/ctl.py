@@ -42,7 +42,7 @@ from paramserver.client.folder import pull_folder, shard_plan
 from paramserver.client.pull import PullOptions, pull
 from paramserver.client.push import PushOptions, PushReport, fetch_manifest, push
 from paramserver.client.refs import ModelRef
-from paramserver.client.errors import ClusterUnreachable, TransferError
+from paramserver.client.errors import PATH_ERRORS, ClusterUnreachable, TransferError
 from paramserver.client import members as members_api
 from paramserver.wire.address import split_host_port
 from consensus.validation import check_name
@@ -661,8 +661,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(err, INTERRUPTED, _INTERRUPTED.get(args.command, _INTERRUPTED_WRITE).format(model=getattr(args, "model", "")))
     except OSError as exc:  # a local path: the output folder, an input file
         where = f" {exc.filename}" if exc.filename else ""
-        code = BAD_ARGUMENTS if isinstance(exc, (PermissionError, FileNotFoundError, FileExistsError, IsADirectoryError,
-                                                 NotADirectoryError)) else OTHER
+        code = BAD_ARGUMENTS if isinstance(exc, PATH_ERRORS) else OTHER
         return _fail(err, code, f"{exc.strerror or exc}:{where}; check the path and its permissions")
 
 

@@ -167,8 +167,13 @@ def from_rpc(exc: grpc.RpcError, what: str) -> TransferError:
     return cls(f"{what}: {details}" + (f"; {advice}" if advice else ""), code)
 
 
+# A local path the user named that cannot be used (read, written, made): a bad argument, exit 2.
+PATH_ERRORS = (PermissionError, FileExistsError, FileNotFoundError, IsADirectoryError, NotADirectoryError)
+
+
 __all__ = [
-    "AuthFailed", "ChunkDataLoss", "ChunkUnavailable", "ClientClosed", "ClientError", "ClusterUnreachable", "ConfigError", "NotFound",
+    "PATH_ERRORS", "AuthFailed", "ChunkDataLoss", "ChunkUnavailable", "ClientClosed", "ClientError", "ClusterUnreachable",
+    "ConfigError", "NotFound",
     "PullError", "PushConflict", "PushError", "StaleRead", "TransferError", "from_rpc", "rpc_code", "rpc_details",
     "tls_problem",
 ]

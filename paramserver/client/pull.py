@@ -23,7 +23,7 @@ from chunking.chunk_table import ChunkRows
 from chunking.errors import ChunkingError
 from chunking.manifest import Manifest
 from paramserver.client.cluster_view import ClusterOptions, parse_seeds
-from paramserver.client.errors import ConfigError, PullError, TransferError
+from paramserver.client.errors import PATH_ERRORS, ConfigError, PullError, TransferError
 from paramserver.client.hostmem import ArenaPool, HostMemoryConfig, Targets, allocate_targets
 from paramserver.client.progress import ProgressFn, no_progress
 from paramserver.client.refs import ModelRef, parse_ref
@@ -182,9 +182,6 @@ def _pull(
         return out, report
 
 
-_PATH_ERRORS = (PermissionError, FileExistsError, FileNotFoundError, IsADirectoryError, NotADirectoryError)
-
-
 def write_failure(out: object, exc: BaseException) -> TransferError:
     """Writing the pulled weights failed: a path the user named that cannot be written is a bad
     argument (exit 2); anything else (a full disk) is an error of its own."""
@@ -192,7 +189,7 @@ def write_failure(out: object, exc: BaseException) -> TransferError:
         text = f"cannot write {out}: {exc.strerror}" + (f" ({exc.filename})" if exc.filename else "")
     else:
         text = f"cannot write {out}: {exc}"
-    code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(exc, _PATH_ERRORS) else grpc.StatusCode.UNKNOWN
+    code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(exc, PATH_ERRORS) else grpc.StatusCode.UNKNOWN
     return TransferError(text + "; check the path and its permissions", code)
 
 
