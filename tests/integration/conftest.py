@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -19,3 +20,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 def client(cluster: Cluster) -> Iterator[ClusterClient]:
     with ClusterClient(cluster.seed) as c:
         yield c
+
+
+@pytest.fixture
+def workers() -> Iterator[list[Any]]:
+    """Worker processes a test starts (append them; anything with ``stop()``), stopped when it ends."""
+    started: list[Any] = []
+    try:
+        yield started
+    finally:
+        for w in started:
+            w.stop()

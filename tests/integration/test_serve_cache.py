@@ -120,16 +120,6 @@ def post(conn: http.client.HTTPConnection, body: object) -> tuple[int, dict[str,
     return r.status, json.loads(data), dict(r.getheaders())
 
 
-@pytest.fixture
-def workers() -> Iterator[list[Worker]]:
-    started: list[Worker] = []
-    try:
-        yield started
-    finally:
-        for w in started:
-            w.stop()
-
-
 # ------------------------------------------------------------------ stampede
 
 

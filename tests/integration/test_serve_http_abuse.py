@@ -37,16 +37,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield c
 
 
-@pytest.fixture
-def workers() -> Iterator[list[Worker]]:
-    started: list[Worker] = []
-    try:
-        yield started
-    finally:
-        for w in started:
-            w.stop()
-
-
 def address(w: Worker) -> tuple[str, int]:
     host, port = w.address.rsplit(":", 1)
     return host, int(port)
