@@ -194,7 +194,13 @@ class MetadataNode:
         if so is None or self.failure() is not None:
             return None  # a stopped node hears no one: whatever it last knew may be stale
         leader = so._getLeader()
-        return leader.address if leader is not None else None
+        if leader is None:
+            return None
+        if not so._isLeader() and not so.isNodeConnected(leader):
+            # pysyncobj starts no election while it is connected to no one, so a member whose
+            # peers all went away keeps naming its last leader for good; unreachable, it is none.
+            return None
+        return str(leader.address)
 
     def term(self) -> int:
         return int(self._require()._getTerm())

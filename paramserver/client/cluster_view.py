@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import Future
 from contextlib import closing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeAlias, TypeVar
@@ -62,6 +62,9 @@ class ClusterOptions:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     tls_cert: Path | None = None  # mutual TLS: the client certificate and its key
     tls_key: Path | None = None
+    # Called with one line when a leader call has waited a while with no leader to call (a lost
+    # quorum, a long election): the CLIs print it, so a wait of up to 3 x timeout_s is not silent.
+    notice: Callable[[str], None] | None = field(default=None, compare=False, repr=False)
 
     def validate(self) -> ClusterOptions:
         if not self.seeds:
@@ -164,6 +167,11 @@ class ClusterView:
             plan = watch.poll(time.monotonic())
             if plan.give_up:
                 break
+            if plan.notice and self.options.notice is not None:
+                self.options.notice(
+                    f"no leader answers yet; {self._who_answers(watch.answering)}; waiting up to "
+                    f"{max(0.0, end - time.monotonic()):.0f} s more for one to be elected"
+                )
             for address in plan.ask:
                 self._ask(address, policy.ask_timeout_s, events)
             if plan.call is not None:
@@ -206,10 +214,20 @@ class ClusterView:
         if last_error is not None:
             raise last_error
         if watch.target is None:
-            raise ClusterUnreachable(f"no cluster member named a leader within {end - started:.1f}s (an election, or a partition)")
+            raise ClusterUnreachable(
+                f"no cluster member named a leader within {end - started:.1f}s; {self._who_answers(watch.answering)}; "
+                "a leader needs a majority of the members up and connected: start the stopped servers or heal the partition"
+            )
         raise ClusterUnreachable(
             f"the leader ({watch.target}) did not answer within {end - started:.1f}s and no member named a newer one"
         )
+
+    def _who_answers(self, addresses: Sequence[str]) -> str:
+        """'1 of 3 members answer (ps1)': who runs, for a message about a missing leader."""
+        names = {m.grpc_address: m.server_id for m in self.members.values()}
+        answering = [names.get(a, a) for a in addresses]
+        listed = f" ({', '.join(answering)})" if answering else ""
+        return f"{len(answering)} of {len(self.members)} members answer{listed}"
 
     def _believed_leader(self) -> tuple[str | None, int | None]:
         """(the leader's address, its term) as the view knows them; (None, None) when it names none."""

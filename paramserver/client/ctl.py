@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -535,7 +536,12 @@ def cmd_status(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> 
         # The member that answered ClusterInfo may name a leader that has since died: only a leader
         # that says so itself is shown as one.
         leaders = [m.server_id for m, st in zip(members, statuses) if not isinstance(st, str) and st.is_leader]
-        leader = leaders[0] if leaders else f"(none reachable; last known {info.leader_id or 'none'})"
+        if leaders:
+            leader = leaders[0]
+        elif info.leader_id:
+            leader = f"(none reachable; last known {info.leader_id})"
+        else:
+            leader = "(none: no member names one; a leader needs a majority of the members up and connected)"
         table = Table(title=f"cluster: leader {leader}  term {info.term}  commit index {info.commit_index}  "
                             f"R={info.ring.replication_factor} W={info.ring.write_quorum} vnodes={info.ring.vnodes}")  # fmt: skip
         for col in ("server", "grpc", "raft", "state", "zone", "role", "chunks", "disk", "repair queue", "quarantined", "cache"):
@@ -648,7 +654,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings: ClientSettings | None = None
     try:
         settings = args.settings = client_settings(args)
-        opts = cluster_options(args, settings)
+        opts = replace(cluster_options(args, settings), notice=lambda line: err.print(f"paramctl: {line}", markup=False, highlight=False))
         return COMMANDS[args.command](args, opts, out)
     except UsageError as exc:
         return _fail(err, BAD_ARGUMENTS, str(exc))

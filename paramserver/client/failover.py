@@ -39,9 +39,12 @@ class FailoverPolicy:
     # after retry_after_s, doubling per failure up to retry_max_s (a restarting leader, a lost reply).
     retry_after_s: float = 0.1
     retry_max_s: float = 1.0
+    # No leader to call (none named, or the one named keeps failing) this long: say so once, since
+    # an election takes about a second and a longer wait is a lost quorum the user should hear of.
+    notice_after_s: float = 3.0
 
     def validate(self) -> FailoverPolicy:
-        for name in ("ask_after_s", "ask_every_s", "ask_timeout_s", "retry_after_s", "retry_max_s"):
+        for name in ("ask_after_s", "ask_every_s", "ask_timeout_s", "retry_after_s", "retry_max_s", "notice_after_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ConfigError(f"failover {name} must be a number of seconds > 0, got {value!r}")
@@ -59,6 +62,7 @@ class Plan:
     ask: tuple[str, ...] = ()
     give_up: bool = False
     wake_at: float = math.inf
+    notice: bool = False  # tell the user, once, that no leader answers yet (``LeaderFailover.answering`` says who does)
 
 
 def best_answer(answers: Iterable[tuple[str, int] | tuple[str, int, bool]]) -> int | None:
@@ -101,6 +105,8 @@ class LeaderFailover:
         self._retry_at = now  # no call in flight: start one at this time
         self._asking: set[str] = set()  # a question is in flight
         self._asked: dict[str, float] = {}  # when each member's last question ended
+        self._answering: set[str] = set()  # members whose last question was answered
+        self._notice_at: float | None = now + self.policy.notice_after_s  # None: said already
 
     @property
     def others(self) -> list[str]:
@@ -109,6 +115,16 @@ class LeaderFailover:
     @property
     def calling(self) -> bool:
         return self._calling_since is not None
+
+    @property
+    def answering(self) -> list[str]:
+        """The members whose last ClusterInfo was answered (so they run, but name no newer leader)."""
+        return [m for m in self._members if m in self._answering]
+
+    @property
+    def leaderless(self) -> bool:
+        """No leader to call: none is named, or the one named has failed and nobody names another."""
+        return self.target is None or self._failures > 0
 
     # ---- decisions -------------------------------------------------------------------------------
     def poll(self, now: float) -> Plan:
@@ -135,7 +151,13 @@ class LeaderFailover:
                     wake.append(due)
         if self.target is not None and self._calling_since is None:
             wake.append(self._retry_at)
-        return Plan(call=call, ask=tuple(ask), wake_at=min(wake))
+        notice = False
+        if self._notice_at is not None:
+            if now >= self._notice_at and self.leaderless:
+                notice, self._notice_at = True, None
+            else:
+                wake.append(max(self._notice_at, now + self.policy.ask_every_s))
+        return Plan(call=call, ask=tuple(ask), wake_at=min(wake), notice=notice)
 
     # ---- events ----------------------------------------------------------------------------------
     def call_failed(self, now: float) -> None:
@@ -156,6 +178,7 @@ class LeaderFailover:
         in the same term."""
         self._asking.discard(member)
         self._asked[member] = now
+        self._answering.add(member)
         if not leader:
             return False
         same_term_claim = claims and self.term is not None and term == self.term and leader != self.target
@@ -179,6 +202,7 @@ class LeaderFailover:
     def ask_failed(self, member: str, now: float) -> None:
         self._asking.discard(member)
         self._asked[member] = now
+        self._answering.discard(member)
 
 
 __all__ = ["FailoverPolicy", "LeaderFailover", "Plan", "best_answer"]

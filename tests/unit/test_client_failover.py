@@ -18,7 +18,9 @@ from paramserver.client.failover import (
     best_answer,
 )
 
-P = FailoverPolicy(ask_after_s=0.2, ask_every_s=0.1, ask_timeout_s=0.5, retry_after_s=0.1, retry_max_s=0.4)
+# notice_after_s past every deadline here: the notice has tests of its own (N below).
+P = FailoverPolicy(ask_after_s=0.2, ask_every_s=0.1, ask_timeout_s=0.5, retry_after_s=0.1, retry_max_s=0.4, notice_after_s=100.0)
+N = FailoverPolicy(ask_after_s=0.2, ask_every_s=0.1, ask_timeout_s=0.5, retry_after_s=0.1, retry_max_s=0.4, notice_after_s=3.0)
 L, A, B = "ps2:7070", "ps1:7070", "ps3:7070"
 
 
@@ -209,3 +211,34 @@ def test_a_claim_to_lead_beats_a_stale_belief_in_the_same_term() -> None:
 def test_best_answer_prefers_a_claim_within_a_term() -> None:
     assert best_answer([("a", 4, False), ("b", 4, True)]) == 1
     assert best_answer([("a", 5, False), ("b", 4, True)]) == 0  # a newer term still wins
+
+
+def test_with_no_leader_for_notice_after_the_user_is_told_once_who_answers() -> None:
+    """A lost quorum: the member left names no leader. The wait (up to the deadline) is said once,
+    with the members that answer, instead of being silent."""
+    w = LeaderFailover(None, None, [A, L, B], N, now=0.0, deadline=30.0)
+    plan = w.poll(0.0)
+    assert plan.ask == (A, L, B) and not plan.notice and plan.wake_at == 3.0
+    assert not w.answered(A, "", 1, now=0.01)
+    w.ask_failed(L, 0.5)
+    w.ask_failed(B, 0.5)
+    assert not any(w.poll(t / 10).notice for t in range(1, 30))
+    assert w.poll(3.0).notice and w.answering == [A]
+    assert not any(w.poll(3.0 + t / 10).notice for t in range(1, 100))  # once
+    w.ask_failed(A, 13.0)  # it went away too
+    assert w.answering == []
+
+
+def test_a_slow_but_healthy_leader_gets_no_notice_and_a_failing_one_does() -> None:
+    """A commit's quorum check can take seconds: a call in flight with no failure is no news."""
+    healthy = LeaderFailover(L, 5, [A, B], N, now=0.0, deadline=30.0)
+    assert healthy.poll(0.0).call == L
+    assert not healthy.answered(A, L, 5, now=0.3)
+    assert not any(healthy.poll(t / 10).notice for t in range(1, 200))
+    failing = LeaderFailover(L, 5, [A, B], N, now=0.0, deadline=30.0)
+    failing.poll(0.0)
+    failing.call_failed(0.01)  # the leader was killed: its calls are refused
+    assert not failing.answered(A, L, 5, now=0.3)  # A still names it, in the same term
+    notices = [t / 10 for t in range(1, 200) if failing.poll(t / 10).notice]
+    assert notices == [3.0] and failing.answering == [A]
+    assert failing.answered(B, B, 6, now=3.5) and not failing.leaderless  # B won an election: a leader again
