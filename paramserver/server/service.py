@@ -16,6 +16,7 @@ metaservice.cluster_id), which AddMember checks on a new member.
 """
 from __future__ import annotations
 
+import resource
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping
@@ -285,14 +286,32 @@ class RunningServer:
         self.servicer.chunks.close()
 
 
-CONFIG_KEYS = ("get_call_bytes",)  # a server config's keys for the gRPC service
+CONFIG_KEYS = ("get_call_bytes", "max_connections")  # a server config's keys for the gRPC service
+DEFAULT_MAX_CONNECTIONS = 4096
+# Of the open-file limit, what the gRPC port's connections may take: the rest is the chunk
+# store's (one descriptor per segment file), Raft's links, the bulk port's and the metrics'.
+CONNECTIONS_SHARE_OF_FDS = 4
 
 
 def get_call_bytes(extra: Any) -> int:
     """GetChunks' per-call byte limit: the config file's extra key ``get_call_bytes``, else the default."""
-    value = extra.get(CONFIG_KEYS[0], DEFAULT_MAX_CALL_BYTES)
+    return _positive(extra, "get_call_bytes", DEFAULT_MAX_CALL_BYTES)
+
+
+def max_connections(extra: Any, fd_limit: int | None = None) -> int:
+    """How many connections the gRPC port keeps open at once: the config file's extra key
+    ``max_connections`` (default 4096), and at most a quarter of the open-file limit."""
+    wanted = _positive(extra, "max_connections", DEFAULT_MAX_CONNECTIONS)
+    if fd_limit is None:
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        fd_limit = soft if soft != resource.RLIM_INFINITY else 1 << 20
+    return max(1, min(wanted, fd_limit // CONNECTIONS_SHARE_OF_FDS))
+
+
+def _positive(extra: Any, key: str, default: int) -> int:
+    value = extra.get(key, default)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"get_call_bytes must be a positive integer, got {value!r}")
+        raise ConfigError(f"{key} must be a positive integer, got {value!r}")
     return value
 
 
@@ -338,7 +357,7 @@ def start_server(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix=f"grpc-{config.server_id}"),
         interceptors=[TokenAuthInterceptor(auth)],
-        options=server_options(config.max_message_bytes),
+        options=server_options(config.max_message_bytes, max_connections=max_connections(config.extra)),
         maximum_concurrent_rpcs=config.workers * 8,
     )
     register_servicer(servicer, server)
@@ -357,5 +376,5 @@ def start_server(
     return RunningServer(server, port, f"{host}:{port}", servicer, health_servicer)
 
 
-__all__ = ["CONFIG_KEYS", "MAX_HEAT_ENTRIES_PER_CALL", "MAX_HEAT_REQUEST_BYTES", "ParamServerServicer", "RunningServer", "get_call_bytes",
-           "register_servicer", "start_server"]
+__all__ = ["CONFIG_KEYS", "DEFAULT_MAX_CONNECTIONS", "MAX_HEAT_ENTRIES_PER_CALL", "MAX_HEAT_REQUEST_BYTES", "ParamServerServicer",
+           "RunningServer", "get_call_bytes", "max_connections", "register_servicer", "start_server"]

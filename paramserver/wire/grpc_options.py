@@ -35,8 +35,17 @@ def _common(max_message_bytes: int) -> Options:
     ]
 
 
-def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Options:
-    return _common(max_message_bytes) + [
+# A connection that has not finished its HTTP/2 (and TLS) handshake by then is closed: gRPC's
+# 120 s default let a client hold a file descriptor per bare TCP connect for two minutes.
+SERVER_HANDSHAKE_TIMEOUT_MS = 10_000
+
+
+def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, *, max_connections: int | None = None) -> Options:
+    """``max_connections``: open connections past it are closed as they are accepted (gRPC core's
+    connection quota), so clients cannot take the file descriptors the chunk store and Raft need."""
+    extra: Options = [] if max_connections is None else [("grpc.max_allowed_incoming_connections", max_connections)]
+    return _common(max_message_bytes) + extra + [
+        ("grpc.server_handshake_timeout_ms", SERVER_HANDSHAKE_TIMEOUT_MS),
         ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),
@@ -70,6 +79,7 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Optio
 __all__ = [
     "CLIENT_KEEPALIVE_TIMEOUT_MS",
     "CLIENT_KEEPALIVE_TIME_MS",
+    "SERVER_HANDSHAKE_TIMEOUT_MS",
     "SERVER_MIN_PING_INTERVAL_MS",
     "channel_options",
     "server_options",

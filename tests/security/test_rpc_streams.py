@@ -28,7 +28,7 @@ import pytest
 from chunking.hashing import content_id
 from deploy.local import LocalCluster
 from tests.conftest import local_cluster
-from paramserver.client.rpc import ParamServerClient, make_chunk
+from paramserver.client.rpc import ClientConfig, ParamServerClient, make_chunk
 from paramserver.server.config import ServerConfig
 from paramserver.server.errors import StoreFullError
 from paramserver.server.service import start_server
@@ -399,3 +399,60 @@ def test_an_error_that_echoes_a_huge_name_still_fits_the_trailers(address: str) 
             reader.stub.ResolveTag(pb.ResolveTagRequest(model="m" * 10_000, tag="t" * 10_000), metadata=token_metadata(READ))
     assert info.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT), info.value.code()
     assert len(info.value.details() or "") < 2100
+
+
+def test_open_connections_are_capped_and_bare_ones_do_not_linger(tmp_path: Path) -> None:
+    """Each open connection holds a file descriptor the chunk store and Raft also need. Past
+    ``max_connections`` gRPC closes new ones as they are accepted; a connection that never finishes
+    its handshake is closed by the server, and a closed one frees its place."""
+    import socket
+
+    from paramserver.server.service import DEFAULT_MAX_CONNECTIONS, max_connections
+    from paramserver.wire import grpc_options
+
+    assert max_connections({}, fd_limit=1 << 20) == DEFAULT_MAX_CONNECTIONS
+    assert max_connections({}, fd_limit=1024) == 256  # a quarter of the open-file limit at most
+    assert max_connections({"max_connections": 8}, fd_limit=1 << 20) == 8
+    for bad in (0, -1, "8", True):
+        with pytest.raises(Exception, match="max_connections must be a positive integer"):
+            max_connections({"max_connections": bad})
+    running = start_server(ServerConfig(server_id="ps9", data_dir=tmp_path, listen="127.0.0.1:0", fsync=False, workers=4,
+                                        admin_token=ADMIN, read_token=READ, extra={"max_connections": 8}))
+    port = int(running.address.rpartition(":")[2])
+    bare: list[socket.socket] = []
+    try:
+        bare = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(20)]
+        time.sleep(1.0)
+
+        def closed_by_server(s: socket.socket) -> bool:
+            s.setblocking(False)
+            try:
+                while True:
+                    data = s.recv(4096)
+                    if not data:
+                        return True
+            except BlockingIOError:
+                return False
+            except ConnectionResetError:
+                return True
+
+        assert sum(closed_by_server(s) for s in bare) == 20 - 8  # the 12 past the cap, at once
+        with ParamServerClient(ClientConfig(running.address, token=READ, timeout_s=5)) as client:
+            with pytest.raises(grpc.RpcError):
+                client.server_status()  # every place is held
+        # Bare connections (no HTTP/2 preface) are closed after the handshake timeout, not 120 s.
+        t0 = time.monotonic()
+        end = t0 + grpc_options.SERVER_HANDSHAKE_TIMEOUT_MS / 1000 + 10
+        while time.monotonic() < end:
+            try:
+                with ParamServerClient(ClientConfig(running.address, token=READ, timeout_s=2)) as client:
+                    assert client.server_status().server_id == "ps9"
+                break
+            except grpc.RpcError:
+                time.sleep(0.5)
+        assert time.monotonic() < end, "the bare connections kept their places"
+        assert all(closed_by_server(s) for s in bare)
+    finally:
+        for s in bare:
+            s.close()
+        running.stop(0)
