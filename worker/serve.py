@@ -844,6 +844,35 @@ def _handler(server: ModelServer) -> type[BaseHTTPRequestHandler]:
         def _json(self, code: int, body: dict[str, Any]) -> None:
             self._send(code, json.dumps(body).encode())
 
+        def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+            """http.server's own refusals (a malformed request line, headers too long or too many) as
+            JSON like every other answer, not an HTML page; the connection ends with them."""
+            self.close_connection = True
+            reason = message or self.responses.get(code, ("error",))[0]
+            data = canonical_json({"error": f"{reason}; send POST /infer, POST /prewarm, GET /healthz or GET /metrics"})
+            self.send_response(code, message)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Connection", "close")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if getattr(self, "command", None) != "HEAD":
+                self.wfile.write(data)
+
+        def _not_allowed(self) -> None:
+            self.close_connection = True  # a body, if any, is not read
+            data = canonical_json({"error": f"method {self.command} is not served here; "
+                                            "send POST /infer, POST /prewarm, GET /healthz or GET /metrics"})
+            self.send_response(405)
+            self.send_header("Allow", "GET, POST")
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Connection", "close")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(data)
+
+        do_HEAD = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed  # noqa: N815 - http.server's method names
+
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0].rstrip("/")
             if path in ("/healthz", ""):

@@ -221,3 +221,48 @@ def test_want_for_another_model_is_421_and_for_a_missing_version_404(
         assert w.health()["version"] == 2
     finally:
         conn.close()
+
+
+@pytest.mark.timeout(60)
+def test_other_methods_and_malformed_requests_get_json_not_html(cluster: Cluster, workers: list[Worker]) -> None:
+    """http.server answered PUT/HEAD/DELETE and malformed requests with an HTML error page."""
+    w = Worker(cluster, "abuse:prod")
+    workers.append(w)
+    for method in ("PUT", "DELETE", "PATCH", "OPTIONS"):
+        conn = w.connection()
+        try:
+            conn.request(method, "/infer", body=b"[[1]]")
+            r = conn.getresponse()
+            assert r.status == 405 and r.getheader("Allow") == "GET, POST", (method, r.status)
+            assert r.getheader("Content-Type") == "application/json"
+            assert f"method {method} is not served here" in json.loads(r.read())["error"]
+        finally:
+            conn.close()
+    conn = w.connection()
+    try:
+        conn.request("HEAD", "/healthz")
+        r = conn.getresponse()
+        assert r.status == 405 and r.read() == b""  # no body in an answer to HEAD
+    finally:
+        conn.close()
+    for raw in (b"FROB /infer HTTP/1.1\r\nHost: x\r\n\r\n", b"GET\r\n\r\n", b"GET /x HTTP/9.9\r\n\r\n"):
+        s = socket.create_connection(address(w), timeout=5)
+        try:
+            s.sendall(raw)
+            data = b""
+            while True:  # the worker closes the connection after the answer
+                got = s.recv(65536)
+                if not got:
+                    break
+                data += got
+        finally:
+            s.close()
+        assert b"<html" not in data.lower(), data
+        if data.startswith(b"HTTP/1"):
+            head, _, body = data.partition(b"\r\n\r\n")
+            assert b"application/json" in head, data
+        else:
+            body = data  # an HTTP/0.9-style request line gets the body alone
+        assert "error" in json.loads(body), data
+    assert "error" not in w.health()  # still serving
+
