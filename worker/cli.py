@@ -30,7 +30,7 @@ from paramserver.client.exit_codes import (
     BAD_ARGUMENTS, CLIENT_ENV_HELP, EXIT_CODES_HELP, INTERRUPTED, Failure,
     describe_failure, exit_code_for, one_line,
 )  # fmt: skip
-from worker.config import MIB, CacheConfig, PrefetchConfig
+from worker.config import MAX_BODY_BYTES, MIB, CacheConfig, PrefetchConfig
 from worker.errors import ConfigError, WorkerError
 
 if TYPE_CHECKING:  # imported where used: `paramworker --help` stays quick
@@ -144,6 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="longest wait for a forward slot before a 503 (default 10)")
     rc.add_argument("--max-connections", type=int_in(1, 100000, "--max-connections"), default=512,
                     help="open HTTP connections (one thread each); beyond, 503 at once (default 512)")
+    rc.add_argument("--request-read-timeout-s", type=float_in(0, 3600, "--request-read-timeout-s"), default=10.0, metavar="S",
+                    help="a request's line, headers and body must arrive within S seconds of its first byte, "
+                         "else the connection is closed (default 10)")
+    rc.add_argument("--max-body-bytes", type=int_in(1, 1 << 30, "--max-body-bytes"), default=None, metavar="N",
+                    help=f"largest request body; beyond, 413 (default {MAX_BODY_BYTES})")
+    rc.add_argument("--body-budget-bytes", type=int_in(1, 64 << 30, "--body-budget-bytes"), default=None, metavar="N",
+                    help="request body bytes read at once over all connections; beyond, 503 with Retry-After "
+                         "(default 4x --max-body-bytes; at least --max-body-bytes)")
     _common(serve)
     return p
 
@@ -159,11 +167,18 @@ def serve_config_from_args(args: argparse.Namespace, environ: Mapping[str, str] 
         raise ConfigError("--result-cache-redis: a URL with a password would be visible to every local user in the "
                           "process list; put it in PARAMS_RESULT_CACHE_REDIS instead")
     url = url or environ.get("PARAMS_RESULT_CACHE_REDIS") or None
+    max_body = args.max_body_bytes or MAX_BODY_BYTES
+    if args.body_budget_bytes is not None and args.body_budget_bytes < max_body:
+        raise ConfigError(f"--body-budget-bytes {args.body_budget_bytes} is below --max-body-bytes ({max_body}): "
+                          "one largest body must fit; raise it or leave it out (4x --max-body-bytes)")
     return ServeConfig(
         result_cache=ResultCacheConfig(l1_bytes=args.result_cache_mb * MIB, ttl_s=args.result_cache_ttl, redis_url=url),
         admission=AdmissionConfig(max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                                   queue_timeout_s=args.queue_timeout_s),
         max_connections=args.max_connections,
+        request_read_timeout_s=args.request_read_timeout_s,
+        max_body_bytes=max_body,
+        body_budget_bytes=args.body_budget_bytes or 0,
     ).validate()
 
 

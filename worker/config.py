@@ -7,6 +7,7 @@ from worker.errors import ConfigError
 
 KIB = 1 << 10
 MIB = 1 << 20
+MAX_BODY_BYTES = 64 * MIB  # paramworker serve's largest request body (--max-body-bytes)
 GIB = 1 << 30
 
 

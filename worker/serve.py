@@ -50,7 +50,7 @@ import torch
 from paramserver.client.session import ClusterClient
 from paramserver.wire.auth import token_metadata
 from worker.admission import Admission, AdmissionConfig, ByteBudget, Shed
-from worker.config import PrefetchConfig
+from worker.config import MAX_BODY_BYTES, PrefetchConfig
 from worker.errors import ConfigError, WorkerError
 from worker.forward_heat import ForwardHeat
 from worker.hf import HFServing
@@ -68,7 +68,7 @@ from worker.serve_metrics import CONTENT_TYPE, ServeMetrics
 from worker.swap import HotSwapper
 from worker.tiered_cache import TieredCache
 
-MAX_BODY = 64 << 20
+MAX_BODY = MAX_BODY_BYTES  # the default of ServeConfig.max_body_bytes
 BODY_CHUNK = 64 << 10  # a body is read (and its budget taken) this many bytes at a time
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,8 @@ from tests.integration.test_worker_harness import REPO, Cluster, running_cluster
 
 pytestmark = pytest.mark.integration
 
-READ_DEADLINE_S = 10.0  # ServeConfig.request_read_timeout_s (no flag: the default)
+READ_DEADLINE_S = 4.0  # paramworker serve --request-read-timeout-s (default 10)
+MAX_BODY = 4 << 20  # --max-body-bytes (default 64 MiB)
 X = [[0.25, -1.0, 2.0, 0.5]]
 
 
@@ -59,7 +60,7 @@ def closed(s: socket.socket) -> bool:
 @pytest.mark.timeout(60)
 def test_slowloris_request_is_cut_at_its_read_deadline_and_slots_come_back(
         cluster: Cluster, workers: list[Worker]) -> None:
-    w = Worker(cluster, "abuse:prod", "--max-connections", "4")
+    w = Worker(cluster, "abuse:prod", "--max-connections", "4", "--request-read-timeout-s", str(READ_DEADLINE_S))
     workers.append(w)
     request = b"POST /infer HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 1000
     slow = [socket.create_connection(address(w), timeout=5) for _ in range(4)]
@@ -94,9 +95,9 @@ def test_slowloris_request_is_cut_at_its_read_deadline_and_slots_come_back(
 
 @pytest.mark.timeout(60)
 def test_request_bodies_share_a_byte_budget(cluster: Cluster, workers: list[Worker]) -> None:
-    w = Worker(cluster, "abuse:prod")
+    w = Worker(cluster, "abuse:prod", "--max-body-bytes", str(MAX_BODY))
     workers.append(w)
-    length = 64 << 20  # the largest body; the default budget is 4 of them
+    length = MAX_BODY  # the largest body; the default budget is 4 of them
     part = b" " * (length - 1)
     stalled = [socket.create_connection(address(w), timeout=10) for _ in range(4)]
 

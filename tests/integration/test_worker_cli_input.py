@@ -192,3 +192,9 @@ def test_router_help_says_what_happens_without_a_cluster() -> None:
     text = " ".join(r.stdout.split())
     assert "one must be given" not in text
     assert "resolved from what the workers report" in text
+
+
+def test_serve_body_budget_below_the_largest_body(dead_cluster: str) -> None:
+    r = serve(dead_cluster, "--factory", "torch.nn:Identity", "--device", "cpu", "--listen", "127.0.0.1:0",
+              "--max-body-bytes", "1000", "--body-budget-bytes", "999")
+    one_line(r, "paramworker", BAD_ARGUMENTS, "--body-budget-bytes 999 is below --max-body-bytes (1000)")
