@@ -33,12 +33,13 @@ import json
 import math
 import os
 import random
+import resource
 import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 from aiohttp import web
@@ -60,6 +61,10 @@ MAX_TIMEOUT_S = 600.0
 RESOLVE_TIMEOUT_S = 2.0
 BODY_TIMEOUT_S = 10.0  # a beat, leave or pre-warm body must arrive within this
 KEEPALIVE_S = 30.0  # an idle client connection is closed after this
+DEFAULT_MAX_CONNECTIONS = 4096
+_OVERLOADED = (b'HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type: application/json\r\n'
+               b'Connection: close\r\nContent-Length: 63\r\n\r\n'
+               b'{"error":"overloaded: too many open connections; retry later"}\n')
 ROUTER_ENV = "PARAMS_ROUTER"
 WORKER_HEADER = "X-Pdparams-Worker"  # on every answer: the worker that gave it
 
@@ -88,6 +93,9 @@ class RouterMetrics:
         self.ratio = Gauge("pdparams_router_affinity_hit_ratio", "affinity_hits / routed since start", registry=r)
         self.ratio.set_function(lambda: self.hits._value.get() / max(1.0, self.routed._value.get()))
         self.workers = Gauge("pdparams_router_workers", "Live workers in the table", registry=r)
+        self.refused_connections = Counter("pdparams_router_refused_connections",
+                                           "Client connections answered 503 and closed at once: --max-connections were open",
+                                           registry=r)
         self.seconds = Histogram("pdparams_router_seconds", "Request latency through the router", registry=r,
                                  buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 
@@ -413,6 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a worker not heard from for this long is dropped: three 1 s beats (default 3)")
     p.add_argument("--resolve-ttl-s", type=float_in(0, 3600, "--resolve-ttl-s"), default=1.0,
                    help="seconds a tag resolution is reused (default 1)")
+    p.add_argument("--max-connections", type=int_in(1, 1_000_000, "--max-connections"), default=DEFAULT_MAX_CONNECTIONS,
+                   help=f"open client connections; beyond, 503 at once and closed, and at most half the open-file limit "
+                        f"(default {DEFAULT_MAX_CONNECTIONS})")
     p.add_argument("--no-affinity", action="store_true",
                    help="choose a random worker among those that can answer (the baseline affinity is measured against)")
     add_client_arguments(p, write=False, cluster_default="none: tags are then resolved from what the workers report, "
@@ -446,7 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             RouterConfig(lease_s=args.lease_s, spill_queue=args.spill_queue, affinity=not args.no_affinity))
     router = Router(options, resolver, beat_token)
     try:
-        return asyncio.run(_serve(router, host or "127.0.0.1", port_no))
+        return asyncio.run(_serve(router, host or "127.0.0.1", port_no, connection_cap(args.max_connections)))
     except OSError as exc:  # only binding --listen raises it this far
         why = (f"port {port_no} is in use; pick another --listen (port 0 picks a free one)" if exc.errno == errno.EADDRINUSE
                else f"{exc.strerror or exc}; give a local HOST:PORT")
@@ -460,14 +471,41 @@ def main(argv: Sequence[str] | None = None) -> int:
             client.close()
 
 
-async def _serve(router: Router, host: str, port: int) -> int:
+def connection_cap(wanted: int, fd_limit: int | None = None) -> int:
+    """At most ``wanted`` open client connections, and at most half the open-file limit: the rest
+    is for the connections to workers and the cluster."""
+    if fd_limit is None:
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        fd_limit = soft if soft != resource.RLIM_INFINITY else 1 << 20
+    return max(1, min(wanted, fd_limit // 2))
+
+
+class _Overloaded(asyncio.Protocol):
+    """A connection past the cap: a 503 and closed, before aiohttp spends anything on it."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        cast(asyncio.Transport, transport).write(_OVERLOADED)
+        transport.close()
+
+
+async def _serve(router: Router, host: str, port: int, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> int:
     # keepalive_timeout: an idle client connection is closed after this, not aiohttp's hour.
     runner = web.AppRunner(router.app(), access_log=None, handle_signals=False, keepalive_timeout=KEEPALIVE_S)
     await runner.setup()
+    handlers = runner.server
+    assert handlers is not None
+
+    def protocol() -> asyncio.Protocol:
+        # aiohttp has no connection limit: without one, a client holding connections open (a
+        # request line trickled a byte at a time) takes every file descriptor.
+        if len(handlers.connections) >= max_connections:
+            router.metrics.refused_connections.inc()
+            return _Overloaded()
+        return handlers()
+
+    server: asyncio.Server | None = None
     try:  # cleanup closes the router's client session too, also when the bind fails
-        site = web.TCPSite(runner, host, port, backlog=1024)
-        await site.start()
-        server = site._server
+        server = await asyncio.get_running_loop().create_server(protocol, host, port, backlog=1024, reuse_address=True)
         sockets = getattr(server, "sockets", None) or []
         bound = sockets[0].getsockname()[:2] if sockets else (host, port)
         print(f"LISTENING {bound[0]}:{bound[1]} affinity={'on' if router.state.config.affinity else 'off'}", flush=True)
@@ -480,6 +518,8 @@ async def _serve(router: Router, host: str, port: int) -> int:
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
     finally:
+        if server is not None:
+            server.close()  # no new connections; cleanup then ends the open ones
         await runner.cleanup()
     return 0
 

@@ -312,3 +312,38 @@ def test_a_body_that_trickles_in_is_cut_off_at_the_deadline(cluster: Cluster, tm
         took = time.monotonic() - started
     assert answer.startswith("HTTP/1.1 408") and "did not arrive within the deadline" in answer, answer
     assert took < 5, took
+
+
+@pytest.mark.timeout(90)
+def test_open_connections_are_capped_with_a_503_and_come_back(cluster: Cluster, tmp_path: Path, procs: list[Proc]) -> None:
+    """aiohttp has no connection limit: request lines trickled byte by byte held a file descriptor each, for good."""
+    import socket
+
+    from worker.router import connection_cap
+
+    assert connection_cap(4096, fd_limit=1 << 20) == 4096 and connection_cap(4096, fd_limit=1024) == 512
+    router = start_router(cluster, tmp_path, procs, "--max-connections", "4")
+    host, port = router.address.rsplit(":", 1)
+    held = [socket.create_connection((host, int(port)), timeout=10) for _ in range(4)]
+    try:
+        for s in held:
+            s.sendall(b"GET /heal")  # a request line that never ends
+        time.sleep(0.3)
+        with socket.create_connection((host, int(port)), timeout=10) as extra:
+            answer = b""
+            while chunk := extra.recv(4096):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in answer, answer
+        assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"].startswith("overloaded: too many open connections")
+    finally:
+        for s in held:
+            s.close()
+    wait_for(lambda: _healthz(router) == 200, 10, "the router to take connections again (the held ones closed)")
+    assert metric(request_text(router.address, "/metrics"), "pdparams_router_refused_connections_total") >= 1
+
+
+def _healthz(router: Proc) -> int | None:
+    try:
+        return request(router.address, "GET", "/healthz", timeout=5)[0]
+    except (OSError, http.client.HTTPException, json.JSONDecodeError):
+        return None
