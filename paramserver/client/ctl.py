@@ -349,7 +349,11 @@ def cmd_pull(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> in
 
 
 def _write_call(opts: ClusterOptions, call: Callable[[ClusterView], object]) -> object:
+    """``call(view)`` once a leader answers. Found with ``leader_call`` (through an election, with its
+    notice and its exit-6 message when there is none), the write itself is sent once: a rollback
+    sent again after a lost answer would move the tag back twice."""
     with ClusterView.connect(opts) as view:
+        view.leader_call(lambda c: c.server_status())
         return call(view)
 
 

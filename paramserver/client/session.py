@@ -595,7 +595,12 @@ def client_for(cluster: ClusterClient | ClientSettings | str | Sequence[str], to
         return cluster, False
     if hasattr(cluster, "cluster_options"):  # ClientSettings (imported here for types only)
         return ClusterClient(settings=cast("ClientSettings", cluster), token=token), True
-    return ClusterClient(cluster, token=token), True
+    # Seed addresses: the rest (tokens, TLS, verify) comes as for the CLIs, from PARAMS_* and the
+    # PARAMS_CONFIG file, so load_state_dict("HOST:PORT", ...) works where paramctl does.
+    from paramserver.client.config import ClientSettings
+
+    settings = ClientSettings.load({"cluster": cluster, "read_token": token})
+    return ClusterClient(settings=settings), True
 
 
 __all__ = ["ClientError", "ClusterClient", "SessionConfig", "VersionInfo", "client_for"]

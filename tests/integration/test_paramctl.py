@@ -138,3 +138,30 @@ def test_errors_are_one_line_with_distinct_exit_codes(cluster: LocalCluster, tmp
 
     r = paramctl("push", str(f), "--model", "errs", "--chunk-size", "1000", cluster=cluster)
     assert r.returncode == 2 and "chunk_size" in one_line_error(r)
+
+
+def test_python_loads_take_the_token_from_the_environment_as_the_clis_do(
+        cluster: LocalCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``load_state_dict("HOST:PORT", ...)`` read neither PARAMS_READ_TOKEN nor PARAMS_CONFIG: against
+    a cluster with tokens (deploy.local's default) it failed however the user had set them up."""
+    from paramserver.client.errors import AuthFailed
+    from worker.loader import load_state_dict
+
+    weights = tmp_path / "py.safetensors"
+    save_file(state(3.0), str(weights))
+    assert paramctl("push", str(weights), "--model", "py", "--tag", "prod", cluster=cluster).returncode == 0
+    for name in ("PARAMS_CLUSTER", "PARAMS_ADMIN_TOKEN", "PARAMS_READ_TOKEN", "PARAMS_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(AuthFailed):
+        load_state_dict(cluster.seed, "py:prod", device="cpu")
+    monkeypatch.setenv("PARAMS_READ_TOKEN", READ)
+    got = load_state_dict(cluster.seed, "py:prod", device="cpu")
+    assert torch.equal(got["encoder.weight"], state(3.0)["encoder.weight"])
+    monkeypatch.delenv("PARAMS_READ_TOKEN")
+    (tmp_path / "read.token").write_text(READ + "\n")
+    (tmp_path / "client.toml").write_text(f'cluster = ["{cluster.seed}"]\nread_token_file = "read.token"\n')
+    monkeypatch.setenv("PARAMS_CONFIG", str(tmp_path / "client.toml"))
+    got = load_state_dict(cluster.seed, "py:prod", device="cpu")
+    assert torch.equal(got["head.weight"], state(3.0)["head.weight"])
+    with pytest.raises(AuthFailed):  # a token given in the call wins over the environment
+        load_state_dict(cluster.seed, "py:prod", device="cpu", token="wrong-token")

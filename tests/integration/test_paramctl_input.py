@@ -158,3 +158,6 @@ def test_status_without_a_reachable_leader_says_so_and_exits_6(tmp_path: Path) -
         assert notice.startswith("paramctl: no leader answers yet; 1 of 3 members answer") and survivor in notice
         assert "no cluster member named a leader within 6.0s; 1 of 3 members answer" in error
         assert "majority of the members up" in error and "Traceback" not in pushed.stderr
+        tagged = paramctl(c, "--cluster", seed, "--timeout", "2", "tag", "m", "canary", "1")  # tag, rollback, untag alike
+        assert tagged.returncode == 6, (tagged.stdout, tagged.stderr)
+        assert "no leader answers yet" in tagged.stderr and "no cluster member named a leader within 6.0s" in tagged.stderr
