@@ -17,7 +17,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Sequence
 
-from paramserver.server.config import DEFAULT_GET_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES, MiB, ServerConfig
+from paramserver.server.config import DEFAULT_GET_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES, SECRET_KEYS, MiB, ServerConfig
 from paramserver.server.errors import ConfigError
 from paramserver.wire.auth import ADMIN_TOKEN_ENV, READ_TOKEN_ENV
 
@@ -39,10 +39,8 @@ def _parser() -> argparse.ArgumentParser:
                                    "pysyncobj unpickles peer messages. On a non-loopback address the server refuses to start without "
                                    "--cluster-secret-file (Raft) and --admin-token-file (gRPC) unless --insecure is given.")
     s.add_argument("--config", type=Path,
-                   help="TOML or JSON file of server settings: the options' names in snake case with sizes in bytes "
-                        "(server_id, data_dir, listen, raft, peers, cache_bytes, admin_token_file, ...; see "
-                        "deploy/systemd/paramserver.toml.example) and the tuning keys in the README; flags win; an unknown "
-                        "key is an error"),
+                   help="TOML or JSON file of server settings, sizes in bytes, flags win, an unknown key is an error "
+                        "(example: deploy/systemd/paramserver.toml.example). Keys: " + ", ".join(config_keys())),
     s.add_argument("--id", dest="server_id", help="server id, unique in the cluster (required here or in --config)")
     s.add_argument("--data-dir", type=Path, help="chunk store, Raft journal and dump (required here or in --config)")
     s.add_argument("--listen", help=f"gRPC listen address HOST:PORT (default {d['listen']})")
@@ -168,16 +166,27 @@ def _overrides(a: argparse.Namespace) -> dict[str, Any]:
     return o
 
 
-def check_extra_keys(config: ServerConfig) -> None:
-    """Refuse a config key nothing reads: a misspelt one would otherwise leave its default in force, silently."""
+def tuning_keys() -> set[str]:
+    """The config keys each module reads besides ServerConfig's fields."""
     from paramserver.server import bulk_port, dataplane, hot_chunks, service, store
 
-    tuning = {*store.CONFIG_KEYS, *hot_chunks.CONFIG_KEYS, *bulk_port.CONFIG_KEYS, *dataplane.CONFIG_KEYS, *service.CONFIG_KEYS,
-              "metrics_port"}
-    unknown = sorted(set(config.extra) - tuning)
+    return {*store.CONFIG_KEYS, *hot_chunks.CONFIG_KEYS, *bulk_port.CONFIG_KEYS, *dataplane.CONFIG_KEYS, *service.CONFIG_KEYS,
+            "metrics_port"}
+
+
+def config_keys() -> list[str]:
+    """Every key a server config file may hold, sorted; secrets by their ``*_file`` keys (the
+    secret itself is accepted too, but a file readable only by the server's user is the way)."""
+    names = {f.name for f in fields(ServerConfig) if f.name != "extra"} - set(SECRET_KEYS)
+    return sorted({*names, *(f"{k}_file" for k in SECRET_KEYS), *tuning_keys()})
+
+
+def check_extra_keys(config: ServerConfig) -> None:
+    """Refuse a config key nothing reads: a misspelt one would otherwise leave its default in force, silently."""
+    unknown = sorted(set(config.extra) - tuning_keys())
     if not unknown:
         return
-    names = [*tuning, *(f.name for f in fields(ServerConfig) if f.name != "extra")]
+    names = [*config_keys(), *SECRET_KEYS]
     hints = []
     for key in unknown:
         close = difflib.get_close_matches(key.replace("-", "_"), names, n=1)
