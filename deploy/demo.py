@@ -10,7 +10,6 @@ and shows that only those chunks were sent. Exits non-zero on any mismatch.
 """
 from __future__ import annotations
 
-import argparse
 import random
 import shutil
 import sys
@@ -27,6 +26,7 @@ from paramserver.client.errors import ClientError
 from paramserver.client.progress import RichProgress
 from paramserver.client.pull import PullReport, pull
 from paramserver.client.session import ClusterClient
+from paramserver.wire.cli_args import OneLineParser
 from paramserver.client.push import push
 from worker.config import CacheConfig
 from worker.loader import load
@@ -157,7 +157,7 @@ def run(root: Path, keep: bool, servers: int, console: Console) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m deploy.demo", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m deploy.demo", description=__doc__.splitlines()[0])
     p.add_argument("--keep", action="store_true",
                    help="leave the cluster running and print how to use paramctl against it (default: stop it)")
     p.add_argument("--dir", type=Path, default=None, help="working folder (default: a temporary folder, removed at the end unless --keep)")

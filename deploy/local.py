@@ -22,7 +22,6 @@ needs taken), 6 not ready in time, 130 interrupted.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -35,9 +34,10 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Collection, Sequence
+from typing import TYPE_CHECKING, Any, Collection, Sequence
 
 from paramserver.wire.address import split_host_port
+from paramserver.wire.cli_args import OneLineParser, float_in, int_in
 
 if TYPE_CHECKING:
     from paramserver.client.config import ClientSettings
@@ -785,39 +785,14 @@ def _tail(path: str, lines: int = 20) -> str:
         return "(no log)"
 
 
-def _int_in(low: int, high: int, flag: str) -> Callable[[str], int]:
-    """An argparse type: a whole number in [low, high], else argparse's one error line naming the range."""
-    def parse(text: str) -> int:
-        t = text.strip()
-        if not t.lstrip("-").isdigit() or not low <= int(t) <= high:
-            raise argparse.ArgumentTypeError(f"{flag} must be a whole number from {low} to {high}, got {text!r}")
-        return int(t)
-
-    return parse
-
-
-def _seconds(high: float, flag: str) -> Callable[[str], float]:
-    """An argparse type: seconds above 0 and at most ``high``."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = float("nan")
-        if not 0 < value <= high:  # also refuses nan and inf
-            raise argparse.ArgumentTypeError(f"{flag} must be a number of seconds above 0 and at most {high:g}, got {text!r}")
-        return value
-
-    return parse
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m deploy.local", description="Run a local paramserver cluster on 127.0.0.1.")
+    p = OneLineParser(prog="python -m deploy.local", description="Run a local paramserver cluster on 127.0.0.1.")
     sub = p.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="start N servers and wait for a leader")
-    up.add_argument("--servers", type=_int_in(1, 15, "--servers"), default=3, help="number of servers, 1 to 15 (default 3)")
+    up.add_argument("--servers", type=int_in(1, 15, "--servers"), default=3, help="number of servers, 1 to 15 (default 3)")
     up.add_argument("--dir", default=".cluster", help="folder for data dirs, logs and cluster.json (default .cluster)")
     up.add_argument("--base-port", type=int, default=0, help="first port; gRPC = base+2i, Raft = base+2i+1 (default: free ports)")
-    up.add_argument("--replication", type=_int_in(1, 15, "--replication"), default=3,
+    up.add_argument("--replication", type=int_in(1, 15, "--replication"), default=3,
                     help="replicas per chunk, 1 to 15, capped by the cluster size (default 3)")
     up.add_argument("--admin-token-file", type=Path, metavar="FILE",
                     help="file with the token for writes (or env PARAMS_ADMIN_TOKEN; default: generated)")
@@ -829,13 +804,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--no-secrets", action="store_true",
                     help="generate no tokens and no cluster secret: every port open to anyone on this machine "
                          "(loopback only; not with --netns)")
-    up.add_argument("--timeout", type=_seconds(3600, "--timeout"), default=60.0,
+    up.add_argument("--timeout", type=float_in(0, 3600, "--timeout"), default=60.0,
                     help="seconds to wait for a leader, above 0 and at most 3600 (default 60)")
     up.add_argument("--netns", action="store_true",
                     help="run each server in its own network namespace on a private bridge, so partitions can be cut "
                          "(root on Linux, iproute2); servers then bind 10.231.X.i instead of 127.0.0.1")
     up.add_argument("--subnet", help="with --netns: a private /24 for the bridge (default: a free 10.231.X.0/24)")
-    up.add_argument("--client-namespaces", type=_int_in(0, 16, "--client-namespaces"), default=0,
+    up.add_argument("--client-namespaces", type=int_in(0, 16, "--client-namespaces"), default=0,
                     help="with --netns: extra client namespaces on the bridge, 0 to 16, for loaders on one side (default 0)")
     up.add_argument("--tls", action="store_true",
                     help="mutual TLS: make a private CA, a certificate per server and one client certificate under "

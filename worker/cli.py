@@ -24,7 +24,8 @@ import grpc
 
 from chunking.errors import ChunkingError
 
-from paramserver.client.config import ClientSettings, add_client_arguments, float_in, int_in, settings_from_args
+from paramserver.client.config import ClientSettings, add_client_arguments, settings_from_args
+from paramserver.wire.cli_args import OneLineParser, float_in, int_in
 from paramserver.client.errors import ClientError
 from paramserver.client.exit_codes import (
     BAD_ARGUMENTS, CLIENT_ENV_HELP, EXIT_CODES_HELP, INTERRUPTED, Failure,
@@ -84,7 +85,7 @@ last_hidden_state, as nested lists of floats (batch x tokens x features).
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="paramworker",
         description="GPU worker for the parameter-server cluster: load model weights by tag, or serve a model that follows its tag.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -48,7 +48,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from paramserver.wire.address import split_host_port
 from paramserver.wire.auth import AUTH_HEADER, bearer_token, tokens_match
-from paramserver.client.config import CLUSTER_ENV, CONFIG_ENV, ClientSettings, add_client_arguments, float_in, int_in, settings_from_args
+from paramserver.client.config import CLUSTER_ENV, CONFIG_ENV, ClientSettings, add_client_arguments, settings_from_args
+from paramserver.wire.cli_args import OneLineParser, float_in, int_in
 from paramserver.client.errors import ClientError, NotFound
 from paramserver.client.refs import BadModelRef, ModelRef
 from worker.router_state import (
@@ -410,7 +411,7 @@ def _error_text(data: bytes) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="paramrouter", description=__doc__.splitlines()[0] if __doc__ else None,
+    p = OneLineParser(prog="paramrouter", description=__doc__.splitlines()[0] if __doc__ else None,
                                 epilog="Workers register with: paramworker serve ... --router http://HOST:PORT")
     p.add_argument("--listen", default="127.0.0.1:8090", help="HTTP HOST:PORT, port 0 picks a free one (default 127.0.0.1:8090)")
     p.add_argument("--request-timeout-s", type=float_in(0, MAX_TIMEOUT_S, "--request-timeout-s"), default=30.0,

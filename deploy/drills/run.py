@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from paramserver.wire.cli_args import OneLineParser
+
 from .framework import DrillError, Workload, WorkloadConfig, run_drill
 from .report import DrillReport
 
@@ -241,7 +243,7 @@ def _body(opts: DrillOptions, cluster: "LocalCluster", spec: object,
 
 
 def build_parser(prog: str = "python -m deploy.drills") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Run a fault drill under load (a publisher and loaders) "
+    p = OneLineParser(prog=prog, description="Run a fault drill under load (a publisher and loaders) "
                                 "and check the invariants: no committed version lost, no wrong bytes, no rolled-back tag.")
     p.add_argument("drill", choices=DRILLS, help="which fault to inject")
     where = p.add_argument_group("cluster (default: a fresh local cluster in a temporary folder, stopped afterwards)")

@@ -32,7 +32,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from paramserver.client.cluster_view import ClusterOptions, parse_seeds
 from paramserver.client.errors import ConfigError
@@ -65,33 +65,6 @@ def _check_pem(name: str, path: Path, where: str) -> None:
         what = "a PEM private key" if name == "tls_key" else "a PEM certificate"
         raise ConfigError(f"{name} file {path} does not hold {what}{where}; give the file 'deploy.local up --tls' or your CA "
                           "issued")
-
-
-def int_in(low: int, high: int, what: str) -> Callable[[str], int]:
-    """An argparse type: a decimal integer in [low, high], else one line naming the range."""
-    def parse(text: str) -> int:
-        t = text.strip()
-        if not t.lstrip("-").isdigit() or not low <= int(t) <= high:
-            raise argparse.ArgumentTypeError(f"{what} must be a whole number from {low} to {high}, got {text!r}")
-        return int(t)
-
-    return parse
-
-
-def float_in(low: float, high: float, what: str, *, low_inclusive: bool = False) -> Callable[[str], float]:
-    """An argparse type: a finite number in (low, high], or [low, high] with ``low_inclusive``."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = float("nan")
-        above = low <= value if low_inclusive else low < value
-        if not (above and value <= high):  # also refuses nan and inf
-            bound = f"from {low:g}" if low_inclusive else f"above {low:g}"
-            raise argparse.ArgumentTypeError(f"{what} must be a number {bound} and at most {high:g}, got {text!r}")
-        return value
-
-    return parse
 
 
 @dataclass(frozen=True)

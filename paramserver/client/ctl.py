@@ -30,7 +30,8 @@ from chunking.errors import ChunkingError
 from chunking.manifest import Manifest
 
 from paramserver.client.cluster_view import ClusterOptions, ClusterView
-from paramserver.client.config import ClientSettings, add_client_arguments, float_in, int_in, settings_from_args
+from paramserver.client.config import ClientSettings, add_client_arguments, settings_from_args
+from paramserver.wire.cli_args import OneLineParser, float_in, int_in
 from paramserver.client.errors import ClientError
 from paramserver.client.exit_codes import EXIT_CODES  # noqa: F401 - re-exported: paramctl's table is the shared one
 from paramserver.client.exit_codes import (
@@ -112,7 +113,7 @@ def human_bytes(n: float) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="paramctl", description="Admin CLI of a parameter-server cluster: push, pull, tag and inspect model versions.",
         epilog=EPILOG, formatter_class=fmt,
     )  # fmt: skip

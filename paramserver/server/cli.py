@@ -20,6 +20,7 @@ from typing import Any, Sequence
 from paramserver.server.config import DEFAULT_GET_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES, SECRET_KEYS, MiB, ServerConfig
 from paramserver.server.errors import ConfigError
 from paramserver.wire.auth import ADMIN_TOKEN_ENV, READ_TOKEN_ENV
+from paramserver.wire.cli_args import OneLineParser
 
 CLUSTER_SECRET_ENV = "PARAMS_CLUSTER_SECRET"
 _ENV = {"admin_token": ADMIN_TOKEN_ENV, "read_token": READ_TOKEN_ENV, "cluster_secret": CLUSTER_SECRET_ENV}
@@ -28,7 +29,7 @@ _ENV = {"admin_token": ADMIN_TOKEN_ENV, "read_token": READ_TOKEN_ENV, "cluster_s
 def _parser() -> argparse.ArgumentParser:
     # defaults are shown from the one place they live
     d: dict[str, Any] = {f.name: f.default for f in fields(ServerConfig)}
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="paramserver",
         description="Parameter server for model weights: content-addressed chunks on disk, metadata in Raft (pysyncobj), served over gRPC.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
