@@ -87,9 +87,11 @@ def judge(seen: Resolution | None, new: Resolution, allow_rollback: bool = True)
     order = compare_clocks(new.clock, seen.clock) if (new.clock or seen.clock) else None
     if order is None:  # versions without clocks: fall back to the version number
         order = Order.AFTER if new.version > seen.version else Order.EQUAL if new.version == seen.version else Order.BEFORE
+    if order is Order.EQUAL and new.version != seen.version:
+        # Two versions with one clock: forced siblings committed before each got a clock of its own
+        # (consensus.state). Neither is newer; a move between them is judged as a concurrent one.
+        order = Order.CONCURRENT
     if order in (Order.AFTER, Order.EQUAL):
-        if order is Order.EQUAL and new.version != seen.version:
-            return Verdict(False, f"v{new.version} has the same clock as v{seen.version}; the server's metadata is inconsistent")
         return Verdict(True, order.value)
     fresher = new.commit_index > seen.commit_index
     if fresher and allow_rollback:

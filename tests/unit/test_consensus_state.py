@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from consensus.clock import Ordering, VectorClock
 from consensus.errors import Conflict, Invalid, MetadataError, NotFound
 from consensus.state import MAX_RECENT_REQUESTS, MetadataState
 
@@ -76,6 +77,21 @@ def test_force_commits_marked_without_moving_latest(state: MetadataState) -> Non
     # force on a commit that does not conflict changes nothing
     normal = commit(state, 2, "alice", n=4, force=True)
     assert not normal["forced"] and state.resolve_tag("resnet", "latest")["number"] == 4
+
+
+def test_a_forced_sibling_by_the_same_publisher_gets_a_clock_of_its_own(state: MetadataState) -> None:
+    """alice commits v2 on v1, then force-commits v3 on v1 again: the plain increment gave v3 v2's
+    clock, and clients that had seen the tag on v2 then refused a move to v3 for good."""
+    commit(state, None, "alice")
+    v2 = commit(state, 1, "alice", n=2)
+    v3 = commit(state, 1, "alice", n=3, force=True)
+    assert v3["forced"] and v3["clock"] == {"alice": 1, "alice/v3": 1} != v2["clock"]
+    v1c, v2c, v3c = (VectorClock(v["clock"]) for v in (state.list_versions("resnet")[0], v2, v3))
+    assert v3c.compare(v1c) is Ordering.AFTER and v3c.compare(v2c) is Ordering.CONCURRENT
+    v4 = commit(state, 3, "alice", n=4, force=True)  # on the sibling: after it
+    assert VectorClock(v4["clock"]).compare(v3c) is Ordering.AFTER
+    clocks = [tuple(sorted(v["clock"].items())) for v in state.list_versions("resnet")]
+    assert len(set(clocks)) == len(clocks)
 
 
 def test_commit_with_tag_sets_it_atomically(state: MetadataState) -> None:

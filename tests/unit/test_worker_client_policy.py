@@ -46,6 +46,15 @@ class TestJudge:
     def test_concurrent_refused_without_fresher_commit(self) -> None:
         assert not judge(res(2, {"a": 2}, 9), res(3, {"b": 1}, 8)).accepted
 
+    def test_versions_with_one_clock_are_judged_as_concurrent(self) -> None:
+        """Forced siblings committed before each got a clock of its own share one: a deliberate tag
+        move between them (a newer commit index) is followed, a stale answer is not."""
+        seen = res(2, {"alice": 2}, 9)
+        moved = judge(seen, res(3, {"alice": 2}, 12))
+        assert moved.accepted and "commit index 12" in moved.reason
+        stale = judge(seen, res(3, {"alice": 2}, 8))
+        assert not stale.accepted and "concurrent with v2" in stale.reason
+
     def test_no_clocks_falls_back_to_version_numbers(self) -> None:
         assert judge(res(2, {}, 0), res(3, {}, 0)).accepted
         assert not judge(res(3, {}, 0), res(2, {}, 0)).accepted
