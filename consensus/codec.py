@@ -31,6 +31,7 @@ def tag_record(data: Mapping[str, Any]) -> TagRecord:
             TagMove(from_version=m["from_version"], to_version=m["to_version"], who=m["who"], when=m["when"])
             for m in data["history"]
         ),
+        rollback_to=data.get("rollback_to"),
     )
 
 

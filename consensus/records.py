@@ -49,6 +49,7 @@ class TagRecord:
     tag: str
     version: int
     history: tuple[TagMove, ...] = field(default_factory=tuple)
+    rollback_to: int | None = None  # where a rollback would move the tag (listed tags only)
 
 
 @dataclass(frozen=True)

@@ -181,10 +181,7 @@ class MetadataState:
         model = self._model(model_name)
         record = _tag(model, model_name, tag)
         previous: list[int] = record["previous"]
-        # Earlier targets may have been deleted since; skip them.
-        keep = len(previous)
-        while keep and previous[keep - 1] not in model["versions"]:
-            keep -= 1
+        keep = _rollback_depth(model, record)
         if not keep:
             raise Conflict(f"tag {model_name}:{tag} has no earlier target to roll back to; point it at a version with "
                            f"'paramctl tag {model_name} {tag} VERSION'")
@@ -302,8 +299,15 @@ class MetadataState:
         return [copy.deepcopy(versions[n]) for n in sorted(versions)]
 
     def list_tags(self, model: str) -> list[dict[str, Any]]:
-        tags = self._model(model)["tags"]
-        return [copy.deepcopy(tags[t]) for t in sorted(tags)]
+        """The tags, each with ``rollback_to``: where a rollback would move it (None: nowhere)."""
+        m = self._model(model)
+        out = []
+        for name in sorted(m["tags"]):
+            record = copy.deepcopy(m["tags"][name])
+            depth = _rollback_depth(m, record)
+            record["rollback_to"] = record["previous"][depth - 1] if depth else None
+            out.append(record)
+        return out
 
     def members(self) -> list[dict[str, Any]]:
         return [dict(self._members[s]) for s in sorted(self._members)]
@@ -404,6 +408,15 @@ def _move_tag(
     record["version"] = to
     record["history"].append(_move(current, to, who, when))
     del record["history"][:-MAX_TAG_HISTORY]
+
+
+def _rollback_depth(model: dict[str, Any], record: dict[str, Any]) -> int:
+    """How much of the tag's ``previous`` stack a rollback keeps: earlier targets deleted since are skipped."""
+    previous: list[int] = record["previous"]
+    keep = len(previous)
+    while keep and previous[keep - 1] not in model["versions"]:
+        keep -= 1
+    return keep
 
 
 def _flag(kind: str, value: object) -> bool:

@@ -505,12 +505,12 @@ def cmd_ls(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> int:
             )  # fmt: skip
         out.print(vt)
         tt = Table(title=f"{args.model}: tags")
-        for col in ("tag", "version", "previous", "moves", "last moved by", "when"):
+        for col in ("tag", "version", "rollback to", "moves", "last moved by", "when"):
             tt.add_column(col)
         for t in tags:
             last = t.history[-1] if t.history else None
-            prev = f"v{last.from_version}" if last is not None and last.HasField("from_version") else "-"
-            tt.add_row(t.tag, f"v{t.version}", prev, str(len(t.history)), last.who if last else "-", _when(last.when) if last else "-")
+            back = f"v{t.rollback_to}" if t.HasField("rollback_to") else "-"
+            tt.add_row(t.tag, f"v{t.version}", back, str(len(t.history)), last.who if last else "-", _when(last.when) if last else "-")
         out.print(tt)
         if shown is None and versions:
             shown = max(v.number for v in versions)

@@ -107,6 +107,8 @@ def _version_pb(v: VersionRecord) -> pb.Version:
 
 def _tag_pb(t: TagRecord) -> pb.Tag:
     msg = pb.Tag(model=t.model, tag=t.tag, version=t.version)
+    if t.rollback_to is not None:
+        msg.rollback_to = t.rollback_to
     for move in t.history:
         m = msg.history.add(who=move.who, when=move.when)
         if move.from_version is not None:

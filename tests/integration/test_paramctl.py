@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -96,6 +97,9 @@ def test_push_ls_tag_rollback_pull_untag_status(cluster: LocalCluster, tmp_path:
     assert torch.equal(load_file(str(out))["encoder.weight"], state(1.0)["encoder.weight"])
 
     assert "rolled back -> v2" in paramctl("rollback", "clf", "prod", cluster=cluster).stdout
+    # ls says where the next rollback goes (v1, under the push that moved prod to v2), not where the last move came from
+    listed = paramctl("ls", "clf", cluster=cluster).stdout
+    assert re.search(r"rollback to", listed) and re.search(r"prod\s*│\s*v2\s*│\s*v1\s*│", listed), listed
     r = paramctl("pull", "clf:prod", "--out", str(out), cluster=cluster, token=READ)
     assert r.returncode == 0, r.stderr
     pulled, want = load_file(str(out)), load_file(str(v2))

@@ -167,10 +167,14 @@ def test_tag_history_and_rollback_walk_back(state: MetadataState) -> None:
     state.apply(tag_cmd("set_tag", "prod", version=1, who="a", when=1.0))
     state.apply(tag_cmd("set_tag", "prod", version=2, who="b", when=2.0))
     state.apply(tag_cmd("set_tag", "prod", version=3, who="c", when=3.0))
+    def rollback_to() -> int | None:
+        return next(t for t in state.list_tags("resnet") if t["tag"] == "prod")["rollback_to"]
+
+    assert rollback_to() == 2
     rec = state.apply(tag_cmd("rollback_tag", "prod", who="d", when=4.0))
-    assert rec["version"] == 2
+    assert rec["version"] == 2 and rollback_to() == 1  # not 3, which the last move came from
     rec = state.apply(tag_cmd("rollback_tag", "prod", who="e", when=5.0))
-    assert rec["version"] == 1
+    assert rec["version"] == 1 and rollback_to() is None
     assert [(m["from_version"], m["to_version"], m["who"], m["when"]) for m in rec["history"]] == [
         (None, 1, "a", 1.0), (1, 2, "b", 2.0), (2, 3, "c", 3.0), (3, 2, "d", 4.0), (2, 1, "e", 5.0)]
     with pytest.raises(Conflict):
@@ -192,6 +196,7 @@ def test_rollback_skips_deleted_versions(state: MetadataState) -> None:
     state.apply(tag_cmd("set_tag", "prod", version=2))
     state.apply(tag_cmd("set_tag", "prod", version=3))
     state.apply({"op": "delete_version", "model": "resnet", "version": 2})
+    assert [t["rollback_to"] for t in state.list_tags("resnet") if t["tag"] == "prod"] == [1]
     assert state.apply(tag_cmd("rollback_tag", "prod"))["version"] == 1
 
 

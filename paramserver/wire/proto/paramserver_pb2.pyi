@@ -352,16 +352,18 @@ class TagMove(_message.Message):
     def __init__(self, from_version: _Optional[int] = ..., to_version: _Optional[int] = ..., who: _Optional[str] = ..., when: _Optional[float] = ...) -> None: ...
 
 class Tag(_message.Message):
-    __slots__ = ("model", "tag", "version", "history")
+    __slots__ = ("model", "tag", "version", "history", "rollback_to")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_TO_FIELD_NUMBER: _ClassVar[int]
     model: str
     tag: str
     version: int
     history: _containers.RepeatedCompositeFieldContainer[TagMove]
-    def __init__(self, model: _Optional[str] = ..., tag: _Optional[str] = ..., version: _Optional[int] = ..., history: _Optional[_Iterable[_Union[TagMove, _Mapping]]] = ...) -> None: ...
+    rollback_to: int
+    def __init__(self, model: _Optional[str] = ..., tag: _Optional[str] = ..., version: _Optional[int] = ..., history: _Optional[_Iterable[_Union[TagMove, _Mapping]]] = ..., rollback_to: _Optional[int] = ...) -> None: ...
 
 class ListTagsRequest(_message.Message):
     __slots__ = ("model",)
