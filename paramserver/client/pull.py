@@ -27,7 +27,7 @@ from paramserver.client.errors import PATH_ERRORS, ConfigError, PullError, Trans
 from paramserver.client.hostmem import ArenaPool, HostMemoryConfig, Targets, allocate_targets
 from paramserver.client.progress import ProgressFn, no_progress
 from paramserver.client.refs import ModelRef, parse_ref
-from paramserver.client.safetensors_out import SafetensorsOut
+from paramserver.client.safetensors_out import NotSafetensors, SafetensorsOut
 from paramserver.client.session import ClusterClient, SessionConfig, VersionInfo
 from paramserver.client.sinks import TensorSink
 from paramserver.client.verify import VERIFY_MODES
@@ -185,6 +185,8 @@ def _pull(
 def write_failure(out: object, exc: BaseException) -> TransferError:
     """Writing the pulled weights failed: a path the user named that cannot be written is a bad
     argument (exit 2); anything else (a full disk) is an error of its own."""
+    if isinstance(exc, NotSafetensors):
+        return TransferError(f"cannot write {out} as .safetensors: {exc}", grpc.StatusCode.INVALID_ARGUMENT)
     if isinstance(exc, OSError) and exc.strerror:
         text = f"cannot write {out}: {exc.strerror}" + (f" ({exc.filename})" if exc.filename else "")
     else:

@@ -31,9 +31,27 @@ from paramserver.client.hostmem import PAGE_ALIGNED_BYTES, Targets
 _CODES = SAFETENSORS_CODES
 
 
+METADATA_KEY = "__metadata__"  # the header key safetensors keeps for its string-to-string metadata
+
+
+class NotSafetensors(ValueError):
+    """The version holds what a .safetensors file cannot: a dtype safetensors has no code for, or a
+    tensor named ``__metadata__``. Loads into memory keep both."""
+
+
+def unwritable(tensors: Sequence[TensorEntry]) -> str | None:
+    """Why ``tensors`` cannot be one .safetensors file, or None."""
+    bad = sorted({t.dtype for t in tensors if t.dtype not in _CODES})
+    if bad:
+        return f"safetensors has no dtype for {', '.join(bad)}"
+    if any(t.name == METADATA_KEY for t in tensors):
+        return f"a tensor is named {METADATA_KEY}, the key safetensors keeps for its metadata"
+    return None
+
+
 def supported(manifest: Manifest) -> bool:
-    """True when every dtype of ``manifest`` has a safetensors code."""
-    return all(t.dtype in _CODES for t in manifest.tensors)
+    """True when ``manifest``'s tensors can be written as a .safetensors file."""
+    return unwritable(manifest.tensors) is None
 
 
 def header_bytes(manifest: Manifest, metadata: Mapping[str, str],
@@ -43,7 +61,7 @@ def header_bytes(manifest: Manifest, metadata: Mapping[str, str],
     entries = manifest.tensors if tensors is None else tensors
     order = sorted(entries, key=lambda t: -torch_dtype(t.dtype).itemsize)  # sorted() is stable
     offsets: dict[str, int] = {}
-    doc: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    doc: dict[str, object] = {METADATA_KEY: dict(metadata)} if metadata else {}
     at = 0
     for t in order:
         offsets[t.name] = at
@@ -75,9 +93,9 @@ class SafetensorsOut:
                  only: Sequence[TensorEntry] | None = None) -> None:
         """``only``: the tensors this file holds (one shard of a folder), default all of them."""
         entries = manifest.tensors if only is None else tuple(only)
-        bad = sorted({t.dtype for t in entries if t.dtype not in _CODES})
-        if bad:
-            raise ValueError(f"safetensors cannot store dtype {', '.join(bad)}")
+        why = unwritable(entries)
+        if why is not None:
+            raise NotSafetensors(f"{why}; paramworker load and load_state_dict() keep every dtype and tensor name")
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         head, offsets = header_bytes(manifest, metadata, entries)
@@ -144,4 +162,4 @@ class SafetensorsOut:
             self._fd = None
 
 
-__all__ = ["current_umask", "SafetensorsOut", "supported", "header_bytes"]
+__all__ = ["METADATA_KEY", "NotSafetensors", "SafetensorsOut", "current_umask", "header_bytes", "supported", "unwritable"]

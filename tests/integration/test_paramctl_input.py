@@ -161,3 +161,25 @@ def test_status_without_a_reachable_leader_says_so_and_exits_6(tmp_path: Path) -
         tagged = paramctl(c, "--cluster", seed, "--timeout", "2", "tag", "m", "canary", "1")  # tag, rollback, untag alike
         assert tagged.returncode == 6, (tagged.stdout, tagged.stderr)
         assert "no leader answers yet" in tagged.stderr and "no cluster member named a leader within 6.0s" in tagged.stderr
+
+
+@pytest.mark.parametrize(("tensors", "why"), [
+    ({"z": torch.zeros(3, dtype=torch.complex128), "w": torch.ones(2)}, "safetensors has no dtype for complex128"),
+    ({"__metadata__": torch.ones(5), "x": torch.ones(2)}, "a tensor is named __metadata__"),
+])  # fmt: skip
+def test_a_version_safetensors_cannot_hold_is_refused_before_anything_is_written(
+        cluster: LocalCluster, tmp_path: Path, tensors: dict[str, torch.Tensor], why: str) -> None:
+    """A complex128 tensor was 'check the path and its permissions'; a tensor named __metadata__ was
+    written into the header's metadata slot, a file nothing could read, with exit 0."""
+    weights = tmp_path / "w.pt"
+    torch.save(tensors, weights)
+    model = "odd-dtype" if "z" in tensors else "meta-name"
+    assert paramctl(cluster, "push", str(weights), "--model", model).returncode == 0
+    out = tmp_path / "out"
+    out.mkdir()
+    for args in (("--out", str(out / "m.safetensors")), ("--out-dir", str(out / "folder"))):
+        result = paramctl(cluster, "pull", model, *args)
+        assert result.returncode == 2, (result.stdout, result.stderr)
+        line = one_line_error(result)
+        assert why in line and "as .safetensors" in line and "paramworker load" in line and "permissions" not in line
+    assert list(out.iterdir()) == []
