@@ -45,6 +45,7 @@ from paramserver.client.refs import ModelRef
 from paramserver.client.session import ClusterClient, client_for
 from worker.config import CacheConfig
 from worker.errors import ConfigError, WorkerError
+from worker.outputs import json_values
 from worker.loader import (
     LoadedModel, close_after_heat, empty_weights, fill_module, load, plan_fill, resolve_device, resolve_ref,
 )  # fmt: skip
@@ -272,7 +273,7 @@ class HFServing:
         for field in ("logits", "last_hidden_state"):
             value = getattr(out, field, None)
             if isinstance(value, torch.Tensor):
-                return {"output": value.float().cpu().tolist(), "output_name": field}
+                return {"output": json_values(value), "output_name": field}
         raise ValueError(f"{type(module).__name__} returned neither logits nor last_hidden_state")
 
 

@@ -51,6 +51,7 @@ from paramserver.client.session import ClusterClient
 from paramserver.wire.auth import token_metadata
 from worker.admission import Admission, AdmissionConfig, ByteBudget, Shed
 from worker.config import MAX_BODY_BYTES, PrefetchConfig
+from worker.outputs import json_values
 from worker.errors import ConfigError, WorkerError
 from worker.forward_heat import ForwardHeat
 from worker.hf import HFServing
@@ -374,7 +375,7 @@ class ModelServer:
             x = torch.tensor(data, dtype=self._dtype(module), device=self.swapper.device)
             with torch.no_grad():
                 y = module(x)
-            output = y.float().cpu().tolist() if isinstance(y, torch.Tensor) else y
+            output = json_values(y) if isinstance(y, torch.Tensor) else y
             return Computed(200, canonical_json({"output": output}))
         except (ValueError, TypeError, IndexError, RuntimeError) as exc:
             return Computed(400, canonical_json({"error": f"the model cannot run this input: {str(exc)[:500]}"}))
