@@ -557,7 +557,7 @@ def push(
             bytes_stored=sum(r.stored_size for r in job.refs.values()),
             bytes_sent=bytes_sent,
             wire_bytes=wire,
-            chunks_total=len(manifest.chunks),
+            chunks_total=len(manifest.chunks) + sum(len(f.chunks) for f in manifest.files),  # as chunks_unique: the files' too
             chunks_unique=len(job.refs),
             chunks_deduplicated=dedup,
             chunks_sent=sent,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from paramserver.client.errors import ConfigError
 
-_REF = re.compile(r"^(?P<model>[^:@\s]+)(?::(?P<tag>[^:@\s]+)|@(?P<version>\d+))?$")
+_REF = re.compile(r"^(?P<model>[^:@\s]+)(?::(?P<tag>[^:@\s]+)|@(?P<version>[0-9]+))?$")
 
 
 class BadModelRef(ConfigError):

@@ -6,6 +6,7 @@ A real one-server cluster; the CLI in subprocesses.
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -62,6 +63,9 @@ def folder_model(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory
         (folder / name).write_text(name)
     pushed = paramctl(cluster, "push", str(folder), "--model", "odd", "--tag", "prod")
     assert pushed.returncode == 0, pushed.stderr
+    # a folder's file chunks count in the total as in the distinct ones (it said "chunks 1 (4 distinct)")
+    total, distinct = map(int, re.search(r"chunks (\d+) \((\d+) distinct\)", pushed.stdout).groups())  # type: ignore[union-attr]
+    assert total == distinct == 1 + len(ODD_NAMES), pushed.stdout
     return "odd"
 
 

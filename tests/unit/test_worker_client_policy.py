@@ -105,7 +105,7 @@ class TestModelRef:
         assert str(ModelRef.parse("m@12")) == "m@12"
         assert ModelRef.parse("resnet50") == ModelRef("resnet50", None, None)  # its latest version
 
-    @pytest.mark.parametrize("bad", ["", "m:", "m@", "m@0", "m@x", "m:a:b", "a b:c", ":tag"])
+    @pytest.mark.parametrize("bad", ["", "m:", "m@", "m@0", "m@x", "m:a:b", "a b:c", ":tag", "ft@\u0663", "ft@\uff13"])
     def test_refuses_bad(self, bad: str) -> None:
         with pytest.raises(BadModelRef, match="MODEL:TAG"):
             ModelRef.parse(bad)
