@@ -17,6 +17,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,7 +27,7 @@ from chunking.config import ChunkingConfig
 from chunking.dtypes import FROM_SAFETENSORS, torch_dtype
 from chunking.errors import ChunkingError, InvalidInput
 from chunking.hashing import Buffer, bytes_like, content_id, crc32c
-from chunking.manifest import ChunkRef, FileEntry, Manifest, check_relative_path
+from chunking.manifest import ChunkRef, FileEntry, Manifest, check_relative_path, metadata_pairs
 from chunking.pack import PackResult, PackStream, pack_stream
 
 FILE_FINGERPRINT_DOMAIN = b"pdparams-folder-fingerprint-v1\n"
@@ -59,6 +60,12 @@ class ModelFolder:
                 out[name] = tensor
                 shard_of[name] = i
         return out, shard_of
+
+    def metadata(self) -> tuple[tuple[tuple[str, str], ...], ...]:
+        """Each shard's ``__metadata__`` (sorted pairs), kept so a pulled folder's shards carry it
+        again; () when no shard has any."""
+        found = tuple(metadata_pairs(safetensors_metadata(s.source, s.path)) for s in self.weight_files)
+        return found if any(found) else ()
 
 
 def open_folder(root: str | os.PathLike[str]) -> ModelFolder:
@@ -93,10 +100,18 @@ def open_folder(root: str | os.PathLike[str]) -> ModelFolder:
     return ModelFolder(base, tuple(sorted(weights, key=lambda f: f.path)), tuple(sorted(files, key=lambda f: f.path)))
 
 
-def map_safetensors(path: Path, shown: str | None = None) -> dict[str, torch.Tensor]:
-    """The tensors of a .safetensors file as views of a private memory map of it (copy on write:
-    nothing is read until packed, nothing written back)."""
+def safetensors_metadata(path: Path, shown: str | None = None) -> dict[str, str]:
+    """The ``__metadata__`` of a .safetensors file ({} when it has none)."""
     where = shown or str(path)
+    doc, _n, _size = _header(path, where)
+    meta = doc.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise InvalidInput(f"{where}: its __metadata__ must map strings to strings, as safetensors requires")
+    return meta
+
+
+def _header(path: Path, where: str) -> tuple[dict[str, Any], int, int]:
+    """(the JSON header, its length, the file's size) of a .safetensors file."""
     size = path.stat().st_size
     try:
         with open(path, "rb") as f:
@@ -111,6 +126,14 @@ def map_safetensors(path: Path, shown: str | None = None) -> dict[str, torch.Ten
         raise InvalidInput(f"{where} is not a safetensors file: its header is not JSON ({exc})") from None
     if not isinstance(doc, dict):
         raise InvalidInput(f"{where} is not a safetensors file: its header is not an object")
+    return doc, n, size
+
+
+def map_safetensors(path: Path, shown: str | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of a .safetensors file as views of a private memory map of it (copy on write:
+    nothing is read until packed, nothing written back)."""
+    where = shown or str(path)
+    doc, n, size = _header(path, where)
     data_start = 8 + n
     data_len = size - data_start
     area = np.memmap(path, dtype=np.uint8, mode="c", offset=data_start, shape=(data_len,)) if data_len > 0 else None
@@ -229,6 +252,7 @@ class FolderPackStream:
         weight_files = tuple(w.path for w in self.folder.weight_files)
         tensor_file = tuple(self.shard_of[t.name] for t in m.tensors)
         manifest = dataclasses.replace(m, files=files, weight_files=weight_files, tensor_file=tensor_file,
+                                       weight_file_metadata=self.folder.metadata(),
                                        fingerprint=folder_fingerprint(m.fingerprint, files, weight_files, tensor_file))
         manifest.check()
         return FolderPackResult(manifest, inner, self._file_index, self.config)

@@ -68,6 +68,7 @@ SPLIT_KEYS = HEADER_KEYS | {"parts"}  # format 3's root
 LAYOUT_KEYS = frozenset({"tensor_fields", "tensors"})  # format 4's layout blob (and the file and shard keys)
 FILE_KEYS = frozenset({"file_fields", "file_chunk_fields", "files"})
 SHARD_KEYS = frozenset({"weight_files", "tensor_file"})
+SHARD_METADATA_KEY = "weight_file_metadata"  # optional beside SHARD_KEYS: each shard's safetensors __metadata__
 
 
 def written_format(chunk_count: int) -> int:
@@ -147,6 +148,8 @@ class Manifest:
     files: tuple[FileEntry, ...] = ()
     weight_files: tuple[str, ...] = ()  # safetensors shards of a model folder, in order
     tensor_file: tuple[int, ...] = ()  # per tensor: its index in weight_files
+    # per weight file: its safetensors __metadata__ as sorted (key, value) pairs; () when no shard had any
+    weight_file_metadata: tuple[tuple[tuple[str, str], ...], ...] = ()
 
     def __post_init__(self) -> None:
         given: object = self.chunks
@@ -239,6 +242,8 @@ class Manifest:
         if self.weight_files:
             header["weight_files"] = list(self.weight_files)
             header["tensor_file"] = list(self.tensor_file)
+            if self.weight_file_metadata:
+                header[SHARD_METADATA_KEY] = [dict(pairs) for pairs in self.weight_file_metadata]
         return header
 
     @cached_property
@@ -467,6 +472,13 @@ class Manifest:
                 raise _fail("weight_files must be a non-empty list of paths and tensor_file a list")
             weight_files = tuple(wf)
             tensor_file = tuple(_int(x, "tensor_file entry", 0, len(wf) - 1) for x in tf)
+        shard_metadata: tuple[tuple[tuple[str, str], ...], ...] = ()
+        if SHARD_METADATA_KEY in doc:
+            raw = doc[SHARD_METADATA_KEY]
+            if (not isinstance(raw, list) or not all(isinstance(m, dict) for m in raw)
+                    or not all(isinstance(k, str) and isinstance(v, str) for m in raw for k, v in m.items())):
+                raise _fail(f"{SHARD_METADATA_KEY} must be a list of objects of strings")
+            shard_metadata = tuple(metadata_pairs(m) for m in raw)
         manifest = cls(
             model=doc["model"],
             version=_int(doc["version"], "version"),
@@ -479,6 +491,7 @@ class Manifest:
             files=files,
             weight_files=weight_files,
             tensor_file=tensor_file,
+            weight_file_metadata=shard_metadata,
         )
         manifest.check()
         return manifest
@@ -537,6 +550,10 @@ class Manifest:
             raise _fail(f"tensor_file has {len(self.tensor_file)} entries for {len(self.tensors)} tensors")
         if self.tensor_file and not self.weight_files:
             raise _fail("tensor_file without weight_files")
+        if self.weight_file_metadata and len(self.weight_file_metadata) != len(self.weight_files):
+            raise _fail(f"{SHARD_METADATA_KEY} has {len(self.weight_file_metadata)} entries for {len(self.weight_files)} weight files")
+        if any(list(pairs) != sorted(dict(pairs).items()) for pairs in self.weight_file_metadata):
+            raise _fail(f"{SHARD_METADATA_KEY} entries must be sorted pairs of distinct keys")
         if any(not p.endswith(".safetensors") for p in self.weight_files):
             raise _fail("weight_files must be .safetensors paths")
         for f in self.files:
@@ -637,12 +654,19 @@ def _check_root_keys(root: manifest_split.Root) -> None:
         raise _fail(f"format-4 root keys {sorted(set(root.doc) ^ expected)} are missing or unexpected")
 
 
+def metadata_pairs(metadata: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """A safetensors ``__metadata__`` object as the manifest keeps it: sorted (key, value) pairs."""
+    return tuple(sorted(metadata.items()))
+
+
 def _check_keys(keys: set[str], base: frozenset[str]) -> None:
     expected = set(base)
     if keys & FILE_KEYS:
         expected |= FILE_KEYS
     if keys & SHARD_KEYS:
         expected |= SHARD_KEYS
+        if SHARD_METADATA_KEY in keys:
+            expected.add(SHARD_METADATA_KEY)
     if keys != expected:
         raise _fail(f"keys {sorted(keys ^ expected)} are missing or unexpected")
 

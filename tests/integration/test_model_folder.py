@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from deploy.local import LocalCluster
@@ -100,8 +101,11 @@ def test_folder_push_pull_round_trip_gives_the_same_model(cluster: LocalCluster,
     assert set(want) == set(have)
     for k in want:
         assert want[k].dtype == have[k].dtype and torch.equal(want[k], have[k]), k
-    for s in shards:  # each tensor is in the shard it came from
+    for s in shards:  # each tensor is in the shard it came from, under the metadata the shard had
         assert set(load_file(str(out / s))) == set(load_file(str(folder / s)))
+        with safe_open(str(folder / s), "pt") as a, safe_open(str(out / s), "pt") as b:
+            kept, written = a.metadata() or {}, b.metadata()
+        assert written == {**written, **kept} and written["model"] == name, (kept, written)
     ids = torch.tensor([[1, 5, 7, 42, 99, 3]])
     reloaded = type(original).from_pretrained(out).eval()
     assert torch.equal(outputs(reloaded, ids), outputs(type(original).from_pretrained(folder).eval(), ids))

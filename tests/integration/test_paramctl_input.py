@@ -187,3 +187,22 @@ def test_a_version_safetensors_cannot_hold_is_refused_before_anything_is_written
         line = one_line_error(result)
         assert why in line and "as .safetensors" in line and "paramworker load" in line and "permissions" not in line
     assert list(out.iterdir()) == []
+
+
+def test_a_pulled_folder_keeps_each_shards_metadata(cluster: LocalCluster, tmp_path: Path) -> None:
+    """Every shard came back with {"format": "pt"} and provenance only: a PEFT marker, a custom key
+    or another format the shard held was dropped."""
+    from safetensors import safe_open
+
+    folder = tmp_path / "meta-folder"
+    folder.mkdir()
+    save_file({"a": torch.ones(3)}, str(folder / "a.safetensors"), metadata={"peft": "yes", "format": "tf"})
+    save_file({"b": torch.zeros(2)}, str(folder / "b.safetensors"))
+    assert paramctl(cluster, "push", str(folder), "--model", "meta-folder").returncode == 0
+    out = tmp_path / "pulled"
+    pulled = paramctl(cluster, "pull", "meta-folder", "--out-dir", str(out))
+    assert pulled.returncode == 0, pulled.stderr
+    with safe_open(str(out / "a.safetensors"), "pt") as a, safe_open(str(out / "b.safetensors"), "pt") as b:
+        first, second = a.metadata(), b.metadata()
+    assert first["peft"] == "yes" and first["format"] == "tf" and first["model"] == "meta-folder", first
+    assert second["format"] == "pt" and second["version"] == "1", second

@@ -129,3 +129,42 @@ def test_a_truncated_shard_is_a_clear_error(tmp_path: Path) -> None:
     (tmp_path / "m.safetensors").write_bytes(b"\xff" * 16)
     with pytest.raises(InvalidInput, match="header length"):
         map_safetensors(tmp_path / "m.safetensors")
+
+
+@pytest.mark.parametrize("fmt", [2, 4])
+def test_each_shards_metadata_is_kept_in_the_manifest(tmp_path: Path, fmt: int) -> None:
+    """A folder pull wrote {"format": "pt"} plus provenance into every shard, dropping what the
+    shards held (a PEFT marker, a custom key, another format)."""
+    t = tensors(2)
+    names = sorted(t)
+    save_file({n: t[n] for n in names[:3]}, str(tmp_path / "a.safetensors"), metadata={"format": "pt", "custom": "x"})
+    save_file({n: t[n] for n in names[3:]}, str(tmp_path / "b.safetensors"), metadata={"peft": "yes", "format": "tf"})
+    m = pack_folder_stream(tmp_path, model="m", config=ChunkingConfig(chunk_size=64 * KiB)).result().manifest
+    assert m.weight_file_metadata == ((("custom", "x"), ("format", "pt")), (("format", "tf"), ("peft", "yes")))
+    again = Manifest.from_bytes(m.in_format(fmt).to_bytes()) if fmt == 2 else None
+    if again is not None:
+        assert again.weight_file_metadata == m.weight_file_metadata
+    else:
+        blobs = m.in_format(4).blobs()
+        root = m.in_format(4)
+        read = Manifest.read(root.id, lambda i: blobs[i], get_parts=lambda ids: {i: blobs[i] for i in ids})
+        assert read.weight_file_metadata == m.weight_file_metadata
+    # a folder without shard metadata keeps the manifest bytes it had (no key at all)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    save_file(t, str(bare / "model.safetensors"))
+    plain = pack_folder_stream(bare, model="m", config=ChunkingConfig(chunk_size=64 * KiB)).result().manifest
+    assert plain.weight_file_metadata == () and b"weight_file_metadata" not in plain.to_bytes()
+
+
+def test_shard_metadata_that_is_not_strings_is_refused(tmp_path: Path) -> None:
+    save_file({"w": torch.ones(2)}, str(tmp_path / "model.safetensors"))
+    raw = (tmp_path / "model.safetensors").read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    doc = json.loads(raw[8:8 + n])
+    doc["__metadata__"] = {"n": 3}
+    head = json.dumps(doc).encode()
+    head += b" " * (-len(head) % 8)
+    (tmp_path / "model.safetensors").write_bytes(len(head).to_bytes(8, "little") + head + raw[8 + n:])
+    with pytest.raises(InvalidInput, match="__metadata__ must map strings to strings"):
+        pack_folder_stream(tmp_path, model="m", config=ChunkingConfig(chunk_size=64 * KiB)).result()
