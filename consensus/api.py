@@ -16,6 +16,7 @@ class MetadataPlane(Protocol):
     def start(self) -> None: ...
     def close(self) -> None: ...
     def wait_ready(self, timeout: float) -> bool: ...  # a leader is known and the log is applied
+    def in_sync(self) -> bool: ...  # now: a leader answers this node and it has applied what the leader committed
 
     # identity and Raft status
     @property

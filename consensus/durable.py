@@ -107,6 +107,16 @@ class JournalFailure(RuntimeError):
     """
 
 
+# What a damaged-state message tells the operator. An older copy of the journal is no safer than
+# none: either way this server forgets entries it acknowledged, which is harmless only while the
+# rest of the cluster holds them (a push acknowledged by it and one other member was lost so).
+RECOVERY_ADVICE = (
+    "If every other member is up and follows the leader ('paramctl status'), move this server's raft folder away "
+    "so that it rejoins empty and catches up. Do not restore an older copy, and do neither while another member "
+    "is down: a majority without the entries this server acknowledged could then drop them"
+)
+
+
 # ------------------------------------------------------------------ file system helpers
 def fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -197,8 +207,7 @@ def decode_meta(raw: bytes, path: str) -> dict[str, Any]:
     def damaged(why: str) -> DamagedState:
         return DamagedState(
             f"Raft term/vote file {path} is damaged ({why}); refusing to start, since starting without it "
-            "could forget this server's vote. Restore the file from a backup, or, if the other members are "
-            "healthy, move this server's raft folder away so that it rejoins empty and catches up"
+            f"could forget this server's vote. {RECOVERY_ADVICE}"
         )
 
     if raw.startswith(b"{"):
@@ -673,9 +682,7 @@ def _check_commit_index(parsed: ParsedJournal, meta: Mapping[str, Any], dump_tai
     why = f"the file was cut: {parsed.torn}" if parsed.torn else "entries are missing"
     raise DamagedState(
         f"Raft journal {path} is damaged: its log ends at entry {last}, but {meta_path} records entry {stored} "
-        f"as committed ({why}); refusing to start with committed entries missing. Restore the journal from a "
-        "backup, or, if the other members are healthy, move this server's raft folder away so that it rejoins "
-        "empty and catches up"
+        f"as committed ({why}); refusing to start with committed entries missing. {RECOVERY_ADVICE}"
     )
 
 

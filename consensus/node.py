@@ -176,6 +176,15 @@ class MetadataNode:
                 return False
             time.sleep(0.02)
 
+    def in_sync(self) -> bool:
+        """True while this node hears a leader (or is it) and has applied everything committed it
+        knows of: its local reads then miss no version the cluster had when it last heard. A node
+        alone, starting from an empty or restored journal, or cut off, is not in sync."""
+        so = self._syncobj
+        if so is None or self.failure() is not None or self.leader_raft_address() is None:
+            return False
+        return bool(so.isReady()) and so.raftLastApplied >= so.raftCommitIndex
+
     # ------------------------------------------------------ identity, status
     @property
     def server_id(self) -> str:

@@ -46,9 +46,19 @@ class References:
         # The last answer and the manifests it was made of: asked every few seconds by the
         # background tasks, the union of half a million ids is made again only when they change.
         self._last: tuple[tuple[str, ...], frozenset[str]] | None = None
+        self._unsynced_logged = False
 
     def __call__(self) -> frozenset[str] | None:
-        """The referenced ids, or None when some manifest cannot be read right now."""
+        """The referenced ids, or None when they cannot be known right now: some manifest cannot
+        be read, or this node's metadata is not in sync with a leader (alone, catching up, or cut
+        off, its versions may miss ones the cluster committed, whose chunks would look unreferenced)."""
+        if not self.metadata.in_sync():
+            if not self._unsynced_logged:
+                log.warning("orphan collection waits: this server's metadata is not in sync with a Raft "
+                            "leader, so it cannot tell which chunks committed versions use")
+                self._unsynced_logged = True
+            return None
+        self._unsynced_logged = False
         manifests: list[str] = []
         for model in self.metadata.list_models().value:
             for version in self.metadata.list_versions(model).value:
@@ -91,7 +101,7 @@ class OrphanCollector:
         report = GcReport()
         refs = self.references()
         if refs is None:
-            report.skipped_reason = "a manifest could not be read"
+            report.skipped_reason = "the referenced chunks cannot be known now (metadata not in sync, or a manifest unreadable)"
             return report
         report.referenced = len(refs)
         cutoff = self.clock() - self.grace_s
