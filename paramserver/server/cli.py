@@ -235,6 +235,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, stop)
     try:
         server.start()
+    except ConfigError as exc:  # the data dir is in use or another cluster's: the operator's to fix
+        print(f"paramserver: {exc}", file=sys.stderr)
+        server.stop()
+        return 2
     except Exception as exc:  # noqa: BLE001 - start-up failures end the process with a readable line
         logging.getLogger("paramserver").error("start-up failed: %s", exc)
         server.stop()

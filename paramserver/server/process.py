@@ -4,6 +4,7 @@ background tasks (self-registration, repair, scrub, re-replication, orphan GC, h
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -19,6 +20,7 @@ from paramserver.server.bulk_port import BulkServer, BulkServerConfig
 from paramserver.server.compaction import Compactor
 from paramserver.server.cluster import MemberCheck, PeerSet, QuorumVersionCheck, ReplicaFetcher, cluster_blob_fetcher
 from paramserver.server.config import ServerConfig, is_loopback_host
+from paramserver.server.data_dir import check_identity, lock_data_dir
 from paramserver.server.gc import OrphanCollector, References
 from paramserver.server.heat import SAVE_INTERVAL_S, HeatAggregator, HeatSnapshots
 from paramserver.server.hot_chunks import STATE_FILE, HotChunks, HotConfig
@@ -50,6 +52,7 @@ class ParamServer:
     _tasks: list[Periodic] = field(default_factory=list)
     _stopped: threading.Event = field(default_factory=threading.Event)
     _registered: threading.Event = field(default_factory=threading.Event)
+    _dir_lock: int = -1  # the descriptor that holds the data dir (data_dir.lock_data_dir)
 
     def start(self) -> None:
         cfg = self.config.validate()
@@ -58,6 +61,8 @@ class ParamServer:
                 log.warning("started with --insecure: %s", gap)
         elif cfg.read_token is None and not is_loopback_host(cfg.listen.rpartition(":")[0]):
             log.info("reads are open on %s (no read token): anyone who reaches it can read every model", cfg.listen)
+        self._dir_lock = lock_data_dir(cfg.data_dir)  # before anything in it is opened
+        check_identity(cfg.data_dir / "raft", cluster_id(cfg.cluster_secret, cfg.vnodes), fsync=cfg.fsync)
         queue = RepairQueue()
         self.store = store = ChunkStore(cfg.data_dir, cache_bytes=cfg.cache_bytes, fsync=cfg.fsync, on_corrupt=queue.add,
                                          config=StoreConfig.from_extra(cfg.extra),
@@ -184,6 +189,9 @@ class ParamServer:
             self.node.close()
         if self.peers is not None:
             self.peers.close()
+        if self._dir_lock >= 0:
+            os.close(self._dir_lock)
+            self._dir_lock = -1
 
     def serve_forever(self) -> int:
         """Serve until stopped (0), or until the Raft journal cannot be written (1, logged).

@@ -283,3 +283,36 @@ def _answers(client: ParamServerClient) -> bool:
         return True
     except Exception:  # noqa: BLE001 - starting up
         return False
+
+
+@pytest.mark.timeout(180)
+def test_a_data_dir_in_use_or_of_another_cluster_is_refused(tmp_path: Path) -> None:
+    """A second process on a running server's data dir rewrote its Raft vote; a server started on
+    another cluster's data dir won an election and spliced that cluster's log into this one."""
+    c = LocalCluster(LocalClusterConfig(root=tmp_path / "c", servers=1, secret="secret-of-cluster-one-0123456789",
+                                        extra_args=("--no-fsync",)))
+    data = c.root / "ps1"
+    serve = [sys.executable, "-m", "paramserver", "serve", "--id", "ps1", "--data-dir", str(data), "--no-fsync"]
+    try:
+        c.up(wait=90)
+        twin = subprocess.run([*serve, "--listen", f"127.0.0.1:{free_port()}", "--raft", f"127.0.0.1:{free_port()}"],
+                              capture_output=True, text=True, timeout=60)
+        assert twin.returncode == 2, twin.stderr
+        assert f"data dir {data} is in use by another paramserver (pid {c.slot('ps1').pid})" in twin.stderr
+        assert "Traceback" not in twin.stderr
+    finally:
+        c.down()
+    recorded = (data / "raft" / "cluster.id").read_text()
+    other = tmp_path / "other.secret"
+    other.write_text("the-secret-of-another-cluster-987654\n")
+    foreign = subprocess.run([*serve, "--listen", f"127.0.0.1:{free_port()}", "--raft", f"127.0.0.1:{free_port()}",
+                              "--cluster-secret-file", str(other)], capture_output=True, text=True, timeout=60)
+    assert foreign.returncode == 2, foreign.stderr
+    assert f"data dir {data} belongs to another cluster" in foreign.stderr and "Traceback" not in foreign.stderr
+    assert (data / "raft" / "cluster.id").read_text() == recorded
+    restarted = LocalCluster(LocalClusterConfig(root=tmp_path / "c", servers=1, secret="secret-of-cluster-one-0123456789",
+                                                extra_args=("--no-fsync",)))
+    try:
+        restarted.up(wait=90)  # its own cluster still starts on it
+    finally:
+        restarted.down()

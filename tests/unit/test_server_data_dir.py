@@ -1,0 +1,37 @@
+"""paramserver.server.data_dir: one process per data dir, one cluster per Raft journal."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from paramserver.server.data_dir import IDENTITY_FILE, DataDirInUse, ForeignDataDir, check_identity, lock_data_dir
+
+
+def test_a_second_holder_is_refused_naming_the_first_and_the_lock_ends_with_it(tmp_path: Path) -> None:
+    fd = lock_data_dir(tmp_path / "d")
+    try:
+        with pytest.raises(DataDirInUse, match=rf"in use by another paramserver \(pid {os.getpid()}\)"):
+            lock_data_dir(tmp_path / "d")
+        # another process too (flock, not a pid check)
+        probe = subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "
+                                "from paramserver.server.data_dir import lock_data_dir; lock_data_dir(Path(sys.argv[1]))",
+                                str(tmp_path / "d")], capture_output=True, text=True, timeout=60)
+        assert probe.returncode != 0 and "DataDirInUse" in probe.stderr
+    finally:
+        os.close(fd)
+    os.close(lock_data_dir(tmp_path / "d"))  # released: taken again
+
+
+def test_a_journal_of_another_cluster_is_refused_and_a_new_one_records_its_id(tmp_path: Path) -> None:
+    raft = tmp_path / "d" / "raft"
+    check_identity(raft, "a" * 32)
+    assert (raft / IDENTITY_FILE).read_text() == "a" * 32 + "\n"
+    check_identity(raft, "a" * 32)  # the same cluster: fine, unchanged
+    with pytest.raises(ForeignDataDir, match="belongs to another cluster") as err:
+        check_identity(raft, "b" * 32)
+    assert "rotating the cluster secret" in str(err.value) and "aaaaaaaaaaaa" in str(err.value)
+    assert (raft / IDENTITY_FILE).read_text() == "a" * 32 + "\n"
