@@ -526,9 +526,10 @@ class LocalCluster:
         self.write_client_config()
 
     def restart(self, server_id: str) -> None:
+        """Start one stopped server again with the arguments it was started with (the others may run)."""
         slot = self.slot(server_id)
         if slot.pid and _alive(slot.pid):
-            raise LauncherError(f"{server_id} is still running (pid {slot.pid}); kill it first")
+            raise LauncherError(f"{server_id} is still running (pid {slot.pid}); stop it first", EXIT_CONFLICT)
         self._spawn(slot)
         self.save_state()
 
@@ -819,6 +820,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     add = sub.add_parser("add", help="start one more server that joins the running cluster once "
                                      "'paramctl member add' (printed) adds it")
     add.add_argument("--dir", default=".cluster", help="the cluster's folder (default .cluster)")
+    start = sub.add_parser("start", help="start one stopped server of a running cluster again (after a crash or a kill), "
+                                         "on its ports and data dir")
+    start.add_argument("--dir", default=".cluster", help="the cluster's folder (default .cluster)")
+    start.add_argument("server_id", metavar="ID")
     forget = sub.add_parser("forget", help="stop a server and drop it from the folder's state, after "
                                            "'paramctl member remove' took it out of the cluster (its data stays)")
     forget.add_argument("--dir", default=".cluster", help="the cluster's folder (default .cluster)")
@@ -873,6 +878,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             slot = cluster.add_server()
             print(f"started {slot.server_id}  grpc {slot.grpc}  raft {slot.raft}  pid {slot.pid}  log {slot.log_file}")
             print(f"add it to the cluster with:   {cluster.join_command(slot.server_id)}")
+            return 0
+        if args.cmd == "start":
+            cluster.restart(args.server_id)
+            slot = cluster.slot(args.server_id)
+            print(f"started {slot.server_id}  grpc {slot.grpc}  raft {slot.raft}  pid {slot.pid}  log {slot.log_file}")
             return 0
         if args.cmd == "forget":
             cluster.forget(args.server_id)

@@ -73,6 +73,15 @@ def test_refused_up_leaves_the_running_cluster_alone(tmp_path: Path) -> None:
         assert local._alive(pid)
         status = cli("deploy.local", "status", "--dir", str(root))
         assert status.returncode == 0 and "ps1  running" in status.stdout, status.stdout + status.stderr
+        # one crashed server is started again on its own ('up' refuses while any runs)
+        one_line(cli("deploy.local", "start", "--dir", str(root), "ps1"), local.EXIT_CONFLICT, "ps1 is still running")
+        one_line(cli("deploy.local", "start", "--dir", str(root), "ps9"), local.EXIT_NOT_FOUND, "no server 'ps9'")
+        os.kill(pid, signal.SIGKILL)
+        assert pid_gone(pid)
+        started = cli("deploy.local", "start", "--dir", str(root), "ps1")
+        assert started.returncode == 0 and "started ps1" in started.stdout, started.stderr
+        pid = json.loads(state.read_text())["slots"][0]["pid"]
+        assert local._alive(pid)
     finally:
         down = cli("deploy.local", "down", "--dir", str(root))
         if not pid_gone(pid):
