@@ -113,6 +113,7 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsCluster]:
     #    server cache, so corrupt bytes are read from disk and repairs happen within the test.
     c = LocalCluster(LocalClusterConfig(
         root=root, servers=3, admin_token=ADMIN, read_token=READ, tls=True,
+        generate_secrets=True,  # the cluster secret 'up' made, reused: the data dirs belong to that cluster
         extra_args=("--no-fsync", "--cache-mb", "0", "--anti-entropy-interval", "0.5", "--repair-interval", "0.5",
                     "--scrub-mb-per-s", "0"),
     ))  # fmt: skip
