@@ -26,6 +26,17 @@ CLUSTER_SECRET_ENV = "PARAMS_CLUSTER_SECRET"
 _ENV = {"admin_token": ADMIN_TOKEN_ENV, "read_token": READ_TOKEN_ENV, "cluster_secret": CLUSTER_SECRET_ENV}
 
 
+class _ServeParser(OneLineParser):
+    """Lists the config keys (``%(keys)s`` in ``--config``'s help) only when help is shown: finding them
+    imports the store and the data plane (torch among them), which parsing arguments must not."""
+
+    def format_help(self) -> str:
+        for action in self._actions:
+            if action.dest == "config":
+                action.keys = ", ".join(config_keys())  # type: ignore[attr-defined]
+        return super().format_help()
+
+
 def _parser() -> argparse.ArgumentParser:
     # defaults are shown from the one place they live
     d: dict[str, Any] = {f.name: f.default for f in fields(ServerConfig)}
@@ -34,14 +45,14 @@ def _parser() -> argparse.ArgumentParser:
         description="Parameter server for model weights: content-addressed chunks on disk, metadata in Raft (pysyncobj), served over gRPC.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_ServeParser)
     s = sub.add_parser("serve", help="run a server until SIGTERM/SIGINT",
                        description="Run one parameter server. The Raft port must be reachable only by cluster members: "
                                    "pysyncobj unpickles peer messages. On a non-loopback address the server refuses to start without "
                                    "--cluster-secret-file (Raft) and --admin-token-file (gRPC) unless --insecure is given.")
     s.add_argument("--config", type=Path,
                    help="TOML or JSON file of server settings, sizes in bytes, flags win, an unknown key is an error "
-                        "(example: deploy/systemd/paramserver.toml.example). Keys: " + ", ".join(config_keys())),
+                        "(example: deploy/systemd/paramserver.toml.example). Keys: %(keys)s"),
     s.add_argument("--id", dest="server_id", help="server id, unique in the cluster (required here or in --config)")
     s.add_argument("--data-dir", type=Path, help="chunk store, Raft journal and dump (required here or in --config)")
     s.add_argument("--listen", help=f"gRPC listen address HOST:PORT (default {d['listen']})")
