@@ -137,7 +137,8 @@ class MetadataState:
         if model is None:
             model = self._models[model_name] = _new_model()
         number = model["next_number"]
-        if any(v["clock"] == clock for v in versions.values()):
+        plain = clock.to_dict()  # stored clocks are to_dict() too: plain dicts compare alike, without a VectorClock each
+        if any(v["clock"] == plain for v in versions.values()):
             # The publisher committed on this parent before (a forced sibling): the plain increment
             # repeats that sibling's clock, and clients refuse a tag move between two versions with
             # one clock. An entry of this version's own keeps it after its parent and concurrent
