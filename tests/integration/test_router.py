@@ -88,13 +88,9 @@ def request(address: str, method: str, path: str, body: object | None = None, ti
 
 
 @pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    started: list[Proc] = []
-    try:
-        yield started
-    finally:
-        for p in started:
-            p.stop()
+def procs(workers: list[Any]) -> list[Proc]:
+    """The routers and workers a test starts: conftest's ``workers`` list, stopped when the test ends."""
+    return workers
 
 
 def start_router(cluster: Cluster, tmp_path: Path, procs: list[Proc], *args: str) -> Proc:
