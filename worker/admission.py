@@ -19,6 +19,12 @@ from dataclasses import dataclass
 
 from worker.errors import ConfigError, WorkerError
 
+_TOO_MANY = b'{"error":"overloaded: too many open connections; retry later"}'
+# The whole answer to a connection past a server's connection cap (paramworker serve, paramrouter),
+# written before any request is read, then the connection is closed.
+TOO_MANY_CONNECTIONS = (b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type: application/json\r\n"
+                        b"Connection: close\r\nContent-Length: " + str(len(_TOO_MANY)).encode() + b"\r\n\r\n" + _TOO_MANY)
+
 
 @dataclass(frozen=True)
 class AdmissionConfig:

@@ -52,6 +52,7 @@ from paramserver.client.config import CLUSTER_ENV, CONFIG_ENV, ClientSettings, a
 from paramserver.wire.cli_args import OneLineParser, float_in, int_in
 from paramserver.client.errors import ClientError, NotFound
 from paramserver.client.refs import BadModelRef, ModelRef
+from worker.admission import TOO_MANY_CONNECTIONS
 from worker.router_state import (
     DEADLINE_HEADER, EXACT_HEADER, MISDIRECTED, WANT_HEADER, Heartbeat, HeartbeatError, RefCache, RouterConfig, RouterState,
     VersionKey,
@@ -63,9 +64,6 @@ RESOLVE_TIMEOUT_S = 2.0
 BODY_TIMEOUT_S = 10.0  # a beat, leave or pre-warm body must arrive within this
 KEEPALIVE_S = 30.0  # an idle client connection is closed after this
 DEFAULT_MAX_CONNECTIONS = 4096
-_OVERLOADED = (b'HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type: application/json\r\n'
-               b'Connection: close\r\nContent-Length: 63\r\n\r\n'
-               b'{"error":"overloaded: too many open connections; retry later"}\n')
 ROUTER_ENV = "PARAMS_ROUTER"
 WORKER_HEADER = "X-Pdparams-Worker"  # on every answer: the worker that gave it
 
@@ -485,7 +483,7 @@ class _Overloaded(asyncio.Protocol):
     """A connection past the cap: a 503 and closed, before aiohttp spends anything on it."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        cast(asyncio.Transport, transport).write(_OVERLOADED)
+        cast(asyncio.Transport, transport).write(TOO_MANY_CONNECTIONS)
         transport.close()
 
 

@@ -49,7 +49,7 @@ import torch
 
 from paramserver.client.session import ClusterClient
 from paramserver.wire.auth import token_metadata
-from worker.admission import Admission, AdmissionConfig, ByteBudget, Shed
+from worker.admission import TOO_MANY_CONNECTIONS, Admission, AdmissionConfig, ByteBudget, Shed
 from worker.config import MAX_BODY_BYTES, PrefetchConfig
 from worker.outputs import json_values
 from worker.errors import ConfigError, WorkerError
@@ -749,11 +749,8 @@ class _Server(ThreadingHTTPServer):
                 self._active += 1
         if full:
             self.refused += 1
-            body = b'{"error":"overloaded: too many open connections; retry later"}'
             try:
-                cast(socket, request).sendall(
-                    b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type: application/json\r\n"
-                    b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+                cast(socket, request).sendall(TOO_MANY_CONNECTIONS)
             except OSError:
                 pass
             self.shutdown_request(request)
