@@ -46,19 +46,9 @@ class References:
         # The last answer and the manifests it was made of: asked every few seconds by the
         # background tasks, the union of half a million ids is made again only when they change.
         self._last: tuple[tuple[str, ...], frozenset[str]] | None = None
-        self._unsynced_logged = False
 
     def __call__(self) -> frozenset[str] | None:
-        """The referenced ids, or None when they cannot be known right now: some manifest cannot
-        be read, or this node's metadata is not in sync with a leader (alone, catching up, or cut
-        off, its versions may miss ones the cluster committed, whose chunks would look unreferenced)."""
-        if not self.metadata.in_sync():
-            if not self._unsynced_logged:
-                log.warning("orphan collection waits: this server's metadata is not in sync with a Raft "
-                            "leader, so it cannot tell which chunks committed versions use")
-                self._unsynced_logged = True
-            return None
-        self._unsynced_logged = False
+        """The referenced ids, or None when some manifest cannot be read right now."""
         manifests: list[str] = []
         for model in self.metadata.list_models().value:
             for version in self.metadata.list_versions(model).value:
@@ -91,17 +81,32 @@ class OrphanCollector:
         *,
         grace_s: float = 3600.0,
         clock: Callable[[], float] = time.time,
+        in_sync: Callable[[], bool] = lambda: True,
     ) -> None:
+        """``in_sync``: whether this node's metadata is in sync with a leader (``MetadataPlane.in_sync``)."""
         self.references = references
+        self.in_sync = in_sync
         self.store = store
         self.grace_s = grace_s
         self.clock = clock
+        self._unsynced_logged = False
 
     def step(self) -> GcReport:
         report = GcReport()
+        # Alone, catching up or cut off, this node's versions may miss ones the cluster committed,
+        # whose chunks would look unreferenced: deleting is the one step that must wait. (The other
+        # users of References, re-replication and hand-off, only copy, or delete what every replica holds.)
+        if not self.in_sync():
+            if not self._unsynced_logged:
+                log.warning("orphan collection waits: this server's metadata is not in sync with a Raft "
+                            "leader, so it cannot tell which chunks committed versions use")
+                self._unsynced_logged = True
+            report.skipped_reason = "this server's metadata is not in sync with a leader"
+            return report
+        self._unsynced_logged = False
         refs = self.references()
         if refs is None:
-            report.skipped_reason = "the referenced chunks cannot be known now (metadata not in sync, or a manifest unreadable)"
+            report.skipped_reason = "a manifest could not be read"
             return report
         report.referenced = len(refs)
         cutoff = self.clock() - self.grace_s

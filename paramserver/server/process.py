@@ -119,7 +119,7 @@ class ParamServer:
                                 busy_fraction=cfg.scrub_busy_fraction)
             self._tasks.append(Periodic("scrub", 1.0, lambda: scrubber.step(cfg.scrub_bytes_per_s)))
         if cfg.gc_interval_s:
-            gc = OrphanCollector(references, store, grace_s=cfg.orphan_grace_s)
+            gc = OrphanCollector(references, store, grace_s=cfg.orphan_grace_s, in_sync=node.in_sync)
             self._tasks.append(Periodic("orphan-gc", cfg.gc_interval_s, gc.step))
         if hot is not None:
             self._tasks.append(Periodic("hot-chunks", hot.config.interval_s, hot.step))

@@ -208,9 +208,6 @@ class _Plane:
     def __init__(self, versions: dict[str, list[str]]) -> None:
         self.versions = versions
 
-    def in_sync(self) -> bool:
-        return True
-
     def list_models(self) -> SimpleNamespace:
         return SimpleNamespace(value=list(self.versions))
 

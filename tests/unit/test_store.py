@@ -354,6 +354,8 @@ def test_a_claimed_old_orphan_survives_collection_and_an_unclaimed_one_does_not(
     assert store.claimed_at(reused[0]) == clock.now and store.claimed_at("ab" * 32) is None
     clock.now += 7200
     assert store.claim([reused[0], "ab" * 32, "not-an-id"]) == [True, False, False]
+    unsynced = OrphanCollector(lambda: set(), store, grace_s=3600, clock=clock, in_sync=lambda: False).step()
+    assert unsynced.deleted == 0 and unsynced.skipped_reason and store.has(forgotten[0])  # no leader: nothing is known
     report = OrphanCollector(lambda: set(), store, grace_s=3600, clock=clock).step()
     assert report.deleted == 1
     assert store.has(reused[0]) and not store.has(forgotten[0])
