@@ -183,7 +183,13 @@ class MetadataNode:
         so = self._syncobj
         if so is None or self.failure() is not None or self.leader_raft_address() is None:
             return False
-        return bool(so.isReady()) and so.raftLastApplied >= so.raftCommitIndex
+        # A follower caps its own commit index at the log it holds, so while it is still catching up
+        # raftCommitIndex == raftLastApplied says nothing; the leader's commit index (from its
+        # last AppendEntries, or our own as leader) is what must have been applied.
+        leader_commit = getattr(so, "_SyncObj__leaderCommitIndex", None)
+        if not isinstance(leader_commit, int):
+            return False
+        return bool(so.isReady()) and so.raftLastApplied >= leader_commit
 
     # ------------------------------------------------------ identity, status
     @property

@@ -57,6 +57,25 @@ def test_records_and_typed_errors_through_a_follower(nodes: list[MetadataNode]) 
     assert status["leader"] == follower.leader_raft_address() and len(status["cluster"]) == 3
 
 
+def test_in_sync_means_applied_up_to_the_leaders_commit_index(nodes: list[MetadataNode]) -> None:
+    leader = next(n for n in nodes if n.is_leader())
+    leader.commit_version("m", M1, None, "alice", 10, 1)
+    wait_until(lambda: all(n.in_sync() for n in nodes), 30)
+    follower = next(n for n in nodes if not n.is_leader())
+    so = follower._syncobj
+    assert so is not None
+    # A follower still catching up has raftCommitIndex == raftLastApplied (it caps its commit
+    # index at the log it holds); only the leader's commit index tells it that it is behind.
+    # The leader's heartbeats overwrite what is set here, so a few tries: one is enough.
+    def behind_is_seen() -> bool:
+        so._SyncObj__leaderCommitIndex = so.raftLastApplied + 5  # as an AppendEntries would say
+        return not follower.in_sync()
+
+    assert so.raftCommitIndex <= so.raftLastApplied
+    assert any(behind_is_seen() for _ in range(20))
+    wait_until(follower.in_sync, 30)  # the next heartbeat brings the true commit index back
+
+
 def test_follower_links_stay_up_past_the_connection_timeout(tmp_path: Path) -> None:
     # Without keepalives the follower-follower link expires after connection_timeout of
     # silence and the next vote request on it is dropped (pysyncobj issue 172).
