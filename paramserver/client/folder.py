@@ -137,14 +137,15 @@ def pull_folder(
     shards: list[SafetensorsOut] = []
 
     def in_shards(manifest: Manifest, version: VersionInfo) -> Targets:
-        # Each shard's own metadata as pushed (e.g. transformers' "format"), else "pt"; then where it came from.
-        ours = {"format": "pt", "model": manifest.model, "version": str(version.number), "manifest_id": version.manifest_id}
+        # Each shard's own metadata as pushed (e.g. transformers' "format"), else "pt"; then where it came
+        # from, last: a folder pulled and pushed again carries the old pull's model/version, now untrue.
+        provenance = {"model": manifest.model, "version": str(version.number), "manifest_id": version.manifest_id}
         kept = dict(zip(manifest.weight_files, manifest.weight_file_metadata))
         tensors: dict[str, torch.Tensor] = {}
         fresh: list[torch.Tensor] = []
         try:
             for rel, entries in shard_plan(manifest).items():
-                meta = {**ours, **dict(kept.get(rel, ()))}
+                meta = {"format": "pt", **dict(kept.get(rel, ())), **provenance}
                 out = SafetensorsOut(staging / rel, manifest, meta, only=entries)
                 shards.append(out)
                 tensors.update(out.targets.tensors)

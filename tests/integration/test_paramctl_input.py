@@ -196,7 +196,9 @@ def test_a_pulled_folder_keeps_each_shards_metadata(cluster: LocalCluster, tmp_p
 
     folder = tmp_path / "meta-folder"
     folder.mkdir()
-    save_file({"a": torch.ones(3)}, str(folder / "a.safetensors"), metadata={"peft": "yes", "format": "tf"})
+    # "model" and "version" as a pull of another model wrote them: this pull's provenance wins.
+    stale = {"peft": "yes", "format": "tf", "model": "elsewhere", "version": "9"}
+    save_file({"a": torch.ones(3)}, str(folder / "a.safetensors"), metadata=stale)
     save_file({"b": torch.zeros(2)}, str(folder / "b.safetensors"))
     assert paramctl(cluster, "push", str(folder), "--model", "meta-folder").returncode == 0
     out = tmp_path / "pulled"
@@ -205,4 +207,5 @@ def test_a_pulled_folder_keeps_each_shards_metadata(cluster: LocalCluster, tmp_p
     with safe_open(str(out / "a.safetensors"), "pt") as a, safe_open(str(out / "b.safetensors"), "pt") as b:
         first, second = a.metadata(), b.metadata()
     assert first["peft"] == "yes" and first["format"] == "tf" and first["model"] == "meta-folder", first
+    assert first["version"] == "1" and first["manifest_id"] == second["manifest_id"], first
     assert second["format"] == "pt" and second["version"] == "1", second
