@@ -7,7 +7,9 @@ this one. So a running server holds ``paramserver.lock`` (an advisory ``flock``,
 process ends, however it ends), and ``raft/cluster.id`` records the cluster id (keyed by the
 cluster secret and the ring's vnodes, as ServerStatus reports it) the journal was written under:
 a server whose id differs refuses to start. The file lives beside the journal so that it travels
-with it. A journal from before the file existed gets it at its next start.
+with it. It is written only once the server has joined (its member record committed through a
+leader that speaks this secret), so a first start with a mistyped secret, which joins nothing,
+leaves no id behind to refuse the right secret later.
 """
 from __future__ import annotations
 
@@ -47,24 +49,30 @@ def lock_data_dir(data_dir: Path) -> int:
     return fd
 
 
-def check_identity(raft_dir: Path, cluster_id: str, *, fsync: bool = True) -> None:
-    """Refuse a Raft folder written under another cluster id; record the id on a folder without one."""
+def check_identity(raft_dir: Path, cluster_id: str) -> bool:
+    """Refuse a Raft folder written under another cluster id. True when the folder records this id,
+    False when it records none yet (``record_identity`` writes it once this server has joined)."""
     path = raft_dir / IDENTITY_FILE
     try:
         recorded = path.read_text(encoding="ascii").strip()
     except FileNotFoundError:
-        recorded = None
+        return False
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read {path} ({exc}); it names the cluster this data dir belongs to") from None
-    if recorded is not None:
-        if recorded != cluster_id:
-            raise ForeignDataDir(
-                f"data dir {raft_dir.parent} belongs to another cluster: {path} records cluster id {recorded[:12]}..., "
-                f"this server's secret and --vnodes give {cluster_id[:12]}...; point --data-dir at this server's own "
-                f"folder (or an empty one to join afresh). After rotating the cluster secret on every member, delete "
-                f"{IDENTITY_FILE} in each member's raft folder"
-            )
-        return
+    if recorded != cluster_id:
+        raise ForeignDataDir(
+            f"data dir {raft_dir.parent} belongs to another cluster: {path} records cluster id {recorded[:12]}..., "
+            f"while this server's cluster secret and --vnodes give {cluster_id[:12]}...; if the folder is this "
+            f"server's own, start it with the secret file and --vnodes it ran with; otherwise point --data-dir at its "
+            f"own folder (or an empty one to join afresh). After rotating the cluster secret on every member, delete "
+            f"{IDENTITY_FILE} in each member's raft folder"
+        )
+    return True
+
+
+def record_identity(raft_dir: Path, cluster_id: str, *, fsync: bool = True) -> None:
+    """Write the cluster id this Raft folder belongs to (atomically: a crash leaves the old state)."""
+    path = raft_dir / IDENTITY_FILE
     raft_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{IDENTITY_FILE}.tmp")
     with open(tmp, "w", encoding="ascii") as f:
@@ -81,4 +89,4 @@ def check_identity(raft_dir: Path, cluster_id: str, *, fsync: bool = True) -> No
             os.close(dir_fd)
 
 
-__all__ = ["DataDirInUse", "ForeignDataDir", "IDENTITY_FILE", "LOCK_FILE", "check_identity", "lock_data_dir"]
+__all__ = ["DataDirInUse", "ForeignDataDir", "IDENTITY_FILE", "LOCK_FILE", "check_identity", "lock_data_dir", "record_identity"]

@@ -20,7 +20,7 @@ from paramserver.server.bulk_port import BulkServer, BulkServerConfig
 from paramserver.server.compaction import Compactor
 from paramserver.server.cluster import MemberCheck, PeerSet, QuorumVersionCheck, ReplicaFetcher, cluster_blob_fetcher
 from paramserver.server.config import ServerConfig, is_loopback_host
-from paramserver.server.data_dir import check_identity, lock_data_dir
+from paramserver.server.data_dir import check_identity, lock_data_dir, record_identity
 from paramserver.server.gc import OrphanCollector, References
 from paramserver.server.heat import SAVE_INTERVAL_S, HeatAggregator, HeatSnapshots
 from paramserver.server.hot_chunks import STATE_FILE, HotChunks, HotConfig
@@ -53,8 +53,18 @@ class ParamServer:
     _stopped: threading.Event = field(default_factory=threading.Event)
     _registered: threading.Event = field(default_factory=threading.Event)
     _dir_lock: int = -1  # the descriptor that holds the data dir (data_dir.lock_data_dir)
+    _identity_recorded: bool = False  # raft/cluster.id names this cluster (data_dir.record_identity)
 
     def start(self) -> None:
+        """Start every part; a part that fails to start stops those already started (and frees the
+        data dir), so a caller that catches the error may start another server on it."""
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> None:
         cfg = self.config.validate()
         if cfg.insecure:
             for gap in cfg.open_to_network() or ["nothing is open to the network (every address is loopback)"]:
@@ -62,7 +72,7 @@ class ParamServer:
         elif cfg.read_token is None and not is_loopback_host(cfg.listen.rpartition(":")[0]):
             log.info("reads are open on %s (no read token): anyone who reaches it can read every model", cfg.listen)
         self._dir_lock = lock_data_dir(cfg.data_dir)  # before anything in it is opened
-        check_identity(cfg.data_dir / "raft", cluster_id(cfg.cluster_secret, cfg.vnodes), fsync=cfg.fsync)
+        self._identity_recorded = check_identity(cfg.data_dir / "raft", cluster_id(cfg.cluster_secret, cfg.vnodes))
         queue = RepairQueue()
         self.store = store = ChunkStore(cfg.data_dir, cache_bytes=cfg.cache_bytes, fsync=cfg.fsync, on_corrupt=queue.add,
                                          config=StoreConfig.from_extra(cfg.extra),
@@ -144,6 +154,8 @@ class ParamServer:
                     if current is not None and current.state == "leaving":
                         me = replace(me, state="leaving")  # drained by an operator: a restart must not undo it
                     if current == me:
+                        if not self._identity_recorded:  # joined: this journal is this cluster's now
+                            self._record_identity()
                         self._registered.set()
                         return
                     self.node.add_member(me)
@@ -157,6 +169,15 @@ class ParamServer:
                 log.info("registration of %s not done yet: %s", cfg.server_id, exc)
             self._stopped.wait(delay)
             delay = min(2.0, delay * 2)
+
+    def _record_identity(self) -> None:
+        cfg = self.config
+        try:
+            record_identity(cfg.data_dir / "raft", cluster_id(cfg.cluster_secret, cfg.vnodes), fsync=cfg.fsync)
+            self._identity_recorded = True
+        except OSError as exc:  # not fatal: the journal is unchanged; the next start tries again
+            log.warning("%s could not record its cluster id in %s (%s); it is tried again at the next start",
+                        cfg.server_id, cfg.data_dir / "raft", exc)
 
     @property
     def grpc_advertise_address(self) -> str:

@@ -293,8 +293,23 @@ def test_a_data_dir_in_use_or_of_another_cluster_is_refused(tmp_path: Path) -> N
                                         extra_args=("--no-fsync",)))
     data = c.root / "ps1"
     serve = [sys.executable, "-m", "paramserver", "serve", "--id", "ps1", "--data-dir", str(data), "--no-fsync"]
+    other = tmp_path / "other.secret"
+    other.write_text("the-secret-of-another-cluster-987654\n")
+    # A first start with the wrong secret (here: one that never reaches its peer) joins nothing and
+    # must leave no cluster id behind that would refuse the right secret afterwards.
+    mistyped = subprocess.Popen([*serve, "--listen", f"127.0.0.1:{free_port()}", "--raft", f"127.0.0.1:{free_port()}",
+                                 "--peer", f"127.0.0.1:{free_port()}", "--cluster-secret-file", str(other)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: (data / "raft").is_dir(), 60, "the mistyped server to open its journal")
+        time.sleep(2.0)
+    finally:
+        mistyped.terminate()
+        mistyped.wait(30)
+    assert not (data / "raft" / "cluster.id").exists()
     try:
         c.up(wait=90)
+        wait_until(lambda: (data / "raft" / "cluster.id").exists(), 60, "the cluster id, recorded once ps1 joined")
         twin = subprocess.run([*serve, "--listen", f"127.0.0.1:{free_port()}", "--raft", f"127.0.0.1:{free_port()}"],
                               capture_output=True, text=True, timeout=60)
         assert twin.returncode == 2, twin.stderr
@@ -303,8 +318,6 @@ def test_a_data_dir_in_use_or_of_another_cluster_is_refused(tmp_path: Path) -> N
     finally:
         c.down()
     recorded = (data / "raft" / "cluster.id").read_text()
-    other = tmp_path / "other.secret"
-    other.write_text("the-secret-of-another-cluster-987654\n")
     foreign = subprocess.run([*serve, "--listen", f"127.0.0.1:{free_port()}", "--raft", f"127.0.0.1:{free_port()}",
                               "--cluster-secret-file", str(other)], capture_output=True, text=True, timeout=60)
     assert foreign.returncode == 2, foreign.stderr

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from paramserver.server.data_dir import IDENTITY_FILE, DataDirInUse, ForeignDataDir, check_identity, lock_data_dir
+from paramserver.server.data_dir import IDENTITY_FILE, DataDirInUse, ForeignDataDir, check_identity, lock_data_dir, record_identity
 
 
 def test_a_second_holder_is_refused_naming_the_first_and_the_lock_ends_with_it(tmp_path: Path) -> None:
@@ -26,12 +26,28 @@ def test_a_second_holder_is_refused_naming_the_first_and_the_lock_ends_with_it(t
     os.close(lock_data_dir(tmp_path / "d"))  # released: taken again
 
 
-def test_a_journal_of_another_cluster_is_refused_and_a_new_one_records_its_id(tmp_path: Path) -> None:
+def test_a_journal_of_another_cluster_is_refused_and_a_joined_one_records_its_id(tmp_path: Path) -> None:
     raft = tmp_path / "d" / "raft"
-    check_identity(raft, "a" * 32)
+    assert check_identity(raft, "b" * 32) is False  # nothing recorded yet: any id may start on it
+    assert not raft.exists()  # and the check wrote nothing: a mistyped secret leaves no id behind
+    record_identity(raft, "a" * 32)
     assert (raft / IDENTITY_FILE).read_text() == "a" * 32 + "\n"
-    check_identity(raft, "a" * 32)  # the same cluster: fine, unchanged
+    assert check_identity(raft, "a" * 32) is True  # the same cluster: fine, unchanged
     with pytest.raises(ForeignDataDir, match="belongs to another cluster") as err:
         check_identity(raft, "b" * 32)
-    assert "rotating the cluster secret" in str(err.value) and "aaaaaaaaaaaa" in str(err.value)
+    why = str(err.value)
+    assert "rotating the cluster secret" in why and "aaaaaaaaaaaa" in why and "--vnodes it ran with" in why
     assert (raft / IDENTITY_FILE).read_text() == "a" * 32 + "\n"
+
+
+def test_a_server_that_fails_to_start_frees_its_data_dir(tmp_path: Path) -> None:
+    from paramserver.server.config import ServerConfig
+    from paramserver.server.process import ParamServer
+
+    data = tmp_path / "d"
+    record_identity(data / "raft", "f" * 32)  # another cluster's journal: start() refuses after taking the lock
+    server = ParamServer(ServerConfig(server_id="ps1", data_dir=data, listen="127.0.0.1:0", raft="127.0.0.1:0",
+                                      fsync=False))
+    with pytest.raises(ForeignDataDir):
+        server.start()
+    os.close(lock_data_dir(data))  # the failed start left no descriptor holding it
