@@ -525,13 +525,38 @@ class LocalCluster:
         self.save_state()
         self.write_client_config()
 
-    def restart(self, server_id: str) -> None:
-        """Start one stopped server again with the arguments it was started with (the others may run)."""
+    def restart(self, server_id: str, wait: float | None = None) -> None:
+        """Start one stopped server again with the arguments it was started with (the others may run).
+        ``wait``: up to that many seconds for it to answer, raising with its log if it exits first
+        (a refused data dir, a port taken) instead of reporting a start that did not happen."""
         slot = self.slot(server_id)
         if slot.pid and _alive(slot.pid):
             raise LauncherError(f"{server_id} is still running (pid {slot.pid}); stop it first", EXIT_CONFLICT)
         self._spawn(slot)
         self.save_state()
+        if wait is not None:
+            self.wait_answering(server_id, wait)
+
+    def wait_answering(self, server_id: str, timeout: float) -> None:
+        """Until ``server_id`` answers ClusterInfo (leader or not); LauncherError if it exits or stays silent."""
+        slot = self.slot(server_id)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            proc = self._procs.get(server_id)
+            code = proc.poll() if proc is not None else None
+            if code is not None or not (slot.pid and _alive(slot.pid)):
+                slot.pid = None
+                self.save_state()
+                self._procs.pop(server_id, None)
+                last = _tail(slot.log_file, 1).strip() or "(nothing logged)"
+                raise LauncherError(f"{server_id} exited during start-up{'' if code is None else f' (exit {code})'}: "
+                                    f"{last} (log: {slot.log_file})",
+                                    EXIT_BAD_ARGUMENTS if code == EXIT_BAD_ARGUMENTS else EXIT_OTHER)
+            if self.cluster_info(server_id, timeout=1.0) is not None:
+                return
+            time.sleep(0.2)
+        raise LauncherError(f"{server_id} (pid {slot.pid}) did not answer on {slot.grpc} within {timeout:.0f}s; see "
+                            f"{slot.log_file}", EXIT_UNAVAILABLE)
 
     def _reap(self, slot: ServerSlot, timeout: float) -> None:
         proc = self._procs.pop(slot.server_id, None)
@@ -880,7 +905,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"add it to the cluster with:   {cluster.join_command(slot.server_id)}")
             return 0
         if args.cmd == "start":
-            cluster.restart(args.server_id)
+            cluster.restart(args.server_id, wait=60.0)
             slot = cluster.slot(args.server_id)
             print(f"started {slot.server_id}  grpc {slot.grpc}  raft {slot.raft}  pid {slot.pid}  log {slot.log_file}")
             return 0

@@ -39,6 +39,7 @@ from paramserver.client.exit_codes import (
 )  # fmt: skip
 from paramserver.client.progress import RichProgress
 from paramserver.client.refs import MAX_VERSION
+from paramserver.client.rpc import ParamServerClient
 from paramserver.wire.proto import pb
 from paramserver.client.folder import pull_folder, shard_plan
 from paramserver.client.pull import PullOptions, pull
@@ -349,12 +350,34 @@ def cmd_pull(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> in
     return 0
 
 
+class _NoLongerLeads(grpc.RpcError):
+    """A member the view took for the leader answered as a follower: retryable, so ``leader_call``
+    asks the others who leads now."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(f"{address} answered but does not lead")
+        self.address = address
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return f"{self.address} answered but is not the Raft leader, and no member named one that is"
+
+
+def _leader_status(client: ParamServerClient) -> pb.ServerStatusReply:
+    status = client.server_status()
+    if not status.is_leader:
+        raise _NoLongerLeads(client.address)
+    return status
+
+
 def _write_call(opts: ClusterOptions, call: Callable[[ClusterView], object]) -> object:
-    """``call(view)`` once a leader answers. Found with ``leader_call`` (through an election, with its
-    notice and its exit-6 message when there is none), the write itself is sent once: a rollback
-    sent again after a lost answer would move the tag back twice."""
+    """``call(view)`` once the leader answers as the leader. Found with ``leader_call`` (through an
+    election, with its notice and its exit-6 message when there is none), the write itself is sent
+    once: a rollback sent again after a lost answer would move the tag back twice."""
     with ClusterView.connect(opts) as view:
-        view.leader_call(lambda c: c.server_status())
+        view.leader_call(_leader_status)
         return call(view)
 
 

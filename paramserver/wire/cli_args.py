@@ -23,7 +23,8 @@ def int_in(low: int, high: int, what: str) -> Callable[[str], int]:
     """An argparse type: a decimal integer in [low, high], else one line naming the range."""
     def parse(text: str) -> int:
         t = text.strip()
-        if not t.lstrip("-").isdigit() or not low <= int(t) <= high:
+        digits = t.removeprefix("-")
+        if not (digits.isascii() and digits.isdigit()) or not low <= int(t) <= high:  # int() takes any script's digits
             raise argparse.ArgumentTypeError(f"{what} must be a whole number from {low} to {high}, got {text!r}")
         return int(t)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from deploy import local
+from paramserver.server.data_dir import lock_data_dir
 from deploy.drills.framework import DrillError
 from deploy.drills.report import DrillReport
 from deploy.drills.run import _write_report, check_report_path
@@ -78,6 +79,13 @@ def test_refused_up_leaves_the_running_cluster_alone(tmp_path: Path) -> None:
         one_line(cli("deploy.local", "start", "--dir", str(root), "ps9"), local.EXIT_NOT_FOUND, "no server 'ps9'")
         os.kill(pid, signal.SIGKILL)
         assert pid_gone(pid)
+        # A start the server refuses (its data dir held) fails with the server's own reason, not exit 0.
+        held = lock_data_dir(Path(json.loads(state.read_text())["slots"][0]["data_dir"]))
+        try:
+            one_line(cli("deploy.local", "start", "--dir", str(root), "ps1"), local.EXIT_BAD_ARGUMENTS,
+                     "ps1 exited during start-up (exit 2)", "is in use by another paramserver")
+        finally:
+            os.close(held)
         started = cli("deploy.local", "start", "--dir", str(root), "ps1")
         assert started.returncode == 0 and "started ps1" in started.stdout, started.stderr
         pid = json.loads(state.read_text())["slots"][0]["pid"]

@@ -244,3 +244,25 @@ def test_a_stale_belief_in_the_current_term_gives_way_to_the_leader_claiming_it(
         release.set()
     view.refresh(deadline_s=2.0)  # the same answers: the claim wins over the belief
     assert view.info.leader_id == "ps3"
+
+
+def test_a_write_waits_for_the_member_that_answers_as_the_leader() -> None:
+    """paramctl's tag/rollback/untag probe: a deposed leader still answers ServerStatus, as a
+    follower; the write must go to the member that leads now, not to it."""
+    from paramserver.client.ctl import _leader_status
+
+    def status(server_id: str, leads: bool) -> Callable[[], pb.ServerStatusReply]:
+        return lambda: pb.ServerStatusReply(server_id=server_id, is_leader=leads)
+
+    members = {
+        "ps2": Member("ps2", lambda: info("ps2", "ps3", 6), status("ps2", False)),  # deposed, still answers
+        "ps1": Member("ps1", lambda: info("ps1", "ps3", 6), status("ps1", False)),
+        "ps3": Member("ps3", lambda: info("ps3", "ps3", 6), status("ps3", True)),
+    }
+    for m in members.values():
+        m.server_status = m.do  # type: ignore[attr-defined]
+    view = view_of(members, info("ps1", "ps2", 5))
+    got = view.leader_call(_leader_status, deadline_s=5.0)  # type: ignore[arg-type]
+    assert got.server_id == "ps3" and got.is_leader
+    assert members["ps2"].calls >= 1 and members["ps3"].calls == 1 and members["ps1"].calls == 0
+    assert view.info.leader_id == "ps3"
