@@ -64,6 +64,8 @@ RESOLVE_TIMEOUT_S = 2.0
 BODY_TIMEOUT_S = 10.0  # a beat, leave or pre-warm body must arrive within this
 KEEPALIVE_S = 30.0  # an idle client connection is closed after this
 DEFAULT_MAX_CONNECTIONS = 4096
+REFUSE_LINGER_S = 1.0  # how long a refused connection is read from, so that its 503 is not reset
+REFUSE_DRAINING = 256  # refused connections read from at once; beyond, closed at once
 ROUTER_ENV = "PARAMS_ROUTER"
 WORKER_HEADER = "X-Pdparams-Worker"  # on every answer: the worker that gave it
 
@@ -479,12 +481,74 @@ def connection_cap(wanted: int, fd_limit: int | None = None) -> int:
     return max(1, min(wanted, fd_limit // 2))
 
 
-class _Overloaded(asyncio.Protocol):
-    """A connection past the cap: a 503 and closed, before aiohttp spends anything on it."""
+class _Open:
+    """Client connections from accept to close. aiohttp adds one to its own count only when the
+    loop gets round to ``connection_made``: a burst accepted in one go was never refused."""
+
+    def __init__(self) -> None:
+        self.connections = 0
+        self.refusing = 0  # _Overloaded connections still draining
+
+
+class _Counted(asyncio.Protocol):
+    """aiohttp's protocol for one connection, counted in ``_Open`` until it is lost."""
+
+    def __init__(self, inner: asyncio.Protocol, open_: _Open) -> None:
+        self._inner = inner
+        self._open = open_
+        open_.connections += 1
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        cast(asyncio.Transport, transport).write(TOO_MANY_CONNECTIONS)
-        transport.close()
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._open.connections -= 1
+        self._inner.connection_lost(exc)
+
+
+class _Overloaded(asyncio.Protocol):
+    """A connection past the cap: a 503, before aiohttp spends anything on it. Closing with the
+    client's request unread would send a reset that can overtake the 503, so the answer goes out
+    with a FIN and what the client sent is read and dropped for up to REFUSE_LINGER_S; past
+    REFUSE_DRAINING such connections at once, the rest are closed without the wait."""
+
+    def __init__(self, open_: _Open) -> None:
+        self._open = open_
+        self._transport: asyncio.Transport | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        t = self._transport = cast(asyncio.Transport, transport)
+        t.write(TOO_MANY_CONNECTIONS)
+        if self._open.refusing >= REFUSE_DRAINING or not t.can_write_eof():
+            t.close()
+            return
+        self._open.refusing += 1
+        t.write_eof()
+        self._timer = asyncio.get_running_loop().call_later(REFUSE_LINGER_S, t.close)
+
+    def data_received(self, data: bytes) -> None:
+        pass  # the request of a refused connection: dropped
+
+    def eof_received(self) -> bool:
+        return False  # the client is done too: close
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._open.refusing -= 1
 
 
 async def _serve(router: Router, host: str, port: int, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> int:
@@ -493,14 +557,15 @@ async def _serve(router: Router, host: str, port: int, max_connections: int = DE
     await runner.setup()
     handlers = runner.server
     assert handlers is not None
+    open_ = _Open()
 
     def protocol() -> asyncio.Protocol:
         # aiohttp has no connection limit: without one, a client holding connections open (a
         # request line trickled a byte at a time) takes every file descriptor.
-        if len(handlers.connections) >= max_connections:
+        if open_.connections >= max_connections:
             router.metrics.refused_connections.inc()
-            return _Overloaded()
-        return handlers()
+            return _Overloaded(open_)
+        return _Counted(handlers(), open_)
 
     server: asyncio.Server | None = None
     try:  # cleanup closes the router's client session too, also when the bind fails
