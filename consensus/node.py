@@ -23,7 +23,7 @@ from .errors import CommitTimeout, Conflict, NoQuorum, NotLeader, RaftStopped, U
 from .links import transport_class
 from .records import MemberRecord, ReadResult, TagRecord, VersionRecord
 from .replica import StateReplica, unwrap
-from .state import MetadataState
+from .state import CLOCK_RULE, MetadataState
 from .validation import check_name
 
 log = logging.getLogger(__name__)
@@ -274,6 +274,7 @@ class MetadataNode:
             "created_at": self._clock() if created_at is None else created_at,
             "force": force,
             "tag": tag,
+            "clock_rule": CLOCK_RULE,
         })
         return version_record(result)
 

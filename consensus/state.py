@@ -27,6 +27,12 @@ from .validation import (
 )
 
 LATEST = "latest"
+# How commit_version derives a version's clock; the proposer names the rule in the command, so a
+# journal replays to the clocks it was acknowledged with. 1: a plain increment, given a key of its
+# own only when it repeats a sibling's clock exactly. 2: given a key of its own whenever the
+# publisher's counter forked (see _forks). Commands without the field are rule 1.
+CLOCK_RULES = (1, 2)
+CLOCK_RULE = 2  # what this code proposes
 MEMBER_STATES = ("up", "leaving")
 SNAPSHOT_FORMAT = 1
 # Bounded so that a long-lived tag or a busy cluster cannot grow the full dump forever.
@@ -120,6 +126,12 @@ class MetadataState:
                 raise NotFound(f"parent version {model_name}:{parent} does not exist; pull the model again and commit on its head")
             parent_clock = VectorClock(versions[parent]["clock"])
         clock = parent_clock.increment(publisher)
+        rule = c.get("clock_rule", 1)
+        if rule not in CLOCK_RULES:
+            raise Invalid(f"clock_rule must be one of {CLOCK_RULES}, got {rule!r}; upgrade this server")
+        number = model["next_number"] if model else 1
+        if rule >= 2 and _forks(versions, publisher, clock[publisher]):
+            clock = parent_clock.increment(f"{publisher}/v{number}")
 
         forced = False
         head = _head(versions)
@@ -136,9 +148,8 @@ class MetadataState:
 
         if model is None:
             model = self._models[model_name] = _new_model()
-        number = model["next_number"]
         plain = clock.to_dict()  # stored clocks are to_dict() too: plain dicts compare alike, without a VectorClock each
-        if any(v["clock"] == plain for v in versions.values()):
+        if rule == 1 and any(v["clock"] == plain for v in versions.values()):
             # The publisher committed on this parent before (a forced sibling): the plain increment
             # repeats that sibling's clock, and clients refuse a tag move between two versions with
             # one clock. An entry of this version's own keeps it after its parent and concurrent
@@ -373,6 +384,18 @@ class MetadataState:
 
 def _new_model() -> dict[str, Any]:
     return {"versions": {}, "next_number": 1, "tags": {}, "latest_pinned": False, "tag_graveyard": {}}
+
+
+def _forks(versions: Mapping[int, Mapping[str, Any]], publisher: str, counter: int) -> bool:
+    """Whether ``publisher``'s next counter on a parent is already taken by another version.
+
+    A vector clock counts each publisher's versions on one line. When a publisher commits again on
+    an older version (a forced sibling), its plain increment reuses a counter that a version off this
+    line already holds, and a later commit on the sibling would then compare after that version
+    without containing it (the conflict check waved it through and ``latest`` moved over it). Such a
+    commit gets a key of its own instead. No ancestor can hold the counter: an ancestor's count of
+    ``publisher`` is at most the parent's, one less than ``counter``."""
+    return any(v["clock"].get(publisher, 0) >= counter for v in versions.values())
 
 
 def _head(versions: Mapping[int, Mapping[str, Any]]) -> Mapping[str, Any] | None:

@@ -9,15 +9,17 @@ from hypothesis import given, settings, strategies as st
 
 from consensus.clock import Ordering, VectorClock
 from consensus.errors import Conflict, Invalid, MetadataError, NotFound
-from consensus.state import MAX_RECENT_REQUESTS, MetadataState
+from consensus.state import CLOCK_RULE, MAX_RECENT_REQUESTS, MetadataState
 
 M = ["%064x" % i for i in range(1, 50)]
 
 
 def commit(state: MetadataState, parent: int | None, publisher: str = "alice", *, model: str = "resnet",
            n: int = 1, at: float = 100.0, **extra: Any) -> dict[str, Any]:
+    """A commit as MetadataNode proposes it (its clock rule unless ``clock_rule`` is given)."""
     return state.apply({"op": "commit_version", "model": model, "manifest_id": M[n], "parent": parent,
-                        "publisher": publisher, "nbytes": 10 * n, "chunk_count": n, "created_at": at, **extra})
+                        "publisher": publisher, "nbytes": 10 * n, "chunk_count": n, "created_at": at,
+                        "clock_rule": CLOCK_RULE, **extra})
 
 
 def tag_cmd(op: str, tag: str, *, model: str = "resnet", who: str = "ops", when: float = 200.0, **extra: Any) -> dict:
@@ -92,6 +94,39 @@ def test_a_forced_sibling_by_the_same_publisher_gets_a_clock_of_its_own(state: M
     assert VectorClock(v4["clock"]).compare(v3c) is Ordering.AFTER
     clocks = [tuple(sorted(v["clock"].items())) for v in state.list_versions("resnet")]
     assert len(set(clocks)) == len(clocks)
+
+
+def test_a_commit_on_a_forced_sibling_does_not_pass_over_the_head_it_does_not_contain(state: MetadataState) -> None:
+    """alice: v2 on v1, then v3 forced on v1, then v4 on v3. The plain increment gave v4
+    {alice: 2, alice/v3: 1}, which compares after v2 {alice: 2}: no conflict, and latest moved
+    from v2 to a version that never had v2's change."""
+    commit(state, None, "alice")
+    commit(state, 1, "alice", n=2)
+    commit(state, 1, "alice", n=3, force=True)
+    with pytest.raises(Conflict, match="head is resnet:2"):
+        commit(state, 3, "alice", n=4)
+    assert state.resolve_tag("resnet", "latest")["number"] == 2
+    v4 = commit(state, 3, "alice", n=4, force=True)
+    assert v4["forced"] and v4["clock"] == {"alice": 1, "alice/v3": 1, "alice/v4": 1}
+    v5 = commit(state, 4, "bob", n=5, force=True)  # another publisher on the sibling line: its own key is new
+    assert v5["clock"] == {"alice": 1, "alice/v3": 1, "alice/v4": 1, "bob": 1}
+    clocks = {v["number"]: VectorClock(v["clock"]) for v in state.list_versions("resnet")}
+    assert clocks[5].compare(clocks[3]) is Ordering.AFTER and clocks[5].compare(clocks[2]) is Ordering.CONCURRENT
+    # The head's own line goes on with plain increments.
+    assert commit(state, 2, "alice", n=6)["clock"] == {"alice": 3}
+
+
+def test_a_journal_replays_to_the_clocks_it_was_acknowledged_with(state: MetadataState) -> None:
+    """A command without clock_rule was proposed by a server from before rule 2: replayed, it gets
+    the clock that server gave it, so a replica rebuilt from the log matches one loaded from a dump."""
+    state.apply({"op": "commit_version", "model": "resnet", "manifest_id": M[1], "parent": None,
+                 "publisher": "alice", "nbytes": 1, "chunk_count": 1, "created_at": 1.0})
+    commit(state, 1, "alice", n=2, clock_rule=1)
+    commit(state, 1, "alice", n=3, force=True, clock_rule=1)
+    old = commit(state, 3, "alice", n=4, clock_rule=1)  # rule 1: the plain increment, after v2
+    assert old["clock"] == {"alice": 2, "alice/v3": 1} and not old["forced"]
+    with pytest.raises(Invalid, match="clock_rule must be one of"):
+        commit(state, 4, "alice", n=5, clock_rule=3)
 
 
 def test_commit_with_tag_sets_it_atomically(state: MetadataState) -> None:
