@@ -11,6 +11,8 @@ connections (bodies arrive before a forward slot is asked for, so admission alon
 from __future__ import annotations
 
 import math
+import selectors
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +26,77 @@ _TOO_MANY = b'{"error":"overloaded: too many open connections; retry later"}'
 # written before any request is read, then the connection is closed.
 TOO_MANY_CONNECTIONS = (b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type: application/json\r\n"
                         b"Connection: close\r\nContent-Length: " + str(len(_TOO_MANY)).encode() + b"\r\n\r\n" + _TOO_MANY)
+
+
+class Refuser:
+    """Answers connections past a server's cap with ``TOO_MANY_CONNECTIONS`` without letting a reset
+    overtake it: closing a socket with the client's request unread sends a reset, and a client
+    that gets the reset before it reads may lose the 503. So the answer goes out with a FIN and
+    one thread reads and drops what the client sent, for up to ``linger_s``, before closing; past
+    ``max_draining`` sockets at once, the rest are closed at once."""
+
+    def __init__(self, linger_s: float = 1.0, max_draining: int = 256,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.linger_s = linger_s
+        self.max_draining = max_draining
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._selector = selectors.DefaultSelector()
+        self._until: dict[socket.socket, float] = {}
+        self._thread: threading.Thread | None = None
+
+    @property
+    def draining(self) -> int:
+        with self._lock:
+            return len(self._until)
+
+    def refuse(self, sock: socket.socket) -> None:
+        """Write the 503 on ``sock`` (a fresh connection) and take it over; it is closed later."""
+        try:
+            sock.setblocking(False)
+            sock.send(TOO_MANY_CONNECTIONS)  # a fresh socket's buffer takes it whole
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            sock.close()
+            return
+        with self._lock:
+            if len(self._until) >= self.max_draining:
+                sock.close()
+                return
+            self._until[sock] = self._clock() + self.linger_s
+            self._selector.register(sock, selectors.EVENT_READ)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="refuse-drain", daemon=True)
+                self._thread.start()
+
+    def _close(self, sock: socket.socket) -> None:
+        self._selector.unregister(sock)
+        del self._until[sock]
+        sock.close()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._until:
+                    self._thread = None
+                    return
+                wait = max(0.0, min(self._until.values()) - self._clock())
+            events = self._selector.select(min(wait, 0.1))
+            with self._lock:
+                for key, _mask in events:
+                    sock = key.fileobj
+                    assert isinstance(sock, socket.socket)
+                    try:
+                        done = not sock.recv(65536)  # the client's request: dropped
+                    except BlockingIOError:
+                        done = False
+                    except OSError:
+                        done = True
+                    if done and sock in self._until:
+                        self._close(sock)
+                now = self._clock()
+                for sock in [s for s, t in self._until.items() if t <= now]:
+                    self._close(sock)
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,7 @@ import torch
 
 from paramserver.client.session import ClusterClient
 from paramserver.wire.auth import token_metadata
-from worker.admission import TOO_MANY_CONNECTIONS, Admission, AdmissionConfig, ByteBudget, Shed
+from worker.admission import Admission, AdmissionConfig, ByteBudget, Refuser, Shed
 from worker.config import MAX_BODY_BYTES, PrefetchConfig
 from worker.outputs import json_values
 from worker.errors import ConfigError, WorkerError
@@ -740,6 +740,7 @@ class _Server(ThreadingHTTPServer):
         self._active = 0
         self._count_lock = threading.Lock()
         self.refused = 0
+        self._refuser = Refuser()
         super().__init__(address, handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -749,11 +750,7 @@ class _Server(ThreadingHTTPServer):
                 self._active += 1
         if full:
             self.refused += 1
-            try:
-                cast(socket, request).sendall(TOO_MANY_CONNECTIONS)
-            except OSError:
-                pass
-            self.shutdown_request(request)
+            self._refuser.refuse(cast(socket, request))
             return
         super().process_request(request, client_address)
 

@@ -64,6 +64,13 @@ def test_slowloris_request_is_cut_at_its_read_deadline_and_slots_come_back(
     workers.append(w)
     request = b"POST /infer HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 1000
     slow = [socket.create_connection(address(w), timeout=5) for _ in range(4)]
+    time.sleep(0.3)  # every slot taken: a fifth connection is answered 503, its request unread
+    with socket.create_connection(address(w), timeout=5) as extra:
+        extra.sendall(b"POST /infer HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+        answer = b""
+        while chunk := extra.recv(4096):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 503") and b"too many open connections" in answer, answer
     started = time.monotonic()
     open_ = list(slow)
     pos = 0
