@@ -439,8 +439,12 @@ class ChunkStore:
         for segno in numbers:
             path = segment_file(self._seg_dir, segno)
             fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
-            scan = load_index_file(fd, segno, path, index_file(self._seg_dir, segno), verify=self.config.verify_index_on_open)
+            idx_path = index_file(self._seg_dir, segno)
+            scan = load_index_file(fd, segno, path, idx_path, verify=self.config.verify_index_on_open)
             if scan is None:
+                if os.path.exists(idx_path):
+                    log.warning("chunk store: index %s is damaged or does not fit its segment; the segment is scanned "
+                                "instead (every record checked) %s", idx_path, self._where)
                 # Unsealed (the active one, or a crash before its index was written): scan it, every
                 # record's bytes checked. A read-only view of a live writer's segment skips the data.
                 scan = scan_segment(fd, segno, path, check_data=writable, prove=self._prove_content if writable else None)

@@ -203,7 +203,7 @@ def test_segments_roll_over_are_sealed_with_an_index_and_reopen_from_it(tmp_path
     assert len(segment_files(reopened)) == len(segs)
 
 
-def test_a_damaged_index_falls_back_to_a_scan(tmp_path: Path) -> None:
+def test_a_damaged_index_falls_back_to_a_scan(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     store = small(tmp_path)
     chunks = [raw_chunk(30 * KiB, seed=i) for i in range(10)]
     store.put_many(chunks)
@@ -211,8 +211,12 @@ def test_a_damaged_index_falls_back_to_a_scan(tmp_path: Path) -> None:
     idx = sorted(tmp_path.glob("segments/*.idx"))
     idx[0].write_bytes(idx[0].read_bytes()[:-1] + b"\x00")  # its CRC no longer matches
     idx[1].unlink()
-    reopened = small(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="paramserver.server.store"):
+        reopened = small(tmp_path)
     assert len(reopened) == 10 and all(reopened.verify(c[0]).data == c[1] for c in chunks)
+    # The damaged one is said (a missing one is an unsealed segment's normal state).
+    damaged = [r.getMessage() for r in caplog.records if "is damaged or does not fit" in r.getMessage()]
+    assert len(damaged) == 1 and str(idx[0]) in damaged[0], damaged
 
 
 def test_an_index_entry_whose_record_header_was_damaged_is_quarantined_by_its_id(tmp_path: Path,
