@@ -796,12 +796,21 @@ def _alive(pid: int | None) -> bool:
         return False
     except PermissionError:
         return True
-    # A zombie that is not our child still answers kill(0); check /proc.
+    # A zombie that is not our child still answers kill(0); check /proc. Every thread counts: a killed
+    # group's leader shows Z while its other threads still hold the process's files (the data dir's
+    # lock among them), so the process is gone only when no thread is left running.
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
+        tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return True
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                if f.read().rsplit(")", 1)[-1].split()[0] not in ("Z", "X"):
+                    return True
+        except OSError:
+            continue
+    return False
 
 
 def _tail(path: str, lines: int = 20) -> str:
