@@ -44,6 +44,7 @@ def member_record(data: Mapping[str, Any]) -> MemberRecord:
         zone=data.get("zone", ""),
         # records written before the bulk port existed have no such key
         bulk_address=data.get("bulk_address", ""),
+        clock_rule=data.get("clock_rule", 1),
     )
 
 
@@ -56,6 +57,7 @@ def member_command(member: MemberRecord) -> dict[str, Any]:
         "state": member.state,
         "zone": member.zone,
         "bulk_address": member.bulk_address,
+        "clock_rule": member.clock_rule,
     }
 
 

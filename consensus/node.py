@@ -23,7 +23,7 @@ from .errors import CommitTimeout, Conflict, NoQuorum, NotLeader, RaftStopped, U
 from .links import transport_class
 from .records import MemberRecord, ReadResult, TagRecord, VersionRecord
 from .replica import StateReplica, unwrap
-from .state import CLOCK_RULE, MetadataState
+from .state import MetadataState
 from .validation import check_name
 
 log = logging.getLogger(__name__)
@@ -263,6 +263,8 @@ class MetadataNode:
         force: bool = False,
         tag: str | None = None,
     ) -> VersionRecord:
+        with self._replica.lock:
+            rule = self._replica.state.proposal_clock_rule()
         result = self._propose({
             "op": "commit_version",
             "model": model,
@@ -274,7 +276,7 @@ class MetadataNode:
             "created_at": self._clock() if created_at is None else created_at,
             "force": force,
             "tag": tag,
-            "clock_rule": CLOCK_RULE,
+            "clock_rule": rule,
         })
         return version_record(result)
 

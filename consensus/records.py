@@ -19,6 +19,7 @@ class MemberRecord:
     state: str = "up"  # "up" | "leaving"
     zone: str = ""
     bulk_address: str = ""  # host:port of the bulk chunk-read port, "" when the server has none
+    clock_rule: int = 1  # the highest vector-clock rule the server's code applies (consensus.state.CLOCK_RULES)
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,14 @@ from .validation import (
 LATEST = "latest"
 # How commit_version derives a version's clock; the proposer names the rule in the command, so a
 # journal replays to the clocks it was acknowledged with. 1: a plain increment, given a key of its
-# own only when it repeats a sibling's clock exactly. 2: given a key of its own whenever the
-# publisher's counter forked (see _forks). Commands without the field are rule 1.
+# own only when it repeats a sibling's clock exactly. 2: the publisher counts in its line's key
+# (see _line_key), and a count another version already holds starts a key of its own (see _forks).
+# Commands without the field are rule 1. A server applies every rule up to CLOCK_RULE; a leader
+# proposes the highest rule that every member's record says it applies (proposal_clock_rule), so a
+# server from before rule 2 never replays a command to another clock than its peers.
 CLOCK_RULES = (1, 2)
-CLOCK_RULE = 2  # what this code proposes
+CLOCK_RULE = 2  # the highest rule this code applies
+MAX_CLOCK_RULE = 1000  # what a member record may claim: later code may know more rules than this one
 MEMBER_STATES = ("up", "leaving")
 SNAPSHOT_FORMAT = 1
 # Bounded so that a long-lived tag or a busy cluster cannot grow the full dump forever.
@@ -125,12 +129,13 @@ class MetadataState:
             if parent not in versions:
                 raise NotFound(f"parent version {model_name}:{parent} does not exist; pull the model again and commit on its head")
             parent_clock = VectorClock(versions[parent]["clock"])
-        clock = parent_clock.increment(publisher)
         rule = c.get("clock_rule", 1)
         if rule not in CLOCK_RULES:
             raise Invalid(f"clock_rule must be one of {CLOCK_RULES}, got {rule!r}; upgrade this server")
         number = model["next_number"] if model else 1
-        if rule >= 2 and _forks(versions, publisher, clock[publisher]):
+        key = _line_key(parent_clock, publisher) if rule >= 2 else publisher
+        clock = parent_clock.increment(key)
+        if rule >= 2 and _forks(versions, key, clock[key]):
             clock = parent_clock.increment(f"{publisher}/v{number}")
 
         forced = False
@@ -259,6 +264,9 @@ class MetadataState:
         bulk_address = c.get("bulk_address", "") or ""
         if bulk_address:
             bulk_address = check_address("bulk address", bulk_address)
+        clock_rule = c.get("clock_rule", 1)  # records from before the field: a server that applies rule 1 only
+        if isinstance(clock_rule, bool) or not isinstance(clock_rule, int) or not 1 <= clock_rule <= MAX_CLOCK_RULE:
+            raise Invalid(f"clock_rule must be an integer from 1 to {MAX_CLOCK_RULE}, got {clock_rule!r}")
         for other in self._members.values():
             if other["server_id"] != server_id and other["raft_address"] == raft_address:
                 raise Conflict(
@@ -272,7 +280,7 @@ class MetadataState:
                 "remove the member and add it again"
             )
         return {"server_id": server_id, "grpc_address": grpc_address, "raft_address": raft_address,
-                "state": state, "zone": zone, "bulk_address": bulk_address}
+                "state": state, "zone": zone, "bulk_address": bulk_address, "clock_rule": clock_rule}
 
     def _remove_member(self, c: Command) -> None:
         server_id = check_name("server id", c.get("server_id"))
@@ -323,6 +331,11 @@ class MetadataState:
 
     def members(self) -> list[dict[str, Any]]:
         return [dict(self._members[s]) for s in sorted(self._members)]
+
+    def proposal_clock_rule(self) -> int:
+        """The clock rule a leader proposes: the highest that this code and every member apply."""
+        rules = [m.get("clock_rule", 1) for m in self._members.values()]
+        return min([CLOCK_RULE, *rules]) if rules else 1
 
     def member(self, server_id: str) -> dict[str, Any]:
         if server_id not in self._members:
@@ -386,16 +399,25 @@ def _new_model() -> dict[str, Any]:
     return {"versions": {}, "next_number": 1, "tags": {}, "latest_pinned": False, "tag_graveyard": {}}
 
 
-def _forks(versions: Mapping[int, Mapping[str, Any]], publisher: str, counter: int) -> bool:
-    """Whether ``publisher``'s next counter on a parent is already taken by another version.
+def _line_key(parent_clock: Mapping[str, int], publisher: str) -> str:
+    """The key ``publisher`` counts in on the parent's line: the newest key of its own (``alice/v7``,
+    started where its count forked), else its name. Counting on in that key keeps a line's clock at
+    one key per fork, however many commits follow."""
+    prefix = publisher + "/v"
+    forks = [int(k[len(prefix):]) for k in parent_clock if k.startswith(prefix) and k[len(prefix):].isdigit()]
+    return f"{prefix}{max(forks)}" if forks else publisher
+
+
+def _forks(versions: Mapping[int, Mapping[str, Any]], key: str, counter: int) -> bool:
+    """Whether the next count in ``key`` on a parent is already held by another version.
 
     A vector clock counts each publisher's versions on one line. When a publisher commits again on
-    an older version (a forced sibling), its plain increment reuses a counter that a version off this
-    line already holds, and a later commit on the sibling would then compare after that version
-    without containing it (the conflict check waved it through and ``latest`` moved over it). Such a
-    commit gets a key of its own instead. No ancestor can hold the counter: an ancestor's count of
-    ``publisher`` is at most the parent's, one less than ``counter``."""
-    return any(v["clock"].get(publisher, 0) >= counter for v in versions.values())
+    an older version (a forced sibling), its increment reuses a count that a version off this line
+    already holds, and a later commit on the sibling would then compare after that version without
+    containing it (the conflict check waved it through and ``latest`` moved over it). Such a commit
+    starts a key of its own instead. No ancestor can hold the count: an ancestor's count in ``key``
+    is at most the parent's, one less than ``counter``."""
+    return any(v["clock"].get(key, 0) >= counter for v in versions.values())
 
 
 def _head(versions: Mapping[int, Mapping[str, Any]]) -> Mapping[str, Any] | None:

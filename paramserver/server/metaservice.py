@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Protocol
 
 import grpc
@@ -245,6 +245,7 @@ class MetadataService:
         _need(context, server_id=m.server_id, grpc_address=m.grpc_address, raft_address=m.raft_address)
         record = MemberRecord(m.server_id, m.grpc_address, m.raft_address, m.state or "up", m.zone, m.bulk_address)
         try:
+            record = self._keep_known(record)
             if self.member_probe is not None and self._needs_probe(record):
                 try:
                     self.member_probe(record)
@@ -257,6 +258,14 @@ class MetadataService:
         except MAPPED as exc:
             abort_with(context, exc)
         return pb.MembershipReply(members=[_member_pb(x) for x in members.value], read=_read_pb(members))
+
+    def _keep_known(self, record: MemberRecord) -> MemberRecord:
+        """What the server itself registered stays: an operator's `member add` of a known server at
+        its addresses names no bulk port and cannot know the server's clock rule."""
+        known = {x.server_id: x for x in self.metadata.members().value}.get(record.server_id)
+        if known is None or (known.grpc_address, known.raft_address) != (record.grpc_address, record.raft_address):
+            return record
+        return replace(record, bulk_address=record.bulk_address or known.bulk_address, clock_rule=known.clock_rule)
 
     def _needs_probe(self, record: MemberRecord) -> bool:
         """A member joining the ring (or moving) must answer; marking a known member

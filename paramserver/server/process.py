@@ -13,6 +13,7 @@ from consensus.config import RaftConfig
 from consensus.errors import MetadataError
 from consensus.node import MetadataNode
 from consensus.records import MemberRecord
+from consensus.state import CLOCK_RULE
 
 from paramserver.server.auth import AuthConfig
 from paramserver.server.background import Periodic
@@ -144,7 +145,8 @@ class ParamServer:
         """Publish this server's member record once a leader exists; retry until it sticks."""
         assert self.node is not None
         cfg = self.config
-        me = MemberRecord(cfg.server_id, self.grpc_advertise_address, cfg.raft, "up", cfg.zone, self.bulk_advertise_address)
+        me = MemberRecord(cfg.server_id, self.grpc_advertise_address, cfg.raft, "up", cfg.zone, self.bulk_advertise_address,
+                          CLOCK_RULE)
         delay = 0.1
         hint_at: float | None = time.monotonic() + JOIN_HINT_AFTER_S
         while not self._stopped.is_set():

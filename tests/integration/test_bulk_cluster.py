@@ -92,6 +92,16 @@ def test_members_advertise_a_bulk_address_on_the_grpc_host(cluster: LocalCluster
         assert host == m.grpc_address.rpartition(":")[0] and int(port) > 0 and m.bulk_address != m.grpc_address
 
 
+def test_member_add_of_a_known_server_keeps_what_it_registered(cluster: LocalCluster) -> None:
+    """`paramctl member add ps2 ...` names no bulk port: it used to wipe ps2's, and every client fell
+    back to gRPC for ps2's chunks until ps2 restarted."""
+    before = members(cluster)["ps2"]
+    again = pb.Member(server_id="ps2", grpc_address=before.grpc_address, raft_address=before.raft_address, state="up")
+    reply = ParamServerClient(cluster.addresses[0], token=ADMIN).add_member(again)
+    assert {m.server_id: m for m in reply.members}["ps2"].bulk_address == before.bulk_address != ""
+    assert members(cluster)["ps2"] == before
+
+
 def test_bulk_round_trip_of_many_chunks_matches_the_manifest(cluster: LocalCluster) -> None:
     want = state_dict(1)
     push(cluster.seed, want, model="bulk-rt", tag="prod", token=ADMIN)

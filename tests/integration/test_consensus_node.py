@@ -57,6 +57,31 @@ def test_records_and_typed_errors_through_a_follower(nodes: list[MetadataNode]) 
     assert status["leader"] == follower.leader_raft_address() and len(status["cluster"]) == 3
 
 
+def test_the_clock_rule_waits_for_every_member_to_apply_it(nodes: list[MetadataNode]) -> None:
+    """bob commits v2 on v1, alice forces v3 on v1, then alice commits on the head: rule 2 gives that
+    commit a key of its own (alice's count 1 is v3's), rule 1 the plain count. While one member's
+    record is from a server that applies rule 1 only, every node proposes rule 1."""
+    from consensus.state import CLOCK_RULE
+
+    follower = next(n for n in nodes if not n.is_leader())
+    addresses = [n.config.raft_address for n in nodes]
+    for i, n in enumerate(nodes):  # n0 registers as a server from before the field (rule 1)
+        follower.add_member(MemberRecord(n.server_id, f"127.0.0.1:{7000 + i}", addresses[i], clock_rule=1 if i == 0 else CLOCK_RULE))
+
+    def forked_commit(model: str) -> dict[str, int]:
+        follower.commit_version(model, M1, None, "ops", 10, 1)
+        follower.commit_version(model, M2, 1, "bob", 10, 1)
+        follower.commit_version(model, M2, 1, "alice", 10, 1, force=True)
+        return dict(follower.commit_version(model, M1, 2, "alice", 10, 1).clock)
+
+    assert forked_commit("old") == {"ops": 1, "bob": 1, "alice": 1}
+    follower.add_member(MemberRecord(nodes[0].server_id, "127.0.0.1:7000", addresses[0], clock_rule=CLOCK_RULE))
+    assert forked_commit("new") == {"ops": 1, "bob": 1, "alice/v4": 1}
+    wait_until(lambda: all(n.in_sync() for n in nodes), 30)
+    for n in nodes:  # every replica applied the commands to the same clocks
+        assert [dict(v.clock) for v in n.list_versions("new").value] == [dict(v.clock) for v in follower.list_versions("new").value]
+
+
 def test_in_sync_means_applied_up_to_the_leaders_commit_index(nodes: list[MetadataNode]) -> None:
     leader = next(n for n in nodes if n.is_leader())
     leader.commit_version("m", M1, None, "alice", 10, 1)
