@@ -51,12 +51,27 @@ class ColdStart:
 
 
 def attach_waits(module: torch.nn.Module, handle: LoadHandle, wait_s: float) -> list[RemovableHandle]:
-    """A forward pre-hook per submodule that owns loaded tensors: wait for exactly those."""
+    """A forward pre-hook per submodule that owns loaded tensors: wait for exactly those.
+
+    A tensor counts by its storage, not only by its name: a submodule whose weight is tied to
+    another's (``lm_head.weight`` filled from ``embed.weight``) waits for the tensor it reads."""
     loading = set(handle.tensors)
+    by_storage: dict[int, list[str]] = {}
+    for name, t in handle.tensors.items():
+        if t.numel() and t.device.type != "meta":
+            by_storage.setdefault(t.data_ptr(), []).append(name)
     hooks: list[RemovableHandle] = []
     for prefix, sub in module.named_modules():
-        own = [n for n, _ in (*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False))]
-        names = tuple(full for full in ((f"{prefix}.{n}" if prefix else n) for n in own) if full in loading)
+        own = [*sub.named_parameters(recurse=False, remove_duplicate=False),
+               *sub.named_buffers(recurse=False, remove_duplicate=False)]
+        wanted: dict[str, None] = {}  # ordered, without repeats
+        for n, t in own:
+            full = f"{prefix}.{n}" if prefix else n
+            if full in loading:
+                wanted[full] = None
+            if t is not None and t.numel() and t.device.type != "meta":
+                wanted.update(dict.fromkeys(by_storage.get(t.data_ptr(), ())))
+        names = tuple(wanted)
         if not names:
             continue
 

@@ -390,7 +390,7 @@ class ModelServer:
             key = None
             keyed = request if request is not None else {"input": data}
             try:  # one canonical pass over the request: the key's, or (no key) a check that JSON can carry it
-                if use_cache and self.results.config.enabled:
+                if use_cache and self.results.config.enabled and not self._is_cold(module):
                     params = {"dtype": str(self._dtype(module)), "device": self.swapper.device.type, "factory": self.factory_name}
                     key = result_key(loaded.manifest.fingerprint, keyed, params)
                 else:
@@ -402,6 +402,13 @@ class ModelServer:
             return self.results.answer(key, lambda: self._forward(module, data, request)), loaded
         finally:
             self._release(heat)
+
+    def _is_cold(self, module: torch.nn.Module) -> bool:
+        """Whether ``module`` is a cold start's, still being filled: its answers are not cached, as
+        a forward that reads a weight past the pre-hooks (outside its owner's forward) could read
+        bytes not landed yet, and a cached answer would outlive the load."""
+        with self._lock:
+            return self._cold is not None and module is self._cold.module
 
     def handle_infer(self, raw: bytes | bytearray, want: str | None = None, exact: bool = False) -> tuple[int, bytes, dict[str, str]]:
         """HTTP status, body and extra headers for one ``POST /infer`` body; counts it in the metrics.

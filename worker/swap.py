@@ -122,11 +122,15 @@ class HotSwapper:
         self._install(new)
 
     def _install(self, new: LoadedModel) -> None:
+        # on_swap (building the served module) runs first: when it fails, the old version stays
+        # current, so the next check() tries the new one again instead of taking it as served.
         with self._lock:
-            old, self._current = self._current, new
-            self.swaps += old is not None
+            old = self._current
         if self.on_swap is not None:
             self.on_swap(new, old)
+        with self._lock:
+            self._current = new
+            self.swaps += old is not None
 
     def follow(self, interval_s: float, stop: threading.Event) -> threading.Thread:
         """Poll the tag every ``interval_s`` until ``stop`` is set; errors are kept in ``last_error``

@@ -32,7 +32,7 @@ from paramserver.client.session import SessionConfig
 from worker.config import CacheConfig, PrefetchConfig
 from worker.prefetch import unique_order
 from paramserver.client.errors import ChunkDataLoss, StaleRead
-from worker.loader import load, load_into, load_state_dict, start_load
+from worker.loader import LoadedModel, load, load_into, load_state_dict, start_load
 from paramserver.client.monotonic import Resolution
 from worker.swap import HotSwapper
 from worker.tiered_cache import TieredCache
@@ -308,6 +308,26 @@ def test_hot_swap_fetches_only_changed_chunks_and_swaps_atomically(cluster: Clus
     assert_bit_exact(old_tensors, base)  # the old version was never written to
 
 
+def test_a_swap_whose_module_cannot_be_built_keeps_the_old_version_and_is_tried_again(cluster: Cluster, client: ClusterClient) -> None:
+    base = layers(4, seed=8)
+    v1 = cluster.push(base, "swapfail", tag="live").version.number
+    refuse = [True]
+
+    def on_swap(new: LoadedModel, old: LoadedModel | None) -> None:
+        if old is not None and refuse[0]:
+            raise RuntimeError("the new shapes do not fit the module")
+
+    swapper = HotSwapper(client, "swapfail:live", "cpu", cache=None, on_swap=on_swap)
+    swapper.start()
+    v2 = cluster.push(finetune(base, fraction=0.5, seed=9), "swapfail", parent=v1, tag="live").version.number
+    with pytest.raises(RuntimeError, match="do not fit"):
+        swapper.check()
+    assert swapper.current.info.number == v1 and swapper.swaps == 0  # still what is served
+    refuse[0] = False
+    new = swapper.check()  # not taken as installed: tried again
+    assert new is not None and new.info.number == v2 and swapper.current.info.number == v2 and swapper.swaps == 1
+
+
 def test_server_killed_mid_load_does_not_fail_it(cluster: Cluster) -> None:
     sd = layers(24, rows=512, seed=7)  # 48 MiB
     cluster.push(sd, "big", tag="prod")
@@ -575,6 +595,37 @@ def test_a_request_taken_before_a_swap_still_counts_in_the_old_versions_heat(clu
                 heat = heat_of_v1()
             assert all(heat.get(i, 0) > loaded[i] for i in loaded), (loaded, heat)
         finally:
+            server.stop()
+
+
+def test_answers_of_a_module_still_being_filled_are_not_cached(cluster: Cluster) -> None:
+    """A cold start's forward may read a weight past the pre-hooks (outside its owner's forward):
+    its answer is served, never kept, so a wrong one cannot outlive the load."""
+    from worker.serve import ModelServer
+
+    torch.manual_seed(3)
+    cluster.push(small_net().state_dict(), "cold-net", tag="prod")
+    x = [[1.0, 2.0, 3.0, 4.0]]
+    with ClusterClient(cluster.seed) as client:
+        server = ModelServer(client, "cold-net:prod", small_net, heat_report_s=600.0, cold_start=False)
+        try:
+            server.start("127.0.0.1:0", poll_s=0)
+            assert server.wait_loaded(30)
+            module, _ = server.snapshot()
+
+            class Filling:  # what _start_cold holds while the weights arrive
+                pass
+
+            cold = Filling()
+            cold.module = module  # type: ignore[attr-defined]
+            server._cold = cold  # type: ignore[assignment]
+            outcomes = [json.loads(server.infer(x)[0].body)["cache"] for _ in range(2)]
+            assert outcomes == ["computed", "computed"]
+            server._cold = None
+            outcomes = [json.loads(server.infer(x)[0].body)["cache"] for _ in range(2)]
+            assert outcomes == ["computed", "hit_l1"]
+        finally:
+            server._cold = None
             server.stop()
 
 
