@@ -1,7 +1,10 @@
 """Disk tier: content-addressed chunk files under a byte budget that survive a worker restart.
 
-Layout: ``ROOT/ab/<content id>``, each file a 16-byte header (magic, CRC32C of the payload,
-payload length) followed by the raw chunk bytes. Writes go to ``ROOT/tmp`` and are renamed into
+Layout: ``ROOT/ab/<content id>``, each file a 16-byte header (magic, CRC32C of the payload XOR
+CRC32C of the file's own content id, payload length) followed by the raw chunk bytes: the key in
+the CRC binds a file to its name, so a file moved or copied under another chunk's name is a miss,
+not that chunk. Files of the first format (``PDC1``, CRC of the payload alone) are verified by
+their content id instead. Writes go to ``ROOT/tmp`` and are renamed into
 place, so a crash leaves either the whole file or none. Every read is verified (CRC32C, or the
 BLAKE3 content id when ``verify="content_id"``); a bad file is deleted, counted as ``corrupt``
 and reported as a miss, so the caller refetches from the cluster. Eviction is LRU by access;
@@ -22,7 +25,8 @@ from typing import Protocol
 from chunking.hashing import content_id, crc32c, is_content_id
 from worker.errors import CacheError
 
-_MAGIC = b"PDC1"
+_MAGIC = b"PDC2"
+_UNBOUND_MAGIC = b"PDC1"  # written before the key was in the CRC
 _HEADER = struct.Struct("<4sIQ")  # magic, crc32c(payload), payload length
 HEADER_BYTES = _HEADER.size
 
@@ -145,7 +149,7 @@ class DiskCache:
         tmp = self.root / "tmp" / f"{key}.{uuid.uuid4().hex}"
         try:
             with open(tmp, "wb", buffering=0) as f:
-                f.write(_HEADER.pack(_MAGIC, crc32c(view), view.nbytes))
+                f.write(_HEADER.pack(_MAGIC, _bound_crc(key, view), view.nbytes))
                 f.write(view)
                 if self.fsync:
                     os.fsync(f.fileno())
@@ -208,13 +212,13 @@ class DiskCache:
         if len(header) != HEADER_BYTES:
             return "truncated header"
         magic, crc, length = _HEADER.unpack(header)
-        if magic != _MAGIC:
+        if magic not in (_MAGIC, _UNBOUND_MAGIC):
             return "bad header"
         if len(data) != length:
             return f"truncated ({len(data)} of {length} bytes)"
-        if self.verify == "content_id":
-            return None if content_id(data) == key else "content id mismatch"
-        return None if crc32c(data) == crc else "CRC32C mismatch"
+        if self.verify == "content_id" or magic == _UNBOUND_MAGIC:
+            return None if key in (content_id(data), content_id(data, "sha256")) else "content id mismatch"
+        return None if _bound_crc(key, data) == crc else "CRC32C mismatch (damaged, or another chunk's file)"
 
     def _drop(self, key: str) -> None:
         size = self._index.pop(key, None)
@@ -255,6 +259,10 @@ class DiskCache:
             self._bytes += size
         for victim in self._evict_for(0):
             _unlink(self._path(victim))
+
+
+def _bound_crc(key: str, payload: bytes | memoryview) -> int:
+    return crc32c(payload) ^ crc32c(key.encode("ascii"))
 
 
 class _Reader(Protocol):

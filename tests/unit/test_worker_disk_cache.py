@@ -68,6 +68,34 @@ def test_corrupt_file_is_deleted_and_reported_as_miss(tmp_path: Path, verify: st
     assert reported and reported[0][0] == key
 
 
+def test_a_file_under_another_chunks_name_is_a_miss_not_that_chunk(tmp_path: Path) -> None:
+    """Each file's CRC covered its payload alone: a file copied over another chunk's (a restore, an
+    operator's cp, two caches merged) passed the check and was served as that chunk."""
+    reported: list[tuple[str, str]] = []
+    cache = DiskCache(tmp_path, 1 << 20, fsync=False, on_corrupt=lambda k, r: reported.append((k, r)))
+    (a, data_a), (b, data_b) = chunk(1), chunk(2)
+    cache.put(a, data_a)
+    cache.put(b, data_b)
+    cache._path(b).write_bytes(cache._path(a).read_bytes())
+    assert cache.get(b) is None and cache.get(a) == data_a
+    assert reported == [(b, "CRC32C mismatch (damaged, or another chunk's file)")]
+
+
+def test_files_of_the_first_format_are_read_when_their_content_id_matches(tmp_path: Path) -> None:
+    import struct
+
+    from chunking.hashing import crc32c
+
+    (a, data_a), (b, data_b) = chunk(1), chunk(2)
+    for key, payload in ((a, data_a), (b, data_a)):  # b's file holds a's bytes
+        path = tmp_path / key[:2] / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(struct.pack("<4sIQ", b"PDC1", crc32c(payload), len(payload)) + payload)
+    cache = DiskCache(tmp_path, 1 << 20, fsync=False)
+    assert cache.get(a) == data_a
+    assert cache.get(b) is None and cache.stats().corrupt == 1
+
+
 def test_budget_holds_and_lru_eviction(tmp_path: Path) -> None:
     per = 1004 + HEADER_BYTES
     cache = DiskCache(tmp_path, 3 * per, fsync=False)
