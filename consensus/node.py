@@ -411,11 +411,13 @@ class MetadataNode:
             self.barrier()
         with self._replica.lock:
             value = fn(self._replica.state)
-            commit_index = so.raftCommitIndex
             last_applied = so.raftLastApplied
         return ReadResult(
             value=value,
-            commit_index=commit_index,
+            # What the state read reflects: a follower catching up may know of commits it has not
+            # applied, and a client comparing reads (paramserver.client.monotonic) must not take
+            # its older state for a later one.
+            commit_index=last_applied,
             server_id=self.server_id,
             linearizable=linearizable,
             extra={"last_applied": last_applied, "term": so.raftCurrentTerm, "leader": self.leader_raft_address()},

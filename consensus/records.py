@@ -58,7 +58,7 @@ class ReadResult(Generic[T]):
     """A read plus what a caller needs to judge its freshness."""
 
     value: T
-    commit_index: int  # Raft commit index of the node that answered
+    commit_index: int  # the last Raft entry the answering node had applied when it read
     server_id: str = ""
     linearizable: bool = False
     extra: Mapping[str, Any] = field(default_factory=dict)

@@ -8,7 +8,10 @@ server cannot roll the worker back.
 A deliberate rollback (``paramctl rollback``) also points a tag at an older clock. It is told
 apart from staleness by the commit index: a server whose commit index is above the one we saw
 has applied every entry we had seen and more, so its answer is a later tag move, not a stale
-one. ``allow_rollback=False`` refuses even those.
+one. ``allow_rollback=False`` refuses even those. The other way round, an answer with a newer
+clock but a lower commit index than the one seen comes from a state before a rollback the client
+has seen: it is refused, so a lagging server cannot undo a rollback either. The commit index of a
+read is the last entry the answering server had applied (``consensus.node``).
 """
 from __future__ import annotations
 
@@ -91,12 +94,16 @@ def judge(seen: Resolution | None, new: Resolution, allow_rollback: bool = True)
         # Two versions with one clock: forced siblings committed before each got a clock of its own
         # (consensus.state). Neither is newer; a move between them is judged as a concurrent one.
         order = Order.CONCURRENT
-    if order in (Order.AFTER, Order.EQUAL):
+    if order is Order.EQUAL:
         return Verdict(True, order.value)
+    if order is Order.AFTER and not (new.commit_index and new.commit_index < seen.commit_index):
+        return Verdict(True, order.value)
+    # A newer clock from an older state: the tag was moved back (rolled back) after the answering
+    # server's state, and taking its answer would undo that. Refused like a stale answer below.
     fresher = new.commit_index > seen.commit_index
     if fresher and allow_rollback:
         return Verdict(True, f"tag moved back (rollback) at commit index {new.commit_index} > {seen.commit_index}")
-    why = "older than" if order is Order.BEFORE else "concurrent with"
+    why = {Order.BEFORE: "older than", Order.AFTER: "from an older state (commit index) than"}.get(order, "concurrent with")
     return Verdict(
         False,
         f"{new.server or 'server'} resolved {new.model}:{new.tag} to v{new.version} (clock {dict(new.clock)}, commit index "

@@ -77,7 +77,7 @@ def test_the_clock_rule_waits_for_every_member_to_apply_it(nodes: list[MetadataN
     assert forked_commit("old") == {"ops": 1, "bob": 1, "alice": 1}
     follower.add_member(MemberRecord(nodes[0].server_id, "127.0.0.1:7000", addresses[0], clock_rule=CLOCK_RULE))
     assert forked_commit("new") == {"ops": 1, "bob": 1, "alice/v4": 1}
-    wait_until(lambda: all(n.in_sync() for n in nodes), 30)
+    wait_until(lambda: all(len(n.list_versions("new").value) == 4 for n in nodes), 30)
     for n in nodes:  # every replica applied the commands to the same clocks
         assert [dict(v.clock) for v in n.list_versions("new").value] == [dict(v.clock) for v in follower.list_versions("new").value]
 

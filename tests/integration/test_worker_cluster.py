@@ -619,10 +619,10 @@ def test_answers_of_a_module_still_being_filled_are_not_cached(cluster: Cluster)
             cold = Filling()
             cold.module = module  # type: ignore[attr-defined]
             server._cold = cold  # type: ignore[assignment]
-            outcomes = [json.loads(server.infer(x)[0].body)["cache"] for _ in range(2)]
+            outcomes = [server.infer(x)[0].outcome for _ in range(2)]
             assert outcomes == ["computed", "computed"]
             server._cold = None
-            outcomes = [json.loads(server.infer(x)[0].body)["cache"] for _ in range(2)]
+            outcomes = [server.infer(x)[0].outcome for _ in range(2)]
             assert outcomes == ["computed", "hit_l1"]
         finally:
             server._cold = None

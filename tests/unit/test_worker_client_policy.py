@@ -43,6 +43,15 @@ class TestJudge:
         assert judge(seen, back).accepted
         assert not judge(seen, back, allow_rollback=False).accepted
 
+    def test_a_lagging_server_cannot_undo_a_rollback(self) -> None:
+        """The tag went v2 -> v3 -> back to v2 (seen at index 20); a server that applied only up to
+        index 15 still answers v3, whose clock is after v2's: that was accepted, and undid the rollback."""
+        seen = res(2, {"p": 2}, 20)
+        stale = judge(seen, res(3, {"p": 3}, 15, server="ps3"))
+        assert not stale.accepted and "ps3" in stale.reason and "older state" in stale.reason
+        assert judge(seen, res(3, {"p": 3}, 21)).accepted  # moved forward again, after what was seen
+        assert judge(seen, res(3, {"p": 3}, 0)).accepted  # no index to compare (a server from before): the clock decides
+
     def test_concurrent_refused_without_fresher_commit(self) -> None:
         assert not judge(res(2, {"a": 2}, 9), res(3, {"b": 1}, 8)).accepted
 

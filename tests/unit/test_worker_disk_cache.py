@@ -86,7 +86,7 @@ def test_files_of_the_first_format_are_read_when_their_content_id_matches(tmp_pa
 
     from chunking.hashing import crc32c
 
-    (a, data_a), (b, data_b) = chunk(1), chunk(2)
+    (a, data_a), (b, _) = chunk(1), chunk(2)
     for key, payload in ((a, data_a), (b, data_a)):  # b's file holds a's bytes
         path = tmp_path / key[:2] / key
         path.parent.mkdir(parents=True, exist_ok=True)
