@@ -11,6 +11,7 @@ connections (bodies arrive before a forward slot is asked for, so admission alon
 from __future__ import annotations
 
 import math
+import logging
 import selectors
 import socket
 import threading
@@ -26,6 +27,8 @@ _TOO_MANY = b'{"error":"overloaded: too many open connections; retry later"}'
 # written before any request is read, then the connection is closed.
 TOO_MANY_CONNECTIONS = (b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type: application/json\r\n"
                         b"Connection: close\r\nContent-Length: " + str(len(_TOO_MANY)).encode() + b"\r\n\r\n" + _TOO_MANY)
+
+log = logging.getLogger(__name__)
 
 
 class Refuser:
@@ -75,6 +78,22 @@ class Refuser:
         sock.close()
 
     def _run(self) -> None:
+        try:
+            self._drain()
+        except Exception:
+            log.exception("the drain of refused connections failed; the connections it held are closed")
+        finally:
+            with self._lock:
+                if self._thread is threading.current_thread():  # it failed: close what it held, so the next refuse starts afresh
+                    for sock in list(self._until):
+                        try:
+                            self._close(sock)
+                        except (KeyError, ValueError, OSError):
+                            self._until.pop(sock, None)
+                            sock.close()
+                    self._thread = None
+
+    def _drain(self) -> None:
         while True:
             with self._lock:
                 if not self._until:

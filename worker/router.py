@@ -95,7 +95,7 @@ class RouterMetrics:
         self.ratio.set_function(lambda: self.hits._value.get() / max(1.0, self.routed._value.get()))
         self.workers = Gauge("pdparams_router_workers", "Live workers in the table", registry=r)
         self.refused_connections = Counter("pdparams_router_refused_connections",
-                                           "Client connections answered 503 and closed at once: --max-connections were open",
+                                           "Client connections refused with a 503 because --max-connections were open",
                                            registry=r)
         self.seconds = Histogram("pdparams_router_seconds", "Request latency through the router", registry=r,
                                  buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))

@@ -212,6 +212,8 @@ class ParamServer:
             self.node.close()
         if self.peers is not None:
             self.peers.close()
+        if self.store is not None:  # its segments/LOCK too: another server in this process may open the dir
+            self.store.close()
         if self._dir_lock >= 0:
             os.close(self._dir_lock)
             self._dir_lock = -1

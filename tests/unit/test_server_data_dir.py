@@ -51,3 +51,27 @@ def test_a_server_that_fails_to_start_frees_its_data_dir(tmp_path: Path) -> None
     with pytest.raises(ForeignDataDir):
         server.start()
     os.close(lock_data_dir(data))  # the failed start left no descriptor holding it
+
+
+def test_a_stopped_server_closes_its_chunk_store(tmp_path: Path) -> None:
+    """stop() left the store open: its segments/LOCK stayed held, and the next store on the dir in
+    this process (a restarted server, a failed start's retry) opened read only."""
+    from paramserver.server.config import ServerConfig
+    from paramserver.server.process import ParamServer
+    from paramserver.server.store import ChunkStore
+
+    import socket
+
+    with socket.socket() as s:  # a free port for Raft (it takes no 0)
+        s.bind(("127.0.0.1", 0))
+        raft_port = s.getsockname()[1]
+    data = tmp_path / "d"
+    server = ParamServer(ServerConfig(server_id="ps1", data_dir=data, listen="127.0.0.1:0",
+                                      raft=f"127.0.0.1:{raft_port}", fsync=False))
+    server.start()
+    server.stop()
+    again = ChunkStore(data, fsync=False)
+    try:
+        assert not again.read_only
+    finally:
+        again.close()

@@ -72,3 +72,33 @@ def test_past_max_draining_a_refused_connection_is_closed_at_once(listener: sock
     finally:
         first.close()
         second.close()
+
+
+def test_a_failed_drain_thread_lets_the_next_refusal_start_another(listener: socket.socket) -> None:
+    calls = [0]
+
+    def clock() -> float:  # the drain thread's first look at the clock fails, once
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("clock gone")
+        return time.monotonic()
+
+    refuser = Refuser(linger_s=0.3, clock=clock)
+    first = refused_connection(listener, refuser, b"GET / HTTP/1.1\r\n\r\n")
+    try:
+        assert first.recv(len(TOO_MANY_CONNECTIONS)) == TOO_MANY_CONNECTIONS
+        deadline = time.monotonic() + 2
+        while refuser.draining and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert refuser.draining == 0  # what the failed thread held is closed
+        second = refused_connection(listener, refuser, b"GET / HTTP/1.1\r\n")
+        try:
+            assert second.recv(len(TOO_MANY_CONNECTIONS)) == TOO_MANY_CONNECTIONS
+            deadline = time.monotonic() + 2
+            while refuser.draining and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert refuser.draining == 0  # a new thread drained it after its linger
+        finally:
+            second.close()
+    finally:
+        first.close()
