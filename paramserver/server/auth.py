@@ -86,12 +86,17 @@ def handler_like(handler: grpc.RpcMethodHandler[Any, Any], behaviour: Callable[[
 
 
 def _abort_handler(handler: grpc.RpcMethodHandler[Any, Any], message: str) -> grpc.RpcMethodHandler[Any, Any]:
-    def abort(_request: Any, context: grpc.ServicerContext) -> Any:
+    def abort(_requests: Any, context: grpc.ServicerContext) -> Any:
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    # A refused call's request is never parsed: malformed bytes from a client without a token must
-    # not reach the deserializer (nor grpc's traceback when it fails).
-    return handler_like(handler, abort, _unparsed)
+    # A refused call's request is never read: as a request stream, even a unary method's message is
+    # not received (grpc would buffer a unary request whole, up to the message limit, before the
+    # handler runs: clients without a token held a server's memory), nor parsed (malformed bytes
+    # must not reach a deserializer, nor grpc's traceback when it fails).
+    kwargs = dict(request_deserializer=_unparsed, response_serializer=handler.response_serializer)
+    if handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(abort, **kwargs)
+    return grpc.stream_unary_rpc_method_handler(abort, **kwargs)
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):

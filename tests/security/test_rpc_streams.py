@@ -167,6 +167,52 @@ def get_raw(address: str, ids: list[str], *, partial: bool, timeout: float = 120
         ch.close()
 
 
+def _rss_mib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) // 1024 for line in f if line.startswith("VmRSS"))
+
+
+def test_refused_calls_are_not_read(cluster: LocalCluster, address: str) -> None:
+    """A unary call without a token was refused only after grpc had buffered its whole message: 16
+    of 60 MiB each grew the server by about 800 MiB. A refused call's request is not received."""
+    pid = cluster.slots[0].pid
+    assert pid
+    before = _rss_mib(pid)
+    peak = [before]
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss_mib(pid))
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    ch = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 100 * MiB)])
+    status = ch.unary_unary(f"/{SERVICE_NAME}/ServerStatus")
+    body = b"\x0a" + (60 * MiB).to_bytes(4, "little") + b"x" * (60 * MiB)  # not even a valid message
+    codes: list[grpc.StatusCode] = []
+
+    def one() -> None:
+        try:
+            status(body, timeout=60)
+        except grpc.RpcError as exc:
+            codes.append(exc.code())
+
+    try:
+        threads = [threading.Thread(target=one) for _ in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+    finally:
+        done.set()
+        watcher.join(5)
+        ch.close()
+    assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 16
+    assert peak[0] - before < 300, f"the server grew from {before} to {peak[0]} MiB"
+
+
 def test_getchunks_answers_a_repeated_id_once(address: str) -> None:
     data = os.urandom(100_000)
     cid = content_id(data)
