@@ -59,6 +59,15 @@ KEEPALIVE_MESSAGE = {"type": "pdparams_keepalive"}
 MAX_HANDSHAKE_FRAME = 64 << 10
 MAX_LINK_FRAME = 64 << 20
 
+# pysyncobj checks a connection's read timeout only when the connection has an event, so a silent
+# connection that never sent its first message was held forever, one file descriptor each. Before
+# the handshake ends a connection has this long, and at most this many wait at once (past it the
+# oldest goes: a member's handshake takes milliseconds, a flood's connections are the old ones).
+HANDSHAKE_TIMEOUT_S = 10.0
+MAX_HANDSHAKING = 64
+# pysyncobj listens with a backlog of 5; members reconnecting at once after a partition need more.
+LISTEN_BACKLOG = 128
+
 
 class RefusalLog:
     """WARNING lines for refused Raft connections: one per remote host per ``interval``, with a count of the rest.
@@ -148,6 +157,7 @@ class KeepaliveTCPTransport(TCPTransport):  # type: ignore[misc]
 
     def __init__(self, syncObj: Any, selfNode: Any, otherNodes: Any) -> None:  # noqa: N803 - pysyncobj's names
         self._next_keepalive = 0.0
+        self._listening: Any = None  # the listening socket whose backlog was raised
         self.refusals = RefusalLog()
         super().__init__(syncObj, selfNode, otherNodes)
         if self.ack_gate is not None:
@@ -168,10 +178,13 @@ class KeepaliveTCPTransport(TCPTransport):  # type: ignore[misc]
                 self.ack_gate.flush()
             except JournalFailure:
                 return  # logged by the journal; DurableSyncObj stops the node at its next tick
+        self._rebind_if_closed()
         super()._onTick()
+        self._widen_backlog()
         now = monotonic()
         if now < self._next_keepalive:
             return
+        self._expire_handshakes(now)
         self._next_keepalive = now + self.keepalive_period
         for node in list(self._nodes):
             # Only links past the handshake (and the key exchange, with a secret):
@@ -180,9 +193,41 @@ class KeepaliveTCPTransport(TCPTransport):  # type: ignore[misc]
             if self._syncObj.isNodeConnected(node):
                 self.send(node, KEEPALIVE_MESSAGE)
 
+    # ------------------------------------------------------------- the listening socket
+    def _rebind_if_closed(self) -> None:
+        """pysyncobj's TcpServer closes its listening socket on any accept error but EAGAIN (EMFILE
+        when descriptors run out, ECONNABORTED) and never binds again: the node then took no link
+        from a peer for good. Marked not ready, pysyncobj binds again every bindRetryTime."""
+        server = self._server
+        ready = bool(getattr(self, "_ready", False))
+        if ready and server is not None and getattr(server, "_TcpServer__fileno", 0) is None:
+            log.warning("the Raft port stopped listening after an accept error (out of file descriptors?); binding "
+                        "it again")
+            self._ready = False  # pysyncobj's flag: it binds again when not ready
+            self._listening = None
+
+    def _widen_backlog(self) -> None:
+        ready = bool(getattr(self, "_ready", False))
+        sock = getattr(self._server, "_TcpServer__socket", None) if ready else None
+        if sock is not None and sock is not self._listening:
+            try:
+                sock.listen(LISTEN_BACKLOG)
+            except OSError:
+                pass
+            self._listening = sock
+
+    def _expire_handshakes(self, now: float) -> None:
+        for conn in list(self._unknownConnections):
+            if now - getattr(conn, "pdparams_since", now) > HANDSHAKE_TIMEOUT_S:
+                self._refuse(conn, f"no handshake within {HANDSHAKE_TIMEOUT_S:.0f} s")
+
     # ------------------------------------------------------------- refusing non-members
     def _onNewIncomingConnection(self, conn: Any) -> None:  # noqa: N802 - overrides pysyncobj
+        waiting = sorted(self._unknownConnections, key=lambda c: getattr(c, "pdparams_since", 0.0))
+        for old in waiting[: max(0, len(waiting) - MAX_HANDSHAKING + 1)]:
+            self._refuse(old, f"more than {MAX_HANDSHAKING} connections were waiting for their handshake")
         super()._onNewIncomingConnection(conn)
+        conn.pdparams_since = monotonic()
         conn.pdparams_peer = address = _peer_address(conn)
         self._cap_frames(conn)
         if conn.encryptor is not None:

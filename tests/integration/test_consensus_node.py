@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import socket
 import time
 from pathlib import Path
 from typing import Iterator
@@ -214,3 +215,46 @@ def test_transfer_leadership_then_remove_the_old_leader(nodes: list[MetadataNode
     assert leader.config.raft_address not in remover.cluster_addresses()
     assert leader.server_id not in [m.server_id for m in remover.members().value]
     assert remover.commit_version("m", M1, None, "alice", 1, 1).number == 1
+
+
+def _closed_by_peer(sock: socket.socket, within: float) -> bool:
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_silent_raft_connections_are_closed_and_a_closed_listener_listens_again(
+        nodes: list[MetadataNode], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection to the Raft port that never sent its first message was held forever (pysyncobj
+    checks timeouts only on a connection's own events), and an accept error (EMFILE) closed the
+    listening socket for good: the node took no link from a peer again."""
+    from consensus import links
+
+    monkeypatch.setattr(links, "HANDSHAKE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(links, "MAX_HANDSHAKING", 8)
+    target = next(n for n in nodes if not n.is_leader())
+    host, port = target.config.raft_address.rsplit(":", 1)
+    silent = [socket.create_connection((host, int(port)), timeout=5) for _ in range(12)]
+    try:
+        # Past the cap, the oldest waiting ones go at once; the rest after the handshake timeout.
+        assert all(_closed_by_peer(s, 2.0) for s in silent[:4])
+        assert all(_closed_by_peer(s, 4.0) for s in silent[4:])
+    finally:
+        for s in silent:
+            s.close()
+
+    so = target._syncobj
+    assert so is not None
+    transport = so._SyncObj__transport
+    transport._server.unbind()  # what pysyncobj does on an accept error
+    wait_until(lambda: transport._server._TcpServer__fileno is not None, 10)
+    probe = socket.create_connection((host, int(port)), timeout=5)
+    probe.close()
+    assert transport._server._TcpServer__socket.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
+    leader = next(n for n in nodes if n.is_leader())
+    leader.commit_version("after-rebind", M1, None, "alice", 10, 1)
+    wait_until(lambda: bool(target.list_models().value), 30)
