@@ -236,7 +236,11 @@ class ChunkService:
         self.max_write_streams = write_limits.streams_for(workers)
         self._write_slots = threading.BoundedSemaphore(self.max_write_streams)
         self.max_streams = max(1, workers - stream_reserve(workers))
-        self._stream_slots = threading.BoundedSemaphore(self.max_streams)
+        # Read-token clients holding every stream slot starved the cluster's own reads: a peer's
+        # repair and re-replication (the admin token). Some slots only admin-token calls may take.
+        self.admin_streams = self.max_streams // 4
+        self._stream_slots = threading.BoundedSemaphore(self.max_streams - self.admin_streams)
+        self._admin_stream_slots = threading.BoundedSemaphore(self.admin_streams or 1)
         self.watchdog = StreamWatchdog(write_limits.idle_s, server_id)
         self.max_call_bytes = max_call_bytes
         self._refusals = RateLimitedLog(log)
@@ -255,10 +259,17 @@ class ChunkService:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"server {self.server_id} is serving {limit} {serving}, its limit; {retry}")
 
-    def _stream_slot(self, context: grpc.ServicerContext, what: str) -> None:
-        """Take one of the slots every stream needs, or end the call RESOURCE_EXHAUSTED."""
-        self._take_slot(self._stream_slots, self.max_streams, context, f"{what} stream", "stream_limit", "streams",
-                        "retry in a moment or read from another replica")
+    def _stream_slot(self, context: grpc.ServicerContext, what: str, *, reserved: bool = False) -> threading.BoundedSemaphore:
+        """Take one of the slots every stream needs (``reserved``: or, when they are taken, one kept
+        for admin-token calls), or end the call RESOURCE_EXHAUSTED. Returns the pool to release to."""
+        if self._stream_slots.acquire(blocking=False):
+            return self._stream_slots
+        if (reserved and self.admin_streams and has_admin_token(context.invocation_metadata(), self.auth)
+                and self._admin_stream_slots.acquire(blocking=False)):
+            return self._admin_stream_slots
+        self._take_slot(self._stream_slots, self.max_streams - self.admin_streams, context, f"{what} stream",
+                        "stream_limit", "streams", "retry in a moment or read from another replica")
+        return self._stream_slots
 
     def PutChunks(self, request_iterator: Iterable[pb.PutChunksRequest], context: grpc.ServicerContext) -> pb.PutChunksReply:
         self._take_slot(self._write_slots, self.max_write_streams, context, "write stream", "write_limit", "PutChunks streams")
@@ -363,7 +374,7 @@ class ChunkService:
         """
         if len(request.ids) > MAX_IDS_PER_CALL:
             invalid(context, f"GetChunks asks for {len(request.ids)} chunks; split the request into calls of at most {MAX_IDS_PER_CALL}")
-        self._stream_slot(context, "GetChunks")
+        slots = self._stream_slot(context, "GetChunks", reserved=True)
         watch = self.watchdog.watch(context, "read")
         watch.touch(busy=True)  # reading from the store is work, not idleness
         try:
@@ -373,7 +384,7 @@ class ChunkService:
                 watch.touch(busy=True)
         finally:
             self.watchdog.release(watch)
-            self._stream_slots.release()
+            slots.release()
 
     def _get(self, request: pb.GetChunksRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         ids = list(dict.fromkeys(request.ids))

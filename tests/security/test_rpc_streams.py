@@ -333,7 +333,7 @@ def test_stalled_read_streams_are_limited_and_ended(tmp_path: Path) -> None:
     running = start_server(ServerConfig(server_id="ps8", data_dir=tmp_path, listen="127.0.0.1:0", fsync=False, workers=8,
                                         admin_token=ADMIN, read_token=READ, extra={"write_stream_idle_s": idle}))
     service = running.servicer.chunks
-    assert service.max_streams == 7  # 8 workers, one kept for unary calls
+    assert service.max_streams == 7 and service.admin_streams == 1  # 8 workers, one kept for unary calls
     blobs = [os.urandom(256 << 10) for _ in range(96)]  # 24 MiB a stream: far past any flow-control window
     ids = [content_id(b) for b in blobs]
     channels = [channel(running.address) for _ in range(service.max_streams + 5)]  # a connection each, as separate clients
@@ -350,7 +350,17 @@ def test_stalled_read_streams_are_limited_and_ended(tmp_path: Path) -> None:
         stalled = [get_chunks(ch) for ch in channels]
         time.sleep(1.0)
         refused = [c for c in stalled if c.done() and c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED]
-        assert len(refused) == 5 and "its limit" in (refused[0].details() or "")
+        assert len(refused) == 6 and "its limit" in (refused[0].details() or "")
+        # The slot kept for admin-token calls: a peer's repair still reads while readers hold the rest.
+        peer = channel(running.address)
+        try:
+            call = peer.unary_stream(f"/{SERVICE_NAME}/GetChunks", request_serializer=pb.GetChunksRequest.SerializeToString,
+                                     response_deserializer=pb.GetChunksReply.FromString)
+            got_ids = [c.id for m in call(pb.GetChunksRequest(ids=ids[:3]), metadata=token_metadata(ADMIN), timeout=30)
+                       for c in m.chunks]
+            assert got_ids == ids[:3]
+        finally:
+            peer.close()
         with ParamServerClient(running.address, token=READ) as reader:
             for _ in range(3):
                 t0 = time.monotonic()
