@@ -420,6 +420,21 @@ class MemberCheck:
             )
 
 
+def reported_cluster_id(peers: PeerSet, address: str, *, timeout_s: float = 3.0) -> str | None:
+    """The cluster id the server at ``address`` reports in ServerStatus; None when it does not
+    answer or reports none (a server from before the id)."""
+    try:
+        client = ParamServerClient(replace(peers.client_config(address), timeout_s=timeout_s))
+    except ValueError:
+        return None
+    try:
+        return client.server_status().extra.get(CLUSTER_ID_KEY, "") or None
+    except grpc.RpcError:
+        return None
+    finally:
+        client.close()
+
+
 class ReplicaFetcher:
     """Fetch a verified copy of a chunk from another server: its ring replicas
     first, then every other member. Usable as Repairer's fetcher."""

@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from consensus.config import RaftConfig
@@ -19,7 +20,9 @@ from paramserver.server.auth import AuthConfig
 from paramserver.server.background import Periodic
 from paramserver.server.bulk_port import BulkServer, BulkServerConfig
 from paramserver.server.compaction import Compactor
-from paramserver.server.cluster import MemberCheck, PeerSet, QuorumVersionCheck, ReplicaFetcher, cluster_blob_fetcher
+from paramserver.server.cluster import (
+    MemberCheck, PeerSet, QuorumVersionCheck, ReplicaFetcher, cluster_blob_fetcher, reported_cluster_id,
+)
 from paramserver.server.config import ServerConfig, is_loopback_host
 from paramserver.server.data_dir import check_identity, lock_data_dir, record_identity
 from paramserver.server.gc import OrphanCollector, References
@@ -55,6 +58,7 @@ class ParamServer:
     _registered: threading.Event = field(default_factory=threading.Event)
     _dir_lock: int = -1  # the descriptor that holds the data dir (data_dir.lock_data_dir)
     _identity_recorded: bool = False  # raft/cluster.id names this cluster (data_dir.record_identity)
+    refused: str | None = None  # why this server must not serve this cluster (serve_forever exits 2)
 
     def start(self) -> None:
         """Start every part; a part that fails to start stops those already started (and frees the
@@ -148,11 +152,20 @@ class ParamServer:
         me = MemberRecord(cfg.server_id, self.grpc_advertise_address, cfg.raft, "up", cfg.zone, self.bulk_advertise_address,
                           CLOCK_RULE)
         delay = 0.1
+        checked = False
         hint_at: float | None = time.monotonic() + JOIN_HINT_AFTER_S
         while not self._stopped.is_set():
             try:
                 if self.node.wait_ready(1.0):
-                    current = {m.server_id: m for m in self.node.members().value}.get(cfg.server_id)
+                    members = self.node.members().value
+                    if not self._identity_recorded and not checked:
+                        checked = True
+                        self.refused = self._identity_conflict(members)
+                        if self.refused is not None:
+                            log.error("%s", self.refused)
+                            self._stopped.set()
+                            return
+                    current = {m.server_id: m for m in members}.get(cfg.server_id)
                     if current is not None and current.state == "leaving":
                         me = replace(me, state="leaving")  # drained by an operator: a restart must not undo it
                     if current == me:
@@ -171,6 +184,27 @@ class ParamServer:
                 log.info("registration of %s not done yet: %s", cfg.server_id, exc)
             self._stopped.wait(delay)
             delay = min(2.0, delay * 2)
+
+    def _identity_conflict(self, members: Sequence[MemberRecord]) -> str | None:
+        """Raft proves the cluster secret, not --vnodes: a server without raft/cluster.id (a first
+        start, or a data dir from before the file) asks its peers for the cluster id before it
+        registers or records one, so it never serves this cluster with another ring."""
+        cfg = self.config
+        if self.peers is None:
+            return None
+        mine = cluster_id(cfg.cluster_secret, cfg.vnodes)
+        for m in members:
+            if m.server_id == cfg.server_id:
+                continue
+            theirs = reported_cluster_id(self.peers, m.grpc_address)
+            if theirs is None:
+                continue  # down, or from before the id: ask another
+            if theirs == mine:
+                return None
+            return (f"{cfg.server_id} refuses to serve: member {m.server_id} reports cluster id {theirs[:12]}..., this "
+                    f"server's is {mine[:12]}... (its --cluster-secret-file and --vnodes {cfg.vnodes}); start it with "
+                    "the cluster's --vnodes")
+        return None
 
     def _record_identity(self) -> None:
         cfg = self.config
@@ -219,7 +253,8 @@ class ParamServer:
             self._dir_lock = -1
 
     def serve_forever(self) -> int:
-        """Serve until stopped (0), or until the Raft journal cannot be written (1, logged).
+        """Serve until stopped (0), until the Raft journal cannot be written (1, logged), or until
+        the server refused to serve the cluster it found (2, ``refused``, logged).
 
         A journal that cannot be written (disk full, I/O error) would make this server acknowledge
         entries it cannot keep: it stops instead, and the others go on without it.
@@ -230,7 +265,7 @@ class ParamServer:
                 log.error("stopping: the Raft journal cannot be written: %s; free space or fix the disk under %s, "
                           "then start the server again", failure, self.config.data_dir / "raft")
                 return 1
-        return 0
+        return 2 if self.refused is not None else 0
 
 
 __all__ = ["ParamServer"]

@@ -329,3 +329,27 @@ def test_a_data_dir_in_use_or_of_another_cluster_is_refused(tmp_path: Path) -> N
         restarted.up(wait=90)  # its own cluster still starts on it
     finally:
         restarted.down()
+
+
+@pytest.mark.timeout(240)
+def test_a_member_without_its_cluster_id_and_with_another_vnodes_refuses_to_serve(tmp_path: Path) -> None:
+    """Raft proves the secret, not --vnodes: ps3, restarted on a data dir from before cluster.id
+    with another --vnodes, joined, recorded that id, and placed chunks on a ring of its own."""
+    c = LocalCluster(LocalClusterConfig(root=tmp_path / "c", servers=3, secret="secret-of-the-vnodes-cluster-0123456",
+                                        extra_args=("--no-fsync",)))
+    c.up(wait=90)
+    try:
+        slot = c.slot("ps3")
+        ident = Path(slot.data_dir) / "raft" / "cluster.id"
+        wait_until(ident.exists, 60, "ps3's cluster id")
+        c.kill("ps3")
+        ident.unlink()  # as a data dir from before the file
+        wrong = subprocess.run([*c._args_for(slot), "--vnodes", "17"],
+                               capture_output=True, text=True, timeout=120)
+        assert wrong.returncode == 2, wrong.stderr[-2000:]
+        assert "ps3 refuses to serve" in wrong.stderr and "--vnodes 17" in wrong.stderr, wrong.stderr[-2000:]
+        assert "Traceback" not in wrong.stderr and not ident.exists()
+        c.restart("ps3")  # with the cluster's --vnodes: it joins and records the id
+        wait_until(ident.exists, 60, "ps3's cluster id after a start with the right --vnodes")
+    finally:
+        c.down()
