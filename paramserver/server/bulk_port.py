@@ -108,6 +108,11 @@ _BULK_KEYS: tuple[tuple[str, type], ...] = (
 CONFIG_KEYS = ("bulk_writes", *(f"bulk_{name}" for name, _ in _BULK_KEYS))  # a server config's keys for the bulk port
 
 
+def _long_token(length: int) -> str:
+    return (f"the hello declares a token of {length} bytes, over the limit of {MAX_TOKEN_BYTES}; send the cluster's "
+            "read or admin token")
+
+
 @dataclass(frozen=True)
 class BulkServerConfig:
     max_connections: int = 64  # connections served at once (past their hello)
@@ -396,10 +401,12 @@ class BulkServer:
             return self._turn_away(conn, peer, W_BAD_HELLO, "bad_hello",
                                    "not a bulk hello (bad magic): this port speaks the paramserver bulk protocol, "
                                    "use the gRPC port for gRPC")
-        if version not in READ_VERSIONS or token_len > MAX_TOKEN_BYTES:
+        if version not in READ_VERSIONS:
             return self._turn_away(conn, peer, W_BAD_HELLO, "bad_hello", f"bulk protocol version {version} is not served here "
                                                                          f"(this server speaks {', '.join(map(str, READ_VERSIONS))}); "
                                                                          "fall back to GetChunks")
+        if token_len > MAX_TOKEN_BYTES:
+            return self._turn_away(conn, peer, W_BAD_HELLO, "bad_hello", _long_token(token_len))
         token = _recv_by(conn, token_len, deadline).decode("utf-8", "replace")
         conn.settimeout(self.config.io_timeout_s)
         problem = check_token(token, self.auth)
@@ -422,9 +429,11 @@ class BulkServer:
         def away(status: int, reason: str, message: str) -> str | None:
             return self._turn_away(conn, peer, status, reason, message, welcome=encode_write_welcome)
 
-        if version != WRITE_VERSION or token_len > MAX_TOKEN_BYTES:
+        if version != WRITE_VERSION:
             return away(W_BAD_HELLO, "bad_hello", f"bulk write protocol version {version} is not served here (this server speaks "
                                                   f"{WRITE_VERSION}); fall back to PutChunks")
+        if token_len > MAX_TOKEN_BYTES:
+            return away(W_BAD_HELLO, "bad_hello", _long_token(token_len))
         token = _recv_by(conn, token_len, deadline).decode("utf-8", "replace")
         conn.settimeout(self.config.io_timeout_s)
         problem = check_write_token(token, self.auth)

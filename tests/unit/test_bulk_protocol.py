@@ -192,6 +192,16 @@ def test_unknown_version_refused(server: BulkServer) -> None:
     assert WELCOME.unpack(reply[: WELCOME.size])[1] == W_BAD_HELLO and b"version" in reply
 
 
+def test_an_overlong_token_is_named_not_taken_for_a_version(server: BulkServer) -> None:
+    from paramserver.wire.bulk_frames import MAX_TOKEN_BYTES
+
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    sock.sendall(struct.pack("<4sHH", MAGIC, VERSION, MAX_TOKEN_BYTES + 1))
+    reply = read_all(sock)
+    assert WELCOME.unpack(reply[: WELCOME.size])[1] == W_BAD_HELLO
+    assert f"token of {MAX_TOKEN_BYTES + 1} bytes".encode() in reply and b"version" not in reply
+
+
 def test_oversized_count_gets_an_error_frame_and_close(server: BulkServer) -> None:
     sock = raw_conn(server)
     sock.sendall(REQUEST.pack(MAX_IDS + 1))
