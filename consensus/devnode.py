@@ -28,6 +28,7 @@ from .config import RaftConfig
 from .errors import MetadataError, NotLeader
 from .node import MetadataNode
 from .records import MemberRecord, ReadResult, TagRecord, VersionRecord
+from .state import CLOCK_RULE
 
 _TUNABLES = {f.name: f.type for f in fields(RaftConfig)
              if f.name.endswith(("_timeout", "_period", "_retry")) or f.name.startswith("log_compaction_")}
@@ -66,7 +67,7 @@ def operations(node: MetadataNode) -> dict[str, Callable[..., Any]]:
         "rollback_tag": node.rollback_tag,
         "delete_tag": node.delete_tag,
         "delete_version": node.delete_version,
-        "add_member": lambda **member: node.add_member(MemberRecord(**member)),
+        "add_member": lambda **member: node.add_member(MemberRecord(**{"clock_rule": CLOCK_RULE, **member})),
         "remove_member": node.remove_member,
         "resolve_tag": node.resolve_tag,
         "get_version": node.get_version,

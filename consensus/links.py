@@ -158,6 +158,7 @@ class KeepaliveTCPTransport(TCPTransport):  # type: ignore[misc]
     def __init__(self, syncObj: Any, selfNode: Any, otherNodes: Any) -> None:  # noqa: N803 - pysyncobj's names
         self._next_keepalive = 0.0
         self._listening: Any = None  # the listening socket whose backlog was raised
+        self._rebind_at = 0.0
         self.refusals = RefusalLog()
         super().__init__(syncObj, selfNode, otherNodes)
         if self.ack_gate is not None:
@@ -197,14 +198,24 @@ class KeepaliveTCPTransport(TCPTransport):  # type: ignore[misc]
     def _rebind_if_closed(self) -> None:
         """pysyncobj's TcpServer closes its listening socket on any accept error but EAGAIN (EMFILE
         when descriptors run out, ECONNABORTED) and never binds again: the node then took no link
-        from a peer for good. Marked not ready, pysyncobj binds again every bindRetryTime."""
+        from a peer for good. It is bound again here, at most once per bindRetryTime, while the node
+        goes on (marking the transport not ready would stop pysyncobj's whole tick until a bind
+        succeeds: no heartbeats, no elections, no expiry of the connections that hold descriptors)."""
         server = self._server
-        ready = bool(getattr(self, "_ready", False))
-        if ready and server is not None and getattr(server, "_TcpServer__fileno", 0) is None:
-            log.warning("the Raft port stopped listening after an accept error (out of file descriptors?); binding "
-                        "it again")
-            self._ready = False  # pysyncobj's flag: it binds again when not ready
-            self._listening = None
+        if server is None or getattr(server, "_TcpServer__fileno", 0) is not None:
+            return
+        now = monotonic()
+        if now < self._rebind_at:
+            return
+        self._rebind_at = now + float(self._syncObj.conf.bindRetryTime)
+        try:
+            server.bind()
+        except OSError as exc:
+            log.warning("the Raft port stopped listening after an accept error and cannot be bound again yet (%s); "
+                        "retrying", exc)
+            return
+        log.warning("the Raft port stopped listening after an accept error (out of file descriptors?); it listens again")
+        self._listening = None
 
     def _widen_backlog(self) -> None:
         ready = bool(getattr(self, "_ready", False))

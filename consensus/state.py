@@ -29,13 +29,14 @@ from .validation import (
 LATEST = "latest"
 # How commit_version derives a version's clock; the proposer names the rule in the command, so a
 # journal replays to the clocks it was acknowledged with. 1: a plain increment, given a key of its
-# own only when it repeats a sibling's clock exactly. 2: the publisher counts in its line's key
-# (see _line_key), and a count another version already holds starts a key of its own (see _forks).
-# Commands without the field are rule 1. A server applies every rule up to CLOCK_RULE; a leader
-# proposes the highest rule that every member's record says it applies (proposal_clock_rule), so a
-# server from before rule 2 never replays a command to another clock than its peers.
-CLOCK_RULES = (1, 2)
-CLOCK_RULE = 2  # the highest rule this code applies
+# own only when it repeats a sibling's clock exactly. 2: a plain increment, given a key of its own
+# when another version holds the publisher's count (see _forks); it grew a line's clock by a key per
+# commit after a fork. 3: as 2, counting in the line's own key (see _line_key). Commands without the
+# field are rule 1. A server applies every rule up to CLOCK_RULE; a leader proposes the highest rule
+# that every member's record says it applies (proposal_clock_rule), so a server from before a rule
+# never replays a command to another clock than its peers.
+CLOCK_RULES = (1, 2, 3)
+CLOCK_RULE = 3  # the highest rule this code applies
 MAX_CLOCK_RULE = 1000  # what a member record may claim: later code may know more rules than this one
 MEMBER_STATES = ("up", "leaving")
 SNAPSHOT_FORMAT = 1
@@ -133,7 +134,7 @@ class MetadataState:
         if rule not in CLOCK_RULES:
             raise Invalid(f"clock_rule must be one of {CLOCK_RULES}, got {rule!r}; upgrade this server")
         number = model["next_number"] if model else 1
-        key = _line_key(parent_clock, publisher) if rule >= 2 else publisher
+        key = _line_key(parent_clock, publisher) if rule >= 3 else publisher
         clock = parent_clock.increment(key)
         if rule >= 2 and _forks(versions, key, clock[key]):
             clock = parent_clock.increment(f"{publisher}/v{number}")

@@ -274,7 +274,7 @@ class ChunkService:
     def PutChunks(self, request_iterator: Iterable[pb.PutChunksRequest], context: grpc.ServicerContext) -> pb.PutChunksReply:
         self._take_slot(self._write_slots, self.max_write_streams, context, "write stream", "write_limit", "PutChunks streams")
         try:
-            self._stream_slot(context, "PutChunks")
+            slots = self._stream_slot(context, "PutChunks", reserved=True)  # re-replication pushes with the admin token
         except BaseException:
             self._write_slots.release()
             raise
@@ -289,7 +289,7 @@ class ChunkService:
             finally:
                 self.watchdog.release(watch)
         finally:
-            self._stream_slots.release()
+            slots.release()
             self._write_slots.release()
         if reply is None or watch.expired:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,

@@ -153,6 +153,7 @@ class ParamServer:
                           CLOCK_RULE)
         delay = 0.1
         checked = False
+        unverified = False  # members answered nothing: the id is recorded at a later start, once one does
         hint_at: float | None = time.monotonic() + JOIN_HINT_AFTER_S
         while not self._stopped.is_set():
             try:
@@ -160,7 +161,7 @@ class ParamServer:
                     members = self.node.members().value
                     if not self._identity_recorded and not checked:
                         checked = True
-                        self.refused = self._identity_conflict(members)
+                        self.refused, unverified = self._identity_conflict(members)
                         if self.refused is not None:
                             log.error("%s", self.refused)
                             self._stopped.set()
@@ -169,7 +170,7 @@ class ParamServer:
                     if current is not None and current.state == "leaving":
                         me = replace(me, state="leaving")  # drained by an operator: a restart must not undo it
                     if current == me:
-                        if not self._identity_recorded:  # joined: this journal is this cluster's now
+                        if not self._identity_recorded and not unverified:  # joined: this journal is this cluster's now
                             self._record_identity()
                         self._registered.set()
                         return
@@ -185,26 +186,29 @@ class ParamServer:
             self._stopped.wait(delay)
             delay = min(2.0, delay * 2)
 
-    def _identity_conflict(self, members: Sequence[MemberRecord]) -> str | None:
+    def _identity_conflict(self, members: Sequence[MemberRecord]) -> tuple[str | None, bool]:
         """Raft proves the cluster secret, not --vnodes: a server without raft/cluster.id (a first
         start, or a data dir from before the file) asks its peers for the cluster id before it
-        registers or records one, so it never serves this cluster with another ring."""
+        registers or records one, so it never serves this cluster with another ring. Returns why it
+        must not serve (None: it may), and whether no other member answered (then nothing is
+        recorded: the next start asks again)."""
         cfg = self.config
-        if self.peers is None:
-            return None
+        others = [m for m in members if m.server_id != cfg.server_id]
+        if self.peers is None or not others:
+            return None, False
         mine = cluster_id(cfg.cluster_secret, cfg.vnodes)
-        for m in members:
-            if m.server_id == cfg.server_id:
-                continue
+        for m in others:
             theirs = reported_cluster_id(self.peers, m.grpc_address)
             if theirs is None:
                 continue  # down, or from before the id: ask another
             if theirs == mine:
-                return None
+                return None, False
             return (f"{cfg.server_id} refuses to serve: member {m.server_id} reports cluster id {theirs[:12]}..., this "
                     f"server's is {mine[:12]}... (its --cluster-secret-file and --vnodes {cfg.vnodes}); start it with "
-                    "the cluster's --vnodes")
-        return None
+                    "the cluster's --vnodes"), False
+        log.info("%s could not check its cluster id with another member (none answered); it records the id at a "
+                 "later start", cfg.server_id)
+        return None, True
 
     def _record_identity(self) -> None:
         cfg = self.config

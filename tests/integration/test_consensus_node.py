@@ -250,11 +250,25 @@ def test_silent_raft_connections_are_closed_and_a_closed_listener_listens_again(
     so = target._syncobj
     assert so is not None
     transport = so._SyncObj__transport
-    transport._server.unbind()  # what pysyncobj does on an accept error
-    wait_until(lambda: transport._server._TcpServer__fileno is not None, 10)
+    server = transport._server
+    bind, fails = server.bind, [20]  # 5 s of failed binds, one each bindRetryTime (0.25 s)
+
+    def bind_while_out_of_descriptors() -> None:
+        if fails[0]:
+            fails[0] -= 1
+            raise OSError(24, "Too many open files")
+        bind()
+
+    server.bind = bind_while_out_of_descriptors
+    server.unbind()  # what pysyncobj does on an accept error
+    # While it cannot bind, the node goes on: it still applies what the leader commits.
+    leader = next(n for n in nodes if n.is_leader())
+    leader.commit_version("while-unbound", M1, None, "alice", 10, 1)
+    wait_until(lambda: "while-unbound" in target.list_models().value, 3)
+    wait_until(lambda: server._TcpServer__fileno is not None, 15)
+    assert fails[0] == 0
     probe = socket.create_connection((host, int(port)), timeout=5)
     probe.close()
     assert transport._server._TcpServer__socket.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) == 1
-    leader = next(n for n in nodes if n.is_leader())
     leader.commit_version("after-rebind", M1, None, "alice", 10, 1)
-    wait_until(lambda: bool(target.list_models().value), 30)
+    wait_until(lambda: "after-rebind" in target.list_models().value, 30)

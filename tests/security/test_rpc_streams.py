@@ -361,6 +361,9 @@ def test_stalled_read_streams_are_limited_and_ended(tmp_path: Path) -> None:
             assert got_ids == ids[:3]
         finally:
             peer.close()
+        extra = os.urandom(1000)  # and a re-replication push (PutChunks, the admin token)
+        with ParamServerClient(running.address, token=ADMIN) as admin:
+            admin.put_chunks([make_chunk(content_id(extra), extra)])
         with ParamServerClient(running.address, token=READ) as reader:
             for _ in range(3):
                 t0 = time.monotonic()

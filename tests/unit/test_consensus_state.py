@@ -188,7 +188,19 @@ def test_a_journal_replays_to_the_clocks_it_was_acknowledged_with(state: Metadat
     old = commit(state, 3, "alice", n=4, clock_rule=1)  # rule 1: the plain increment, after v2
     assert old["clock"] == {"alice": 2, "alice/v3": 1} and not old["forced"]
     with pytest.raises(Invalid, match="clock_rule must be one of"):
-        commit(state, 4, "alice", n=5, clock_rule=3)
+        commit(state, 4, "alice", n=5, clock_rule=CLOCK_RULE + 1)
+
+
+def test_rule_2_replays_as_it_was_proposed(state: MetadataState) -> None:
+    """Rule 2 (a key per commit after a fork) was proposed by code before rule 3: its commands keep
+    their clocks, whatever this code proposes now."""
+    commit(state, None, "alice", clock_rule=2)
+    commit(state, 1, "alice", n=2, clock_rule=2)
+    commit(state, 1, "alice", n=3, force=True, clock_rule=2)
+    v4 = commit(state, 3, "alice", n=4, force=True, clock_rule=2)
+    assert v4["clock"] == {"alice": 1, "alice/v3": 1, "alice/v4": 1}
+    v5 = commit(state, 3, "alice", n=5, force=True)  # rule 3 on the same line: its key counts on
+    assert v5["clock"] == {"alice": 1, "alice/v3": 2}
 
 
 def test_commit_with_tag_sets_it_atomically(state: MetadataState) -> None:
