@@ -393,13 +393,10 @@ class MemberCheck:
 
     def __call__(self, member: MemberRecord) -> None:
         address = member.grpc_address
-        config = replace(self.peers.client_config(address), timeout_s=self.timeout_s)
         try:
-            client = ParamServerClient(config)
+            status = _server_status(self.peers, address, self.timeout_s)
         except ValueError as exc:
             raise PreconditionFailed(f"new member {member.server_id}: its address {address!r} is not usable ({exc})") from None
-        try:
-            status = client.server_status()
         except grpc.RpcError as exc:
             code = exc.code().name if hasattr(exc, "code") else "UNAVAILABLE"
             details = exc.details() if hasattr(exc, "details") else str(exc)
@@ -407,8 +404,6 @@ class MemberCheck:
                 f"new member {member.server_id} at {address} does not answer ServerStatus ({code}: {str(details)[:200]}); "
                 "start it with this cluster's secret and tokens, check that this server can reach that address, then add it"
             ) from None
-        finally:
-            client.close()
         if status.server_id != member.server_id:
             raise PreconditionFailed(f"the server at {address} is {status.server_id!r}, not {member.server_id!r}: "
                                      "add it under its own id, or fix the address")
@@ -420,19 +415,23 @@ class MemberCheck:
             )
 
 
+def _server_status(peers: PeerSet, address: str, timeout_s: float) -> pb.ServerStatusReply:
+    """ServerStatus of the server at ``address``, asked with this server's peer credentials.
+    Raises ValueError for an unusable address, grpc.RpcError when it does not answer."""
+    client = ParamServerClient(replace(peers.client_config(address), timeout_s=timeout_s))
+    try:
+        return client.server_status()
+    finally:
+        client.close()
+
+
 def reported_cluster_id(peers: PeerSet, address: str, *, timeout_s: float = 3.0) -> str | None:
     """The cluster id the server at ``address`` reports in ServerStatus; None when it does not
     answer or reports none (a server from before the id)."""
     try:
-        client = ParamServerClient(replace(peers.client_config(address), timeout_s=timeout_s))
-    except ValueError:
+        return _server_status(peers, address, timeout_s).extra.get(CLUSTER_ID_KEY, "") or None
+    except (ValueError, grpc.RpcError):
         return None
-    try:
-        return client.server_status().extra.get(CLUSTER_ID_KEY, "") or None
-    except grpc.RpcError:
-        return None
-    finally:
-        client.close()
 
 
 class ReplicaFetcher:

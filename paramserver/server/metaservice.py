@@ -245,8 +245,14 @@ class MetadataService:
         _need(context, server_id=m.server_id, grpc_address=m.grpc_address, raft_address=m.raft_address)
         record = MemberRecord(m.server_id, m.grpc_address, m.raft_address, m.state or "up", m.zone, m.bulk_address)
         try:
-            record = self._keep_known(record)
-            if self.member_probe is not None and self._needs_probe(record):
+            known = self._known_at(record)
+            if known is not None:
+                # What the server itself registered stays: an operator's `member add` of a known server
+                # at its addresses names no bulk port and cannot know the server's clock rule.
+                record = replace(record, bulk_address=record.bulk_address or known.bulk_address, clock_rule=known.clock_rule)
+            # A member joining the ring (or moving) must answer; marking a known member leaving at the
+            # same addresses need not (it may be down: that is why it leaves).
+            if self.member_probe is not None and not (known is not None and record.state != "up"):
                 try:
                     self.member_probe(record)
                 except PreconditionFailed as exc:
@@ -259,20 +265,12 @@ class MetadataService:
             abort_with(context, exc)
         return pb.MembershipReply(members=[_member_pb(x) for x in members.value], read=_read_pb(members))
 
-    def _keep_known(self, record: MemberRecord) -> MemberRecord:
-        """What the server itself registered stays: an operator's `member add` of a known server at
-        its addresses names no bulk port and cannot know the server's clock rule."""
+    def _known_at(self, record: MemberRecord) -> MemberRecord | None:
+        """The member record of ``record``'s server when it is known at the same addresses."""
         known = {x.server_id: x for x in self.metadata.members().value}.get(record.server_id)
         if known is None or (known.grpc_address, known.raft_address) != (record.grpc_address, record.raft_address):
-            return record
-        return replace(record, bulk_address=record.bulk_address or known.bulk_address, clock_rule=known.clock_rule)
-
-    def _needs_probe(self, record: MemberRecord) -> bool:
-        """A member joining the ring (or moving) must answer; marking a known member
-        leaving at the same addresses need not (it may be down: that is why it leaves)."""
-        known = {x.server_id: x for x in self.metadata.members().value}.get(record.server_id)
-        same_place = known is not None and (known.grpc_address, known.raft_address) == (record.grpc_address, record.raft_address)
-        return not (same_place and record.state != "up")
+            return None
+        return known
 
     def RemoveMember(self, request: pb.RemoveMemberRequest, context: grpc.ServicerContext) -> pb.MembershipReply:
         _need(context, server_id=request.server_id)

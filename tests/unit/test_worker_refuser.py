@@ -25,6 +25,13 @@ def refused_connection(listener: socket.socket, refuser: Refuser, request: bytes
     return client
 
 
+def wait_drained(refuser: Refuser, within: float) -> None:
+    """Until the refuser holds no socket, for at most ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while refuser.draining and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def read_all(client: socket.socket) -> bytes:
     answer = b""
     while chunk := client.recv(65536):  # a reset here would raise ConnectionResetError
@@ -40,9 +47,7 @@ def test_a_refused_client_with_its_request_unread_gets_the_whole_503_then_eof(li
         for c in clients:
             c.shutdown(socket.SHUT_WR)  # the client is done: the server closes before its linger ends
             assert read_all(c) == TOO_MANY_CONNECTIONS
-        deadline = time.monotonic() + 1.5
-        while refuser.draining and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_drained(refuser, 1.5)
         assert refuser.draining == 0
     finally:
         for c in clients:
@@ -87,16 +92,12 @@ def test_a_failed_drain_thread_lets_the_next_refusal_start_another(listener: soc
     first = refused_connection(listener, refuser, b"GET / HTTP/1.1\r\n\r\n")
     try:
         assert first.recv(len(TOO_MANY_CONNECTIONS)) == TOO_MANY_CONNECTIONS
-        deadline = time.monotonic() + 2
-        while refuser.draining and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_drained(refuser, 2)
         assert refuser.draining == 0  # what the failed thread held is closed
         second = refused_connection(listener, refuser, b"GET / HTTP/1.1\r\n")
         try:
             assert second.recv(len(TOO_MANY_CONNECTIONS)) == TOO_MANY_CONNECTIONS
-            deadline = time.monotonic() + 2
-            while refuser.draining and time.monotonic() < deadline:
-                time.sleep(0.02)
+            wait_drained(refuser, 2)
             assert refuser.draining == 0  # a new thread drained it after its linger
         finally:
             second.close()
