@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, NamedTuple, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import grpc
 
@@ -17,6 +17,7 @@ from chunking.manifest import Manifest
 
 from paramserver.client.channel import open_channel
 from paramserver.wire.address import split_host_port
+from paramserver.wire.chunk_record import ChunkRecord
 from paramserver.wire.limits import DEFAULT_GET_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES, MAX_PART_IDS_PER_CALL
 from paramserver.client.errors import ConfigError
 from paramserver.wire.proto import SERVICE_NAME, pb, pb_grpc
@@ -24,12 +25,8 @@ from paramserver.wire.getchunks import ReplyBuilder, passthrough_serializer
 from paramserver.wire.heat_entries import HeatArrays, report_request
 
 
-class ChunkData(NamedTuple):
-    id: str
-    codec: str
-    raw_size: int
-    crc32c: int
-    data: bytes | bytearray | memoryview  # stored bytes (a push may pass a view of its tensors), not yet verified
+# The client's name for the wire's one chunk record (paramserver.wire.chunk_record).
+ChunkData = ChunkRecord
 
 
 @dataclass(frozen=True)
