@@ -3,7 +3,7 @@ the copies of a version that one server holds (issue 12)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -22,6 +22,7 @@ from paramserver.server.segments import (
     segment_file,
 )
 from paramserver.server.store import ChunkStore
+from paramserver.wire.chunk_record import ChunkRecord
 from paramserver.wire.proto import pb
 
 
@@ -113,3 +114,8 @@ def load_from_server(address: str, token: str | None, manifest: Manifest) -> dic
     assert not errors, f"{address} cannot serve {len(errors)} chunks: {errors}"
     return unpack(manifest, found, threads=1)
 
+
+
+def records(chunks: Iterable[tuple[str, bytes, str, int, int]]) -> list[ChunkRecord]:
+    """``ChunkStore.put_many``'s records from the tests' ``(id, stored bytes, codec, raw_size, crc32c)`` tuples."""
+    return [ChunkRecord(cid, codec, raw_size, crc, data) for cid, data, codec, raw_size, crc in chunks]

@@ -17,7 +17,8 @@ from chunking.manifest import Manifest
 
 from paramserver.client.channel import open_channel
 from paramserver.wire.address import split_host_port
-from paramserver.wire.chunk_record import ChunkRecord
+# ChunkData: the client's name for the wire's one chunk record
+from paramserver.wire.chunk_record import ChunkRecord as ChunkData
 from paramserver.wire.limits import DEFAULT_GET_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES, MAX_PART_IDS_PER_CALL
 from paramserver.client.errors import ConfigError
 from paramserver.wire.proto import SERVICE_NAME, pb, pb_grpc
@@ -25,8 +26,6 @@ from paramserver.wire.getchunks import ReplyBuilder, passthrough_serializer
 from paramserver.wire.heat_entries import HeatArrays, report_request
 
 
-# The client's name for the wire's one chunk record (paramserver.wire.chunk_record).
-ChunkData = ChunkRecord
 
 
 @dataclass(frozen=True)

@@ -901,15 +901,15 @@ class _WriteSession:
         out: list[Ack | None] = [None] * n
         first: dict[str, int] = {}
         for k, c in enumerate(chunks):
-            first.setdefault(c[0], k)  # a chunk sent twice in one PUT is stored (and answered) once
+            first.setdefault(c.id, k)  # a chunk sent twice in one PUT is stored (and answered) once
         todo = sorted(first.values())
         where = self.where
         while todo:
-            present = [self.store.has(chunks[k][0]) for k in todo]
+            present = [self.store.has(chunks[k].id) for k in todo]
             try:
-                results = self.store.put_many([cast("tuple[str, bytes, str, int, int]", chunks[k]) for k in todo])
+                results = self.store.put_many([chunks[k] for k in todo])
             except ChunkError as exc:  # invalid, damaged in transit, unknown codec: the ones before it are stored
-                j = next((i for i, k in enumerate(todo) if chunks[k][0] == exc.chunk_id), None)
+                j = next((i for i, k in enumerate(todo) if chunks[k].id == exc.chunk_id), None)
                 if j is None:
                     for k in todo:
                         out[k] = (FAILED, f"{where}: {exc}", 0)
@@ -926,7 +926,7 @@ class _WriteSession:
                 break
             except (ParamServerError, OSError) as exc:
                 for k in todo:
-                    out[k] = (FAILED, f"{where}: could not store chunk {chunks[k][0]}: {exc}", 0)
+                    out[k] = (FAILED, f"{where}: could not store chunk {chunks[k].id}: {exc}", 0)
                 break
             for i, k in enumerate(todo):
                 out[k] = (STORED if results[i] else ALREADY_PRESENT, "", 0)
@@ -934,14 +934,14 @@ class _WriteSession:
         acks: list[Ack] = []
         stored = nbytes = 0
         for k in range(n):
-            ack = out[k] if out[k] is not None else out[first[chunks[k][0]]]
+            ack = out[k] if out[k] is not None else out[first[chunks[k].id]]
             assert ack is not None
             acks.append(ack)
             if ack[0] in (STORED, ALREADY_PRESENT):
                 stored += 1
-                nbytes += len(chunks[k][1])
+                nbytes += len(chunks[k].data)
                 if self.server.repair_queue is not None:
-                    self.server.repair_queue.done(chunks[k][0])  # a fresh verified copy arrived
+                    self.server.repair_queue.done(chunks[k].id)  # a fresh verified copy arrived
         with self.server._lock:
             stats = self.server.write_stats
             stats["puts"] += 1

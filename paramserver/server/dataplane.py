@@ -44,6 +44,7 @@ from paramserver.wire.proto import pb
 from paramserver.server.repair import RepairQueue
 from paramserver.server.rpc_errors import abort_with, invalid, status_for
 from paramserver.server.store import ChunkStore
+from paramserver.wire.chunk_record import ChunkRecord
 from paramserver.wire.getchunks import ReplyBuilder
 
 log = logging.getLogger(__name__)
@@ -303,7 +304,7 @@ class ChunkService:
             if watch.expired:
                 break
             watch.touch(busy=True)
-            batch = [(c.id, c.data, c.codec, c.raw_size, c.crc32c) for c in request.chunks]
+            batch = [ChunkRecord(c.id, c.codec, c.raw_size, c.crc32c, c.data) for c in request.chunks]
             extras: set[str] = set()
             refused: dict[str, str] = {}
             received = batch
@@ -317,7 +318,7 @@ class ChunkService:
                     self.hot.stored(chunk_id, False)
                 context.abort(status_for(exc), f"server {self.server_id}: {exc}")
             outcome = iter(results)
-            for chunk_id, data, *_rest in received:
+            for chunk_id, _codec, _raw, _crc, data in received:
                 why = refused.get(chunk_id)
                 if why is not None:
                     reply.acks.add(id=chunk_id, status=pb.REJECTED, message=why)
@@ -339,11 +340,11 @@ class ChunkService:
         reply.chunks_stored, reply.chunks_present, reply.bytes_stored = stored, present, nbytes
         return reply
 
-    def _hot_copies(self, batch: list[tuple[str, bytes, str, int, int]]
-                    ) -> tuple[list[tuple[str, bytes, str, int, int]], set[str], dict[str, str]]:
+    def _hot_copies(self, batch: list[ChunkRecord]
+                    ) -> tuple[list[ChunkRecord], set[str], dict[str, str]]:
         """Of a PutChunks(hot_copy) message: the chunks this server takes, which of them it keeps as
         leased extras, and the refused ones with the reason (over the bounds, or hot chunks off)."""
-        kept: list[tuple[str, bytes, str, int, int]] = []
+        kept: list[ChunkRecord] = []
         extras: set[str] = set()
         refused: dict[str, str] = {}
         for item in batch:
@@ -352,7 +353,7 @@ class ChunkService:
             if item[0] in extras:
                 kept.append(item)  # a repeated id: put_many answers it again
                 continue
-            decision = "this server runs with --hot-chunks off" if self.hot is None else self.hot.admit(item[0], len(item[1]))
+            decision = "this server runs with --hot-chunks off" if self.hot is None else self.hot.admit(item[0], len(item.data))
             if decision == HotChunks.ADMIT:
                 extras.add(item[0])
             elif decision != HotChunks.PLAIN:

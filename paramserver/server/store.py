@@ -63,7 +63,7 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, NamedTuple, NoReturn, Sequence
+from typing import Callable, Iterable, Iterator, NamedTuple, NoReturn, Sequence, cast
 
 import numpy as np
 
@@ -113,6 +113,7 @@ from paramserver.server.segments import (
     scan_segment,
     segment_file,
 )
+from paramserver.wire.chunk_record import ChunkRecord
 from paramserver.wire.limits import MAX_CODEC_LEN
 
 log = logging.getLogger(__name__)
@@ -912,9 +913,9 @@ class ChunkStore:
 
         Raises InvalidChunkError (the sender's bytes are wrong) or StoreFullError (the disk is full).
         """
-        return self.put_many([(chunk_id, data, codec, raw_size, crc)])[0]
+        return self.put_many([ChunkRecord(chunk_id, codec, raw_size, crc, data)])[0]
 
-    def put_many(self, chunks: Iterable[tuple[str, bytes, str, int, int]]) -> list[bool]:
+    def put_many(self, chunks: Iterable[ChunkRecord]) -> list[bool]:
         """Like put() for several chunks: one append and one (shared) fsync for the batch.
 
         Each chunk is proven first; at the first invalid one the chunks before it are stored (durably)
@@ -923,7 +924,9 @@ class ChunkStore:
         self.traffic += 1
         valid: list[tuple[str, bytes, str, int, int]] = []
         error: ParamServerError | None = None
-        for chunk in chunks:
+        for c in chunks:
+            # the bytes stay a view (of the PUT's buffer, say): validation and the append only read them
+            chunk = (c.id, cast(bytes, c.data), c.codec, c.raw_size, c.crc32c)
             try:
                 self.validate_incoming(*chunk)
             except ParamServerError as exc:

@@ -87,6 +87,7 @@ from typing import Sequence
 
 import numpy as np
 
+from paramserver.wire.chunk_record import ChunkRecord
 from paramserver.wire.errors import ConfigError
 from paramserver.wire.limits import MAX_CODEC_LEN
 
@@ -396,14 +397,14 @@ class PutBatch:
     def payload_bytes(self) -> int:
         return sum(self.stored_sizes)
 
-    def chunks(self) -> list[tuple[str, memoryview, str, int, int]]:
-        """(id, stored bytes, codec, raw_size, crc32c) per chunk, the bytes as read-only views of the buffer."""
+    def chunks(self) -> list[ChunkRecord]:
+        """One record per chunk, the bytes as read-only views of the buffer."""
         assert self.buffer is not None
         view = self.buffer.toreadonly()
         out = []
         at = 0
         for cid, codec, raw, size, crc in zip(self.ids, self.codecs, self.raw_sizes, self.stored_sizes, self.crcs):
-            out.append((cid, view[at : at + size], codec, raw, crc))
+            out.append(ChunkRecord(cid, codec, raw, crc, view[at : at + size]))
             at += size
         return out
 

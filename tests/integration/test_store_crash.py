@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from chunking.hashing import content_id, crc32c
+from tests.store_checks import records
 
 KiB = 1 << 10
 ROUNDS = 10
@@ -56,7 +57,7 @@ def child(data_dir: str, round_no: int) -> None:
     def writer(k: int) -> None:
         for i in range(100_000):
             seeds = [round_no * 10_000_000 + k * 1_000_000 + i * 8 + j for j in range(4)]
-            store.put_many([chunk_of(s) for s in seeds])
+            store.put_many(records([chunk_of(s) for s in seeds]))
             say("P " + " ".join(map(str, seeds)))  # acknowledged: only now may the deleter pick them
             with lock:
                 acked.extend(seeds)

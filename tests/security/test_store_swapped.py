@@ -36,6 +36,7 @@ from paramserver.server.store import (
 )
 from paramserver.wire.proto import pb
 from tests.conftest import stop_process
+from tests.store_checks import records
 
 KiB = 1 << 10
 
@@ -94,7 +95,7 @@ def test_a_swapped_file_is_corruption_never_the_other_chunks_bytes(
     store: ChunkStore, queue: RepairQueue, caplog: pytest.LogCaptureFixture
 ) -> None:
     a, b = raw_chunk(seed=1), raw_chunk(seed=2)
-    store.put_many([a, b])
+    store.put_many(records([a, b]))
     swap(where(store, a[0]), where(store, b[0]))  # A's record (CRC intact) where B's was
     caplog.set_level(logging.WARNING, logger="paramserver.server.store")
     with pytest.raises(ChunkCorruptError, match=b[0]) as info:
@@ -119,7 +120,7 @@ def test_a_swapped_file_is_caught_by_verify_and_the_scrubber_and_through_the_cac
     queue = RepairQueue(clock=lambda: 0.0)
     store = ChunkStore(tmp_path, cache_bytes=1 << 20, fsync=False, on_corrupt=queue.add)
     a, b, c = raw_chunk(seed=3), raw_chunk(seed=4), raw_chunk(seed=5)
-    store.put_many([a, b, c])
+    store.put_many(records([a, b, c]))
     swap(where(store, a[0]), where(store, c[0]))
     with pytest.raises(ChunkCorruptError):
         store.verify(c[0])

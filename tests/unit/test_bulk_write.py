@@ -86,7 +86,7 @@ def test_put_item_and_batch_round_trip() -> None:
     assert batch.payload_bytes == sum(len(c.data) for c in chunks) and batch.route == ["127.0.0.1:1"]
     batch.buffer = memoryview(bytearray(b"".join(c.data for c in chunks)))
     got = batch.chunks()
-    assert [bytes(g[1]) for g in got] == [c.data for c in chunks] and all(g[1].readonly for g in got)
+    assert [bytes(g.data) for g in got] == [c.data for c in chunks] and all(isinstance(g.data, memoryview) and g.data.readonly for g in got)
 
 
 def test_put_item_refuses_bad_ids_and_codecs() -> None:

@@ -15,6 +15,7 @@ from paramserver.server.errors import ConfigError
 from paramserver.server.hot_chunks import ExtraCopies, HotChunks, HotConfig, HotPolicy, RateTracker
 from paramserver.server.store import ChunkStore
 from paramserver.wire.ring import Ring
+from tests.store_checks import records
 
 MiB = 1 << 20
 
@@ -249,7 +250,7 @@ def put_hot(hot: HotChunks, store: ChunkStore, i: int) -> str | None:
     cid, data, codec, raw, crc = chunk(i)
     decision = hot.admit(cid, len(data))
     if decision in (HotChunks.ADMIT, HotChunks.PLAIN):
-        was_stored = store.put_many([(cid, data, codec, raw, crc)])[0]
+        was_stored = store.put_many(records([(cid, data, codec, raw, crc)]))[0]
         if decision == HotChunks.ADMIT:
             hot.stored(cid, was_stored)
     return decision
@@ -279,7 +280,7 @@ def test_never_an_extra_what_the_server_holds_as_replica_or_already(store: Chunk
     hot = holder(store, clock, tmp_path)
     mine, not_mine = ids_by_role(hot.peers)
     assert put_hot(hot, store, mine[0]) == HotChunks.PLAIN  # a ring replica here: an ordinary copy
-    store.put_many([chunk(not_mine[0])])  # here already (e.g. from before a membership change)
+    store.put_many(records([chunk(not_mine[0])]))  # here already (e.g. from before a membership change)
     assert put_hot(hot, store, not_mine[0]) == HotChunks.PLAIN
     assert hot.stats().extra_chunks == 0
     clock.advance(60.0)
@@ -339,7 +340,7 @@ def test_no_extras_where_every_server_is_a_replica(store: ChunkStore, tmp_path: 
     clock = Clock()
     hot = HotChunks(HotConfig(), store, Peers("ps1", ["ps1", "ps2", "ps3"], 3), clock=clock)
     cid, *rest = chunk(0)
-    store.put_many([(cid, *rest)])
+    store.put_many(records([(cid, *rest)]))
     for _ in range(100):
         hot.record_read(cid)
     report = hot.step()

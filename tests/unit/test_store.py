@@ -18,6 +18,7 @@ from paramserver.server.errors import (
 from paramserver.server.repair import SCRUB_CHUNK_OVERHEAD_BYTES, RepairQueue, Repairer, Scrubber, TrafficWatch
 from paramserver.server.segments import write_in_place
 from paramserver.server.store import HEADER_SIZE, ChunkStore, StoredChunk, decode_header
+from tests.store_checks import records
 
 KiB = 1024
 
@@ -66,8 +67,8 @@ def test_put_get_round_trip_layout_and_header(store: ChunkStore) -> None:
 
 def test_dedup_and_counts(store: ChunkStore) -> None:
     chunks = [raw_chunk(8 * KiB, seed=i) for i in range(10)]
-    assert store.put_many(chunks) == [True] * 10
-    assert store.put_many(chunks[:3]) == [False] * 3
+    assert store.put_many(records(chunks)) == [True] * 10
+    assert store.put_many(records(chunks[:3])) == [False] * 3
     stats = store.stats()
     assert stats.chunk_count == 10 == len(store)
     assert stats.live_bytes == 10 * (HEADER_SIZE + 8 * KiB) <= stats.bytes_on_disk
@@ -190,7 +191,7 @@ def test_put_over_a_corrupt_copy_replaces_it(store: ChunkStore) -> None:
 def test_hot_cache_respects_budget_and_serves_hits(tmp_path: Path) -> None:
     store = ChunkStore(tmp_path, cache_bytes=256 * KiB)
     chunks = [raw_chunk(32 * KiB, seed=i) for i in range(20)]
-    store.put_many(chunks)
+    store.put_many(records(chunks))
     for c in chunks:
         store.get(c[0])
     stats = store.cache.stats()
@@ -206,7 +207,7 @@ def test_hot_cache_respects_budget_and_serves_hits(tmp_path: Path) -> None:
 
 def test_scrubber_charges_each_chunk_so_small_chunks_do_not_multiply_its_work(tmp_path: Path) -> None:
     store = ChunkStore(tmp_path / "a", cache_bytes=0, fsync=False)
-    store.put_many([raw_chunk(4 * KiB, seed=i) for i in range(64)])
+    store.put_many(records([raw_chunk(4 * KiB, seed=i) for i in range(64)]))
     scrubber = Scrubber(store, RepairQueue(clock=lambda: 0.0))
     # A 1 MiB budget would cover 256 chunks of 4 KiB by bytes alone; with the per-chunk charge, 15.
     report = scrubber.step(budget_bytes=1 << 20)
@@ -217,7 +218,7 @@ def test_scrubber_charges_each_chunk_so_small_chunks_do_not_multiply_its_work(tm
 def test_scrubber_slows_to_its_busy_fraction_while_the_store_serves_traffic(tmp_path: Path) -> None:
     store = ChunkStore(tmp_path / "a", cache_bytes=0, fsync=False)
     chunks = [raw_chunk(4 * KiB, seed=i) for i in range(64)]
-    store.put_many(chunks)
+    store.put_many(records(chunks))
     now = [100.0]
     watch = TrafficWatch(lambda: store.traffic, quiet_s=2.0, clock=lambda: now[0])
     scrubber = Scrubber(store, RepairQueue(clock=lambda: 0.0), traffic=watch, busy_fraction=0.25)
@@ -235,7 +236,7 @@ def test_scrubber_slows_to_its_busy_fraction_while_the_store_serves_traffic(tmp_
     before = store.traffic
     scrubber.step(budget_bytes=budget)  # the scrubber's own reads are not traffic
     assert store.traffic == before
-    store.put_many([raw_chunk(4 * KiB, seed=99)])  # a write counts too
+    store.put_many(records([raw_chunk(4 * KiB, seed=99)]))  # a write counts too
     assert scrubber.step(budget_bytes=budget).busy
     frozen = Scrubber(store, RepairQueue(clock=lambda: 0.0), traffic=watch, busy_fraction=0.0)
     assert frozen.step(budget_bytes=budget).checked == 0  # fraction 0: nothing while busy
@@ -248,8 +249,8 @@ def test_scrubber_finds_untouched_corruption_and_repairer_restores(tmp_path: Pat
     store = ChunkStore(tmp_path / "a", cache_bytes=0, on_corrupt=queue.add)
     healthy = ChunkStore(tmp_path / "b", cache_bytes=0)
     chunks = [raw_chunk(16 * KiB, seed=i) for i in range(12)]
-    store.put_many(chunks)
-    healthy.put_many(chunks)
+    store.put_many(records(chunks))
+    healthy.put_many(records(chunks))
     victim = chunks[5][0]
     flip_byte(store, victim, HEADER_SIZE + 7)
     scrubber = Scrubber(store, queue)
@@ -436,7 +437,7 @@ def test_held_answers_presence_crc_and_raw_in_one_pass_and_claims(tmp_path: Path
     store = ChunkStore(tmp_path / "a", cache_bytes=0, fsync=False, clock=lambda: now[0])
     raw = raw_chunk(8 * KiB, seed=1)
     packed = zstd_chunk(bytes(8 * KiB))
-    store.put_many([raw, packed])
+    store.put_many(records([raw, packed]))
     absent = raw_chunk(8 * KiB, seed=2)[0]
     now[0] = 200.0
     present, crc, is_raw = store.held([raw[0], absent, packed[0]], claim=True)
@@ -453,7 +454,7 @@ def test_index_entries_are_not_walked_by_the_garbage_collector(tmp_path: Path) -
 
     store = ChunkStore(tmp_path / "a", cache_bytes=0, fsync=False)
     chunks = [raw_chunk(4 * KiB, seed=i) for i in range(50)]
-    store.put_many(chunks)
+    store.put_many(records(chunks))
     assert not any(gc.is_tracked(store._index[c[0]]) for c in chunks)  # written
     store.close()
     again = ChunkStore(tmp_path / "a", cache_bytes=0, fsync=False)

@@ -16,6 +16,7 @@ from paramserver.server.errors import ChunkCorruptError
 from paramserver.server.gc import OrphanCollector
 from paramserver.server.segments import chunks_on_disk, write_in_place
 from paramserver.server.store import ChunkStore, StoreConfig
+from tests.store_checks import records
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -44,7 +45,7 @@ def test_after_orphans_are_collected_compaction_gives_the_space_back_while_reads
     rng = random.Random(5)
     chunks = [raw_chunk(i) for i in range(256)]  # 16 MiB over ~17 segments
     for i in range(0, len(chunks), 8):
-        store.put_many(chunks[i:i + 8])
+        store.put_many(records(chunks[i:i + 8]))
     live = {c[0]: c[1] for c in chunks if rng.random() < 0.4}  # what committed versions name
     wall.now += 7200
     report = OrphanCollector(lambda: set(live), store, grace_s=3600, clock=wall).step()
@@ -104,7 +105,7 @@ def test_a_corrupt_record_is_never_copied(tmp_path: Path) -> None:
     store = ChunkStore(tmp_path, cache_bytes=0, config=StoreConfig(segment_bytes=512 * KiB),
                        on_corrupt=lambda cid, why: lost.append(cid))
     chunks = [raw_chunk(i) for i in range(20)]
-    store.put_many(chunks)
+    store.put_many(records(chunks))
     for c in chunks[:6]:
         store.delete(c[0])  # the first segment drops below half live
     victim = chunks[6][0]
@@ -122,7 +123,7 @@ def test_a_corrupt_record_is_never_copied(tmp_path: Path) -> None:
 def test_compaction_pauses_on_a_full_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = ChunkStore(tmp_path, cache_bytes=0, config=StoreConfig(segment_bytes=512 * KiB), reserve_bytes=1)
     chunks = [raw_chunk(i) for i in range(20)]
-    store.put_many(chunks)
+    store.put_many(records(chunks))
     for c in chunks[:6]:
         store.delete(c[0])
     monkeypatch.setattr(store, "free_bytes", lambda: 0)
@@ -137,7 +138,7 @@ def test_compaction_pauses_on_a_full_disk(tmp_path: Path, monkeypatch: pytest.Mo
 
 def test_segments_without_dead_bytes_are_left_alone(tmp_path: Path) -> None:
     store = ChunkStore(tmp_path, cache_bytes=0, config=StoreConfig(segment_bytes=256 * KiB, compact_dead_ratio=0.0))
-    store.put_many([raw_chunk(i, 40 * KiB) for i in range(30)])
+    store.put_many(records([raw_chunk(i, 40 * KiB) for i in range(30)]))
     compactor = Compactor(store)
     assert compactor.pick() is None and compactor.run_until_idle() == 0
     assert os.path.exists(tmp_path / "segments" / "0000000000000001.seg")

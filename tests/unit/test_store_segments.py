@@ -31,6 +31,7 @@ from paramserver.server.records import (
 )
 from paramserver.server.segments import chunks_on_disk, list_segments, locate_on_disk, read_view, write_in_place
 from paramserver.server.store import ChunkStore, StoreConfig
+from tests.store_checks import records
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -75,7 +76,7 @@ def test_record_formats_round_trip_and_reject_damage() -> None:
 def test_records_lie_back_to_back_and_a_chunk_record_is_an_old_chunk_file(tmp_path: Path) -> None:
     store = small(tmp_path)
     chunks = [raw_chunk(1000 + i, seed=i) for i in range(5)]
-    store.put_many(chunks)
+    store.put_many(records(chunks))
     [seg] = segment_files(store)
     blob = seg.read_bytes()
     assert parse_segment_header(blob[:SEG_HEADER_SIZE])[0] == 1
@@ -112,7 +113,7 @@ def test_concurrent_batches_share_fsyncs_and_return_only_once_durable(tmp_path: 
         try:
             for b in range(4):
                 batch = [raw_chunk(8 * KiB, seed=1000 * k + 10 * b + i) for i in range(4)]
-                assert store.put_many(batch) == [True] * 4
+                assert store.put_many(records(batch)) == [True] * 4
                 for cid, *_ in batch:
                     loc = store.locate(cid)
                     assert loc is not None
@@ -140,7 +141,7 @@ def test_without_fsync_nothing_is_synced(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setattr(os, "fsync", lambda fd: calls.append(fd))
     store = ChunkStore(tmp_path, cache_bytes=0, fsync=False, config=StoreConfig(segment_bytes=64 * KiB))
     chunks = [raw_chunk(20 * KiB, seed=i) for i in range(10)]
-    store.put_many(chunks)
+    store.put_many(records(chunks))
     assert store.delete(chunks[0][0])
     assert calls == [] and len(segment_files(store)) > 2
     assert all(store.get(c[0]).data == c[1] for c in chunks[1:])
@@ -179,7 +180,7 @@ def test_the_same_chunk_put_concurrently_is_written_once(tmp_path: Path) -> None
         t.join(30)
     assert sorted(results) == [False] * 5 + [True]
     assert len(chunks_on_disk(tmp_path)) == 1 and store.stats().live_bytes == HEADER_SIZE + len(c[1])
-    assert store.put_many([c, c]) == [False, False]
+    assert store.put_many(records([c, c])) == [False, False]
 
 
 # ------------------------------------------------------------------ segments, indexes, reopen
@@ -189,7 +190,7 @@ def test_segments_roll_over_are_sealed_with_an_index_and_reopen_from_it(tmp_path
     store = small(tmp_path)
     chunks = [raw_chunk(30 * KiB, seed=i) for i in range(20)]
     for i in range(0, 20, 5):
-        store.put_many(chunks[i:i + 5])
+        store.put_many(records(chunks[i:i + 5]))
     segs = segment_files(store)
     assert len(segs) >= 5 and all(p.stat().st_size <= 128 * KiB for p in segs)
     idx = sorted(store.segments_dir.glob("*.idx"))
@@ -206,7 +207,7 @@ def test_segments_roll_over_are_sealed_with_an_index_and_reopen_from_it(tmp_path
 def test_a_damaged_index_falls_back_to_a_scan(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     store = small(tmp_path)
     chunks = [raw_chunk(30 * KiB, seed=i) for i in range(10)]
-    store.put_many(chunks)
+    store.put_many(records(chunks))
     store.close()
     idx = sorted(tmp_path.glob("segments/*.idx"))
     idx[0].write_bytes(idx[0].read_bytes()[:-1] + b"\x00")  # its CRC no longer matches
@@ -224,7 +225,7 @@ def test_an_index_entry_whose_record_header_was_damaged_is_quarantined_by_its_id
     lost: list[str] = []
     store = small(tmp_path)
     chunks = [raw_chunk(30 * KiB, seed=i) for i in range(10)]
-    store.put_many(chunks)
+    store.put_many(records(chunks))
     victim = chunks[1][0]
     loc = store.locate(victim)
     assert loc is not None and (tmp_path / "segments" / f"{loc.path.stem}.idx").exists()
@@ -246,7 +247,7 @@ def test_an_index_entry_whose_record_header_was_damaged_is_quarantined_by_its_id
 def test_a_torn_tail_is_truncated_logged_and_never_served(tmp_path: Path, caplog: pytest.LogCaptureFixture, cut: str) -> None:
     store = ChunkStore(tmp_path, cache_bytes=0)
     kept = [raw_chunk(8 * KiB, seed=i) for i in range(3)]
-    store.put_many(kept)
+    store.put_many(records(kept))
     [seg] = segment_files(store)
     good_size = seg.stat().st_size
     torn = raw_chunk(8 * KiB, seed=50)
@@ -275,7 +276,7 @@ def test_damage_in_the_middle_of_the_active_segment_loses_only_that_record(tmp_p
     lost: list[str] = []
     store = ChunkStore(tmp_path, cache_bytes=0)
     chunks = [raw_chunk(8 * KiB, seed=i) for i in range(6)]
-    store.put_many(chunks)
+    store.put_many(records(chunks))
     bad, hidden = store.locate(chunks[2][0]), store.locate(chunks[4][0])
     assert bad is not None and hidden is not None
     store.close()
@@ -299,7 +300,7 @@ def test_deletes_survive_a_restart_and_compaction_never_resurrects_them(tmp_path
     store = small(tmp_path)
     chunks = [raw_chunk(20 * KiB, seed=i) for i in range(24)]
     for i in range(0, 24, 4):
-        store.put_many(chunks[i:i + 4])
+        store.put_many(records(chunks[i:i + 4]))
     gone = {c[0] for c in chunks[::3]}
     for cid in gone:
         assert store.delete(cid)
@@ -320,7 +321,7 @@ def test_a_copy_left_by_compaction_before_its_segment_went_is_a_shadow_a_delete_
     # live records. The later one is served; a delete must kill both, or the older one comes back.
     store = small(tmp_path)
     chunks = [raw_chunk(30 * KiB, seed=i) for i in range(8)]
-    store.put_many(chunks)
+    store.put_many(records(chunks))
     first = store.locate(chunks[0][0])
     assert first is not None
     old_seg = int(first.path.stem)
@@ -339,7 +340,7 @@ def test_a_copy_left_by_compaction_before_its_segment_went_is_a_shadow_a_delete_
 def test_a_delete_racing_a_compaction_move_kills_the_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = small(tmp_path)
     chunks = [raw_chunk(30 * KiB, seed=i) for i in range(8)]
-    store.put_many(chunks)
+    store.put_many(records(chunks))
     victim = chunks[0][0]
     loc = store.locate(victim)
     assert loc is not None
@@ -453,7 +454,7 @@ def test_a_second_store_on_the_same_dir_opens_read_only(tmp_path: Path) -> None:
 def test_tools_find_a_chunk_from_outside_the_process(tmp_path: Path) -> None:
     store = small(tmp_path)
     chunks = [raw_chunk(30 * KiB, seed=i) for i in range(9)]
-    store.put_many(chunks)
+    store.put_many(records(chunks))
     store.delete(chunks[0][0])
     for c in chunks[1:]:
         loc = locate_on_disk(tmp_path, c[0])
@@ -509,7 +510,7 @@ def test_get_many_reads_adjacent_records_together_and_answers_like_get(tmp_path:
     lost: list[str] = []
     store = ChunkStore(tmp_path, cache_bytes=1 << 20, on_corrupt=lambda cid, why: lost.append(cid))
     chunks = [raw_chunk(4 * KiB, seed=i) for i in range(40)] + [raw_chunk(200 * KiB, seed=99)]
-    store.put_many(chunks)
+    store.put_many(records(chunks))
     bad = store.locate(chunks[7][0])
     assert bad is not None
     write_in_place(bad.path, bad.offset + 10, b"\xff\xfe")  # one record's bytes damaged inside a run
@@ -545,7 +546,7 @@ def test_get_many_checks_every_header_of_a_run(tmp_path: Path, damage: str) -> N
     lost: list[str] = []
     store = ChunkStore(tmp_path, cache_bytes=0, on_corrupt=lambda cid, why: lost.append(cid))
     chunks = [raw_chunk(4 * KiB, seed=i) for i in range(12)]
-    store.put_many(chunks)
+    store.put_many(records(chunks))
     bad = store.locate(chunks[5][0])
     assert bad is not None
     if damage == "swapped id":
@@ -565,7 +566,7 @@ def test_get_many_reads_every_third_record_in_runs_over_the_gaps(tmp_path: Path,
     # A reader spreading a model over three replicas asks each for every third record.
     store = ChunkStore(tmp_path, cache_bytes=0)
     chunks = [raw_chunk(4 * KiB, seed=i) for i in range(60)]
-    store.put_many(chunks)
+    store.put_many(records(chunks))
     reads = count_preads(monkeypatch)
     asked = chunks[1::3]
     got = store.get_many([c[0] for c in asked])
@@ -577,7 +578,7 @@ def test_get_many_reads_every_third_record_in_runs_over_the_gaps(tmp_path: Path,
 def test_get_many_releases_every_pin_when_a_read_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = ChunkStore(tmp_path, cache_bytes=0)
     chunks = [raw_chunk(4 * KiB, seed=i) for i in range(8)]
-    store.put_many(chunks)
+    store.put_many(records(chunks))
 
     def failing_pread(fd: int, n: int, off: int) -> bytes:
         raise OSError(errno.EIO, "I/O error")
