@@ -5,12 +5,9 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import ConfigError as ConfigError  # re-exported: its old home
 from .errors import Invalid
 from .validation import check_address, check_name
-
-
-class ConfigError(Invalid):
-    """The node configuration is unusable; the message says which field to fix."""
 
 
 @dataclass(frozen=True)

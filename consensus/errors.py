@@ -22,6 +22,10 @@ class Invalid(MetadataError, ValueError):
     """The command's arguments are malformed (bad model name, negative size, ...)."""
 
 
+class ConfigError(Invalid):
+    """The node configuration is unusable; the message says which field to fix."""
+
+
 class Unavailable(MetadataError):
     """The cluster cannot commit right now; retrying later may succeed."""
 
@@ -53,4 +57,13 @@ class RaftStopped(Unavailable):
     """This node could not write its Raft state (disk full, I/O error) and takes no part in Raft until restarted.
 
     The message is the one-line reason, naming the file. Other members go on without this one.
+    """
+
+
+class JournalFailure(RuntimeError):
+    """A write or sync of the Raft state failed; the node stops taking part in Raft until restarted.
+
+    After a failed fsync the kernel may have dropped the dirty pages and a retry could report
+    success for data that never reached the disk, so there is no retry. Not a MetadataError: it
+    never leaves the Raft layer (the node turns it into RaftStopped for callers).
     """

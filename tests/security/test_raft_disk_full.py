@@ -6,7 +6,7 @@ makes the node step down and leave Raft for good; ``MetadataNode.failure()`` nam
 the error (the server process polls it and exits); writes are refused at once with RaftStopped;
 the others elect and go on; restarted with space, the node has every acknowledged commit.
 
-Two ways to fill the disk: the journal's write seam (``consensus.durable.write_fault``) for one
+Two ways to fill the disk: the journal's write seam (``consensus.durable.files.write_fault``) for one
 server of three, and, as root, a real 1 MiB tmpfs under a single server (skipped elsewhere).
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Iterator
 import pytest
 
 import consensus.durable as durable
+import consensus.durable.files  # noqa: F401 - the write_fault seam lives there
 from consensus import MetadataNode, RaftConfig, RaftStopped, Unavailable
 
 from ..integration.consensus_harness import free_port, wait_until
@@ -62,7 +63,7 @@ def trio(tmp_path: Path) -> Iterator[list[MetadataNode]]:
         assert all(n.wait_ready(30) for n in nodes)
         yield nodes
     finally:
-        durable.write_fault = None
+        durable.files.write_fault = None
         for n in nodes:
             n.close()
 
@@ -80,7 +81,7 @@ def test_enospc_on_the_leaders_journal_makes_it_step_down_and_stop(
         if os.readlink(f"/proc/self/fd/{fd}").startswith(full):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(durable, "write_fault", disk_full)
+    monkeypatch.setattr(durable.files, "write_fault", disk_full)
     with pytest.raises(Unavailable):  # RaftStopped, or NotLeader if the others were quicker
         leader.commit_version("m", MANIFEST, acked[-1], "p", 1, 1)
     failure = check_stopped(leader)
@@ -92,7 +93,7 @@ def test_enospc_on_the_leaders_journal_makes_it_step_down_and_stop(
     assert head is not None
     acked.append(new_leader.commit_version("m", MANIFEST, head.number, "p", 1, 1).number)
     assert leader.failure() == failure  # sticky: never cleared by a write that happens to work
-    monkeypatch.setattr(durable, "write_fault", None)
+    monkeypatch.setattr(durable.files, "write_fault", None)
     assert leader.failure() == failure
     # Restarted (space is back), it catches up and has every acknowledged commit.
     leader.close()
