@@ -32,6 +32,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from deploy.errors import CertError as CertError  # re-exported: its old home
+
 if sys.platform != "win32":  # POSIX only; without it concurrent callers are simply not serialised
     import fcntl
 
@@ -58,10 +60,6 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _DNS_LABEL_RE = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
 
 CAKey = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey
-
-
-class CertError(ValueError):
-    """A certificate or key file that cannot be used; the message names the file."""
 
 
 @dataclass(frozen=True)

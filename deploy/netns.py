@@ -47,16 +47,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Collection, Sequence, Union
 
+from deploy.errors import NetnsError as NetnsError  # re-exported: its old home
+
 Endpoint = Union[int, str]  # a server index, or "host", or "c0", "c1", ... for client namespaces
 HOST = "host"
 SAFE_PREFIX = "pdp-"
 _PREFIX_RE = re.compile(r"^pdp-[a-z0-9]{0,6}-?$")
 _CMD_TIMEOUT = 10.0  # seconds; no iproute2 call should take more than a fraction of that
 _CLIENT_BASE = 101  # client namespace j gets .101+j; servers get .1+i; the host port .254
-
-
-class NetnsError(RuntimeError):
-    """A namespace, veth, bridge or tc rule could not be set up or removed."""
 
 
 @dataclass(frozen=True)

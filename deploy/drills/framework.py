@@ -20,13 +20,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
+from ..errors import DrillError as DrillError  # re-exported: its old home
 from .report import DrillReport
 
 T = TypeVar("T")
-
-
-class DrillError(RuntimeError):
-    """A drill could not run (as opposed to an invariant that broke, which the report records)."""
 
 
 @dataclass(frozen=True)

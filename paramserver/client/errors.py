@@ -25,7 +25,13 @@ class ClientError(Exception):
 
 
 class ConfigError(ClientError, WireConfigError):
-    """A client option, a model reference or a config file is invalid."""
+    """A client option, a model reference or a config file is invalid.
+
+    The paramserver hierarchy's one ConfigError is the wire one (``paramserver.wire.errors``); this
+    subclass exists because the CLIs catch ``ClientError`` and map its ``code`` (INVALID_ARGUMENT:
+    exit 2, ``exit_codes.py``): a client config error must be both. The wire layer cannot import
+    this package, so one class cannot be both.
+    """
 
     default_code = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -167,6 +173,22 @@ def from_rpc(exc: grpc.RpcError, what: str) -> TransferError:
     return cls(f"{what}: {details}" + (f"; {advice}" if advice else ""), code)
 
 
+class BadModelRef(ConfigError):
+    """A model reference that is not MODEL:TAG, MODEL@N or MODEL."""
+
+
+class MonotonicFileError(ConfigError, StaleRead):
+    """The persisted memory cannot be read: a configuration error (exit 2), since only the operator
+    can fix or remove the file. Still a StaleRead, which is what an unreadable file raised before."""
+
+    default_code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotSafetensors(ValueError):
+    """The version holds what a .safetensors file cannot: a dtype safetensors has no code for, or a
+    tensor named ``__metadata__``. Loads into memory keep both."""
+
+
 # A local path the user named that cannot be used (read, written, made): a bad argument, exit 2.
 PATH_ERRORS = (PermissionError, FileExistsError, FileNotFoundError, IsADirectoryError, NotADirectoryError)
 
@@ -174,6 +196,7 @@ PATH_ERRORS = (PermissionError, FileExistsError, FileNotFoundError, IsADirectory
 __all__ = [
     "PATH_ERRORS", "AuthFailed", "ChunkDataLoss", "ChunkUnavailable", "ClientClosed", "ClientError", "ClusterUnreachable",
     "ConfigError", "NotFound",
+    "BadModelRef", "MonotonicFileError", "NotSafetensors",
     "PullError", "PushConflict", "PushError", "StaleRead", "TransferError", "from_rpc", "rpc_code", "rpc_details",
     "tls_problem",
 ]

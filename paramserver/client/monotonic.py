@@ -24,8 +24,8 @@ from enum import Enum
 from typing import Any
 from pathlib import Path
 
-import grpc
 
+from paramserver.client.errors import MonotonicFileError as MonotonicFileError  # re-exported: its old home
 from paramserver.client.errors import ConfigError, StaleRead
 
 
@@ -109,13 +109,6 @@ def judge(seen: Resolution | None, new: Resolution, allow_rollback: bool = True)
         f"{new.server or 'server'} resolved {new.model}:{new.tag} to v{new.version} (clock {dict(new.clock)}, commit index "
         f"{new.commit_index}), {why} v{seen.version} (clock {dict(seen.clock)}, commit index {seen.commit_index}) seen before",
     )
-
-
-class MonotonicFileError(ConfigError, StaleRead):
-    """The persisted memory cannot be read: a configuration error (exit 2), since only the operator
-    can fix or remove the file. Still a StaleRead, which is what an unreadable file raised before."""
-
-    default_code = grpc.StatusCode.INVALID_ARGUMENT
 
 
 class MonotonicReads:

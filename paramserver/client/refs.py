@@ -5,13 +5,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from paramserver.client.errors import ConfigError
+from paramserver.client.errors import BadModelRef as BadModelRef  # re-exported: its old home
 
 _REF = re.compile(r"^(?P<model>[^:@\s]+)(?::(?P<tag>[^:@\s]+)|@(?P<version>[0-9]+))?$")
-
-
-class BadModelRef(ConfigError):
-    """A model reference that is not MODEL:TAG, MODEL@N or MODEL."""
 
 
 MAX_VERSION = (1 << 63) - 1  # version numbers are int64 on the wire

@@ -26,17 +26,13 @@ import torch
 from chunking.dtypes import SAFETENSORS_CODES, torch_dtype
 from chunking.manifest import Manifest, TensorEntry
 
+from paramserver.client.errors import NotSafetensors as NotSafetensors  # re-exported: its old home
 from paramserver.client.hostmem import PAGE_ALIGNED_BYTES, Targets
 
 _CODES = SAFETENSORS_CODES
 
 
 METADATA_KEY = "__metadata__"  # the header key safetensors keeps for its string-to-string metadata
-
-
-class NotSafetensors(ValueError):
-    """The version holds what a .safetensors file cannot: a dtype safetensors has no code for, or a
-    tensor named ``__metadata__``. Loads into memory keep both."""
 
 
 def unwritable(tensors: Sequence[TensorEntry]) -> str | None:

@@ -19,6 +19,7 @@ import zstandard
 
 from chunking.config import MAX_CHUNK_SIZE
 
+from paramserver.server.errors import DecodeError as DecodeError  # re-exported: its old home
 from paramserver.server.errors import UnknownCodecError
 
 Decoded = Union[bytes, bytearray, memoryview]
@@ -30,10 +31,6 @@ DEFAULT_MAX_RAW_BYTES = MAX_CHUNK_SIZE
 _registry: dict[str, Decoder] = {}
 _lock = threading.Lock()
 _tls = threading.local()
-
-
-class DecodeError(ValueError):
-    """The stored bytes do not decode to ``raw_size`` bytes."""
 
 
 def _raw(data: bytes, raw_size: int) -> Decoded:

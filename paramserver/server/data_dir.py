@@ -18,17 +18,11 @@ import os
 from pathlib import Path
 
 from paramserver.server.errors import ConfigError
+from paramserver.server.errors import DataDirInUse as DataDirInUse  # re-exported: their old home
+from paramserver.server.errors import ForeignDataDir as ForeignDataDir
 
 LOCK_FILE = "paramserver.lock"
 IDENTITY_FILE = "cluster.id"  # inside the Raft folder
-
-
-class DataDirInUse(ConfigError):
-    """Another process holds the data dir."""
-
-
-class ForeignDataDir(ConfigError):
-    """The data dir's Raft journal belongs to another cluster."""
 
 
 def lock_data_dir(data_dir: Path) -> int:

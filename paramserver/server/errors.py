@@ -10,7 +10,29 @@ class ParamServerError(Exception):
 
 
 class ConfigError(ParamServerError, WireConfigError):
-    """A server or client option is invalid."""
+    """A server option is invalid.
+
+    The paramserver hierarchy's one ConfigError is the wire one (``paramserver.wire.errors``); this
+    subclass exists because the server's handlers catch ``ParamServerError`` and ``cli.py`` maps
+    ``ConfigError`` to exit 2: a server config error must be both. The wire layer cannot import
+    this package, so one class cannot be both.
+    """
+
+
+class DataDirInUse(ConfigError):
+    """Another process holds the data dir."""
+
+
+class ForeignDataDir(ConfigError):
+    """The data dir's Raft journal belongs to another cluster."""
+
+
+class PreconditionFailed(ParamServerError):
+    """The call is well-formed but the cluster is not ready for it (e.g. chunks of a version missing)."""
+
+
+class DecodeError(ValueError):
+    """The stored bytes do not decode to ``raw_size`` bytes (a ValueError, as the codecs' callers expect)."""
 
 
 class ChunkError(ParamServerError):
@@ -64,6 +86,7 @@ class AuthError(ParamServerError):
 __all__ = [
     "ParamServerError",
     "ConfigError",
+    "DataDirInUse", "ForeignDataDir", "PreconditionFailed", "DecodeError",
     "ChunkError",
     "InvalidChunkError",
     "ChunkTransferCorruptError",

@@ -16,12 +16,9 @@ from paramserver.server.errors import (
     ParamServerError,
     StoreFullError,
 )
+from paramserver.server.errors import PreconditionFailed as PreconditionFailed  # re-exported: its old home
 
 LEADER_METADATA_KEY = "pdparams-leader"  # trailing metadata on NotLeader: the leader's Raft address
-
-
-class PreconditionFailed(ParamServerError):
-    """The call is well-formed but the cluster is not ready for it (e.g. chunks of a version missing)."""
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
