@@ -29,110 +29,36 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-from dataclasses import dataclass
-from functools import cached_property
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, cast
-
-import numpy as np
 
 from chunking import manifest_binary, manifest_split
 from chunking.chunk_table import ChunkRef as ChunkRef  # re-exported: a manifest's rows
 from chunking.chunk_table import ChunkTable
 from chunking.config import HASH_ALGORITHMS, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
-from chunking.dtypes import DTYPES, element_size
 from chunking.errors import ManifestError
-from chunking.hashing import content_id, is_content_id
+from chunking.hashing import content_id
 from chunking.layout import ChunkPlan, chunk_raw_sizes, plan_chunks
+from chunking.manifest_check import check_chunks, check_folder
+# The vocabulary, re-exported: every name below was importable from here when this was one module.
+from chunking.manifest_fields import (BASE_KEYS, BINARY_FORMAT, BINARY_KEYS, CHUNK_FIELDS, FILE_CHUNK_FIELDS, FILE_FIELDS,
+                                      FILE_KEYS, FORMAT_VERSION, HEADER_KEYS, JSON_FORMAT, LAYOUT_KEYS, LAYOUT_SPLIT_FORMAT,
+                                      MAX_PATH_BYTES, MAX_VERSION, READABLE_FORMATS, SHARD_KEYS, SHARD_METADATA_KEY,
+                                      SPLIT_FORMAT, SPLIT_FORMATS, SPLIT_KEYS, TENSOR_FIELDS, FileEntry, TensorEntry,
+                                      check_keys, check_relative_path, check_root_keys, chunk_from, chunk_span, fail,
+                                      file_from, int_field, is_codec_name, metadata_pairs, mismatch, spans, tensor_from,
+                                      unsupported, written_format)
 
-JSON_FORMAT = 1
-BINARY_FORMAT = 2
-SPLIT_FORMAT = 3
-LAYOUT_SPLIT_FORMAT = 4
-SPLIT_FORMATS = (SPLIT_FORMAT, LAYOUT_SPLIT_FORMAT)
-FORMAT_VERSION = LAYOUT_SPLIT_FORMAT  # the newest; pack writes it from SPLIT_FROM_CHUNKS chunks up (written_format)
-READABLE_FORMATS = (JSON_FORMAT, BINARY_FORMAT, SPLIT_FORMAT, LAYOUT_SPLIT_FORMAT)
-TENSOR_FIELDS = ("name", "dtype", "shape", "offset", "nbytes")
-CHUNK_FIELDS = ("id", "raw_size", "stored_size", "codec", "crc32c", "introduced_in", "created_at")
-FILE_FIELDS = ("path", "size", "blake3", "chunks")
-FILE_CHUNK_FIELDS = ("id", "raw_size", "stored_size", "codec", "crc32c")
-MAX_PATH_BYTES = 1024
-MAX_VERSION = (1 << 63) - 1  # introduced_in is a u64 column in format 2; a version number fits an int64
-HEADER_KEYS = frozenset({"format_version", "model", "version", "chunk_size", "hash_algorithm", "fingerprint",
-                         "tensor_fields", "tensors"})
-BASE_KEYS = HEADER_KEYS | {"chunk_fields", "chunks"}  # format 1
-BINARY_KEYS = HEADER_KEYS | {"chunk_count", "runs", "codecs"}  # format 2
-SPLIT_KEYS = HEADER_KEYS | {"parts"}  # format 3's root
-LAYOUT_KEYS = frozenset({"tensor_fields", "tensors"})  # format 4's layout blob (and the file and shard keys)
-FILE_KEYS = frozenset({"file_fields", "file_chunk_fields", "files"})
-SHARD_KEYS = frozenset({"weight_files", "tensor_file"})
-SHARD_METADATA_KEY = "weight_file_metadata"  # optional beside SHARD_KEYS: each shard's safetensors __metadata__
-
-
-def written_format(chunk_count: int) -> int:
-    """The byte form pack gives a manifest of ``chunk_count`` chunks: split only where parts pay."""
-    return LAYOUT_SPLIT_FORMAT if chunk_count >= manifest_split.SPLIT_FROM_CHUNKS else BINARY_FORMAT
-
-
-def is_codec_name(name: str) -> bool:
-    if name in ("raw", "zstd"):
-        return True
-    prefix = "zstd+shuffle"
-    return isinstance(name, str) and name.startswith(prefix) and name[len(prefix):] in ("2", "4", "8", "16")
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-@dataclass(frozen=True)
-class FileEntry:
-    """A non-tensor file of a model folder: relative POSIX path, size, BLAKE3 of its bytes, and
-    its chunks (``ChunkRef`` with ``index`` = position in the file, in order; they cover ``size``)."""
-
-    path: str
-    size: int
-    blake3: str
-    chunks: tuple[ChunkRef, ...]
-
-
-def check_relative_path(path: str) -> str | None:
-    """Why ``path`` is not a safe relative path inside a folder, or None when it is."""
-    if not isinstance(path, str) or not path:
-        return "is empty"
-    if len(path.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
-        return f"is longer than {MAX_PATH_BYTES} bytes"
-    if path.startswith("/") or (len(path) >= 2 and path[1] == ":"):
-        return "is absolute"
-    if "\\" in path:
-        return "has a backslash (use / between folders)"
-    parts = path.split("/")
-    if any(p in ("", ".", "..") for p in parts):
-        return "has an empty, '.' or '..' component"
-    if any(ord(ch) < 32 for ch in path):
-        return "has a control character"
-    return None
-
-
-def _fail(msg: str) -> ManifestError:
-    return ManifestError(f"malformed manifest: {msg}. Fetch it again or re-push the model.")
-
-
-def _int(value: Any, what: str, lo: int = 0, hi: int | None = None) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < lo or (hi is not None and value > hi):
-        raise _fail(f"{what} must be an integer >= {lo}, got {value!r}")
-    return value
+__all__ = [
+    "BASE_KEYS", "BINARY_FORMAT", "BINARY_KEYS", "CHUNK_FIELDS", "FILE_CHUNK_FIELDS", "FILE_FIELDS", "FILE_KEYS",
+    "FORMAT_VERSION", "HEADER_KEYS", "JSON_FORMAT", "LAYOUT_KEYS", "LAYOUT_SPLIT_FORMAT", "MAX_PATH_BYTES", "MAX_VERSION",
+    "READABLE_FORMATS", "SHARD_KEYS", "SHARD_METADATA_KEY", "SPLIT_FORMAT", "SPLIT_FORMATS", "SPLIT_KEYS", "TENSOR_FIELDS",
+    "ChunkRef", "FileEntry", "Manifest", "TensorEntry", "check_relative_path", "is_codec_name", "metadata_pairs",
+    "written_format",
+]
 
 
 @dataclass(frozen=True)
@@ -157,14 +83,14 @@ class Manifest:
             refs: tuple[ChunkRef, ...] = tuple(cast("Iterable[ChunkRef]", given))
             for i, ref in enumerate(refs):
                 if ref.index != i:
-                    raise _fail(f"chunk at position {i} says index {ref.index}")
+                    raise fail(f"chunk at position {i} says index {ref.index}")
             try:
                 table = ChunkTable.from_refs(refs)
             except (ValueError, OverflowError) as exc:
-                raise _fail(f"a chunk field is out of range ({exc})") from None
+                raise fail(f"a chunk field is out of range ({exc})") from None
             object.__setattr__(self, "chunks", table)
         if self.format_version not in READABLE_FORMATS:
-            raise _unsupported(self.format_version)
+            raise unsupported(self.format_version)
 
     # -- serialisation ---------------------------------------------------
     def to_bytes(self) -> bytes:
@@ -264,7 +190,7 @@ class Manifest:
     def in_format(self, format_version: int) -> Manifest:
         """This manifest in another byte form (another id: the id names the bytes)."""
         if format_version not in READABLE_FORMATS:
-            raise _unsupported(format_version)
+            raise unsupported(format_version)
         return dataclasses.replace(self, format_version=format_version)
 
     @classmethod
@@ -283,32 +209,32 @@ class Manifest:
             try:
                 root = manifest_split.parse_root(raw)
             except ValueError as exc:
-                raise _fail(f"format-{split_format} root is damaged: {exc}") from None
+                raise fail(f"format-{split_format} root is damaged: {exc}") from None
             doc = root.doc
         elif binary:
             try:
                 doc, columns = manifest_binary.decode(raw)
             except ValueError as exc:
-                raise _fail(f"format-2 bytes are damaged: {exc}") from None
+                raise fail(f"format-2 bytes are damaged: {exc}") from None
         else:
             try:
                 doc = json.loads(raw.decode("utf-8"))
             except (ValueError, RecursionError) as exc:
-                raise _fail(f"not UTF-8 JSON nor the binary format ({exc}); the bytes may be truncated") from None
+                raise fail(f"not UTF-8 JSON nor the binary format ({exc}); the bytes may be truncated") from None
             if not isinstance(doc, dict):
-                raise _fail("top level is not an object")
+                raise fail("top level is not an object")
         fmt = doc.get("format_version")
         if split and fmt in manifest_split.ROOT_FORMATS and fmt != split_format:
-            raise _fail(f"its format_version {fmt} does not match its format-{split_format} magic bytes")
+            raise fail(f"its format_version {fmt} does not match its format-{split_format} magic bytes")
         if fmt != (split_format if split else BINARY_FORMAT if binary else JSON_FORMAT):
             if binary and doc.get("kind") == manifest_split.PART_KIND:
-                raise _fail("these bytes are a part of a split manifest, not a manifest: fetch the version's root")
-            raise _unsupported(fmt)
+                raise fail("these bytes are a part of a split manifest, not a manifest: fetch the version's root")
+            raise unsupported(fmt)
         algorithm = doc.get("hash_algorithm")
         if algorithm not in HASH_ALGORITHMS:
-            raise _fail(f"hash_algorithm {algorithm!r} is unknown")
+            raise fail(f"hash_algorithm {algorithm!r} is unknown")
         if expected_id is not None and content_id(raw, algorithm) != expected_id:
-            raise _mismatch(expected_id)
+            raise mismatch(expected_id)
         if root is not None:
             if parts is None:
                 raise ManifestError(
@@ -323,9 +249,9 @@ class Manifest:
         try:
             again = manifest.to_bytes()  # formats 3 and 4: the root names the parts' (and layout's) ids, so this covers them
         except UnicodeEncodeError:
-            raise _fail("a name is not valid Unicode (a lone surrogate)") from None
+            raise fail("a name is not valid Unicode (a lone surrogate)") from None
         if again != raw:
-            raise _fail("bytes are not in canonical form (re-serialised bytes differ), so its id would not be stable")
+            raise fail("bytes are not in canonical form (re-serialised bytes differ), so its id would not be stable")
         if expected_id is not None:
             manifest.__dict__["id"] = expected_id
         return manifest
@@ -345,14 +271,14 @@ class Manifest:
             parsed = manifest_split.parse_root(bytes(data))
             manifest_split.check_repeats(parsed.parts)
         except ValueError as exc:
-            raise _fail(f"format-{split_format} root is damaged: {exc}") from None
+            raise fail(f"format-{split_format} root is damaged: {exc}") from None
         # The root's id is proven before any part is asked for: a forged root must not make us fetch.
         algorithm = parsed.doc.get("hash_algorithm")
         if algorithm not in HASH_ALGORITHMS:
-            raise _fail(f"hash_algorithm {algorithm!r} is unknown")
+            raise fail(f"hash_algorithm {algorithm!r} is unknown")
         if content_id(data, algorithm) != manifest_id:
-            raise _mismatch(manifest_id)
-        _check_root_keys(parsed)
+            raise mismatch(manifest_id)
+        check_root_keys(parsed)
         wanted = parsed.blob_ids
         if not wanted:  # a root of no chunks
             return cls.from_bytes(data, expected_id=manifest_id, parts={})
@@ -373,45 +299,45 @@ class Manifest:
     @classmethod
     def _from_split(cls, root: manifest_split.Root, parts: Mapping[str, bytes]) -> Manifest:
         doc = root.doc
-        _check_root_keys(root)
+        check_root_keys(root)
         if root.layout is not None:
             data = parts.get(root.layout)
             if data is None:
-                raise _fail(f"its layout blob {root.layout} was not supplied")
+                raise fail(f"its layout blob {root.layout} was not supplied")
             if content_id(data, doc["hash_algorithm"]) != root.layout:
-                raise _fail(f"its layout blob {root.layout}: the bytes do not match the id (corrupted, or another blob)")
+                raise fail(f"its layout blob {root.layout}: the bytes do not match the id (corrupted, or another blob)")
             try:
                 layout = manifest_split.decode_layout(data)
             except ValueError as exc:
-                raise _fail(f"its layout blob {root.layout} is damaged: {exc}") from None
-            _check_keys(set(layout), LAYOUT_KEYS)
+                raise fail(f"its layout blob {root.layout} is damaged: {exc}") from None
+            check_keys(set(layout), LAYOUT_KEYS)
             doc = {k: v for k, v in doc.items() if k not in manifest_split.ROOT4_KEYS} | layout
         # The rows the parts add up to must be the rows the tensors span, checked before any part
         # is decoded or joined.
         tensors, chunk_size = cls._header_tensors(doc)
         listed_rows = sum(count for _pid, count in root.parts)
-        if not _spans(tensors, chunk_size, listed_rows):
-            raise _fail(f"its parts hold {listed_rows} chunks but the tensors span {_chunk_span(tensors, chunk_size)}")
+        if not spans(tensors, chunk_size, listed_rows):
+            raise fail(f"its parts hold {listed_rows} chunks but the tensors span {chunk_span(tensors, chunk_size)}")
         try:
             codecs, columns, parts_read = manifest_split.join_parts(root.parts, parts, doc["hash_algorithm"])
         except ValueError as exc:
-            raise _fail(str(exc)) from None
+            raise fail(str(exc)) from None
         manifest = cls._from_columns(doc, columns, codecs, root.format, header=(tensors, chunk_size))
         # Each part was proven canonical as it was read, so re-encoding it would give it back; what
         # is left to prove is that the parts are cut where the layout says (the root's re-encoding
         # in from_bytes then covers the rest, the layout blob's id included).
         if manifest._part_bounds() != [(p.start, p.stop) for p in parts_read]:
-            raise _fail("its parts are not cut where the tensor layout puts the cuts")
+            raise fail("its parts are not cut where the tensor layout puts the cuts")
         manifest.__dict__["_split"] = manifest._roots(parts_read)
         return manifest
 
     @classmethod
     def _from_binary(cls, doc: dict[str, Any], columns: manifest_binary.Columns) -> Manifest:
-        _check_keys(set(doc), BINARY_KEYS)
+        check_keys(set(doc), BINARY_KEYS)
         codecs = doc["codecs"]
         # Canonical: the table lists exactly the codecs used, in the order they first appear.
         if manifest_binary.first_use_order(columns.codec_index).tolist() != list(range(len(codecs))):
-            raise _fail("its codec table is not the codecs used in order of first use")
+            raise fail("its codec table is not the codecs used in order of first use")
         return cls._from_columns(doc, columns, tuple(codecs), BINARY_FORMAT)
 
     @classmethod
@@ -419,15 +345,15 @@ class Manifest:
                       fmt: int, *, header: tuple[tuple[TensorEntry, ...], int] | None = None) -> Manifest:
         """``header``: ``_header_tensors(doc)`` where the caller has it already."""
         if not all(is_codec_name(c) for c in codecs) or len(set(codecs)) != len(codecs):
-            raise _fail(f"codec table {list(codecs)!r} has an unknown or repeated codec")
+            raise fail(f"codec table {list(codecs)!r} has an unknown or repeated codec")
         tensors, chunk_size = cls._header_tensors(doc) if header is None else header
         n = len(columns.digests)
-        if not _spans(tensors, chunk_size, n):
-            raise _fail(f"{n} chunks listed but the tensors span {_chunk_span(tensors, chunk_size)}")
+        if not spans(tensors, chunk_size, n):
+            raise fail(f"{n} chunks listed but the tensors span {chunk_span(tensors, chunk_size)}")
         try:
             raw_size = chunk_raw_sizes([(t.offset, t.nbytes) for t in tensors], chunk_size)
         except ValueError as exc:
-            raise _fail(str(exc)) from None
+            raise fail(str(exc)) from None
         table = ChunkTable(columns.digests, raw_size, columns.stored_size, columns.crc32c, columns.codec_index,
                            codecs, columns.introduced_in, columns.created_at)
         return cls._build(doc, tensors, table, fmt)
@@ -435,54 +361,54 @@ class Manifest:
     @classmethod
     def _header_tensors(cls, doc: dict[str, Any]) -> tuple[tuple[TensorEntry, ...], int]:
         if doc["tensor_fields"] != list(TENSOR_FIELDS):
-            raise _fail("tensor field list differs from this format version")
+            raise fail("tensor field list differs from this format version")
         if not isinstance(doc["tensors"], list):
-            raise _fail("tensors must be a list")
-        tensors = tuple(_tensor_from(item, i) for i, item in enumerate(doc["tensors"]))
-        return tensors, _int(doc["chunk_size"], "chunk_size", MIN_CHUNK_SIZE, MAX_CHUNK_SIZE)
+            raise fail("tensors must be a list")
+        tensors = tuple(tensor_from(item, i) for i, item in enumerate(doc["tensors"]))
+        return tensors, int_field(doc["chunk_size"], "chunk_size", MIN_CHUNK_SIZE, MAX_CHUNK_SIZE)
 
     @classmethod
     def _from_doc(cls, doc: dict[str, Any]) -> Manifest:
-        _check_keys(set(doc), BASE_KEYS)
+        check_keys(set(doc), BASE_KEYS)
         if doc["chunk_fields"] != list(CHUNK_FIELDS):
-            raise _fail("field lists differ from this format version")
+            raise fail("field lists differ from this format version")
         if not isinstance(doc["chunks"], list):
-            raise _fail("tensors and chunks must be lists")
+            raise fail("tensors and chunks must be lists")
         tensors, _ = cls._header_tensors(doc)
-        chunks = tuple(_chunk_from(item, i) for i, item in enumerate(doc["chunks"]))
+        chunks = tuple(chunk_from(item, i) for i, item in enumerate(doc["chunks"]))
         return cls._build(doc, tensors, chunks, JSON_FORMAT)
 
     @classmethod
     def _build(cls, doc: dict[str, Any], tensors: tuple[TensorEntry, ...], chunks: ChunkTable | tuple[ChunkRef, ...],
                fmt: int) -> Manifest:
         if "files" in doc and (doc["file_fields"] != list(FILE_FIELDS) or doc["file_chunk_fields"] != list(FILE_CHUNK_FIELDS)):
-            raise _fail("file field lists differ from this format version")
+            raise fail("file field lists differ from this format version")
         if not isinstance(doc["model"], str) or not isinstance(doc["fingerprint"], str):
-            raise _fail("model and fingerprint must be strings")
+            raise fail("model and fingerprint must be strings")
         files: tuple[FileEntry, ...] = ()
         if "files" in doc:
             if not isinstance(doc["files"], list) or not doc["files"]:
-                raise _fail("files must be a non-empty list when present")
-            files = tuple(_file_from(item, i) for i, item in enumerate(doc["files"]))
+                raise fail("files must be a non-empty list when present")
+            files = tuple(file_from(item, i) for i, item in enumerate(doc["files"]))
         weight_files: tuple[str, ...] = ()
         tensor_file: tuple[int, ...] = ()
         if "weight_files" in doc:
             wf, tf = doc["weight_files"], doc["tensor_file"]
             if not isinstance(wf, list) or not wf or not all(isinstance(p, str) for p in wf) or not isinstance(tf, list):
-                raise _fail("weight_files must be a non-empty list of paths and tensor_file a list")
+                raise fail("weight_files must be a non-empty list of paths and tensor_file a list")
             weight_files = tuple(wf)
-            tensor_file = tuple(_int(x, "tensor_file entry", 0, len(wf) - 1) for x in tf)
+            tensor_file = tuple(int_field(x, "tensor_file entry", 0, len(wf) - 1) for x in tf)
         shard_metadata: tuple[tuple[tuple[str, str], ...], ...] = ()
         if SHARD_METADATA_KEY in doc:
             raw = doc[SHARD_METADATA_KEY]
             if (not isinstance(raw, list) or not all(isinstance(m, dict) for m in raw)
                     or not all(isinstance(k, str) and isinstance(v, str) for m in raw for k, v in m.items())):
-                raise _fail(f"{SHARD_METADATA_KEY} must be a list of objects of strings")
+                raise fail(f"{SHARD_METADATA_KEY} must be a list of objects of strings")
             shard_metadata = tuple(metadata_pairs(m) for m in raw)
         manifest = cls(
             model=doc["model"],
-            version=_int(doc["version"], "version"),
-            chunk_size=_int(doc["chunk_size"], "chunk_size", MIN_CHUNK_SIZE, MAX_CHUNK_SIZE),
+            version=int_field(doc["version"], "version"),
+            chunk_size=int_field(doc["chunk_size"], "chunk_size", MIN_CHUNK_SIZE, MAX_CHUNK_SIZE),
             format_version=fmt,
             tensors=tensors,
             chunks=chunks,  # type: ignore[arg-type]  # __post_init__ makes a ChunkTable of refs
@@ -495,77 +421,11 @@ class Manifest:
         )
         manifest.check()
         return manifest
-
     def check(self) -> None:
-        """Raise ManifestError unless tensors, byte ranges and chunks agree."""
-        cs = self.chunk_size
-        if cs & (cs - 1):
-            raise _fail(f"chunk_size {cs} is not a power of two")
-        names = [t.name for t in self.tensors]
-        if len(set(names)) != len(names):
-            raise _fail("tensor names repeat")
-        for t in self.tensors:
-            if t.dtype not in DTYPES:
-                raise _fail(f"tensor {t.name!r} has unknown dtype {t.dtype!r}")
-            if t.nbytes != t.numel * element_size(t.dtype):
-                raise _fail(f"tensor {t.name!r}: nbytes {t.nbytes} does not match shape {t.shape} x {t.dtype}")
-        table = self.chunks
-        if not _spans(self.tensors, cs, len(table)):
-            # Checked before the layout so a forged huge offset cannot make us allocate a huge array.
-            raise _fail(f"{len(table)} chunks listed but the tensors span {_chunk_span(self.tensors, cs)}")
-        try:
-            sizes = chunk_raw_sizes([(t.offset, t.nbytes) for t in self.tensors], cs)
-        except ValueError as exc:
-            raise _fail(str(exc)) from None
-        bad = np.flatnonzero(table.raw_size != sizes)
-        if len(bad):
-            i = int(bad[0])
-            raise _fail(f"chunk #{i} raw_size {int(table.raw_size[i])} differs from the layout's {int(sizes[i])}")
-        for k, codec in enumerate(table.codecs):
-            rows = np.flatnonzero(table.codec_index == k)
-            if codec.startswith("zstd+shuffle"):
-                bad = rows[table.raw_size[rows] % int(codec[len("zstd+shuffle"):]) != 0]
-                if len(bad):
-                    raise _fail(f"chunk #{int(bad[0])} shuffle width does not divide its raw size")
-            if codec == "raw":
-                bad = rows[table.stored_size[rows] != table.raw_size[rows]]
-                if len(bad):
-                    i = int(bad[0])
-                    raise _fail(f"raw chunk #{i} has stored_size {int(table.stored_size[i])} != raw_size {int(table.raw_size[i])}")
-        if len(table) and (int(table.stored_size.min()) < 1 or int(table.introduced_in.min()) < 0):
-            raise _fail("a chunk has stored_size 0 or a negative introduced_in")
-        if not is_content_id(self.fingerprint):
-            raise _fail("fingerprint is not 64 hex digits")
-        self._check_folder()
-
-    def _check_folder(self) -> None:
-        paths = [f.path for f in self.files] + list(self.weight_files)
-        for path in paths:
-            why = check_relative_path(path)
-            if why is not None:
-                raise _fail(f"file path {path!r} {why}")
-        if len(set(paths)) != len(paths):
-            raise _fail("file paths repeat")
-        if self.weight_files and len(self.tensor_file) != len(self.tensors):
-            raise _fail(f"tensor_file has {len(self.tensor_file)} entries for {len(self.tensors)} tensors")
-        if self.tensor_file and not self.weight_files:
-            raise _fail("tensor_file without weight_files")
-        if self.weight_file_metadata and len(self.weight_file_metadata) != len(self.weight_files):
-            raise _fail(f"{SHARD_METADATA_KEY} has {len(self.weight_file_metadata)} entries for {len(self.weight_files)} weight files")
-        if any(list(pairs) != sorted(dict(pairs).items()) for pairs in self.weight_file_metadata):
-            raise _fail(f"{SHARD_METADATA_KEY} entries must be sorted pairs of distinct keys")
-        if any(not p.endswith(".safetensors") for p in self.weight_files):
-            raise _fail("weight_files must be .safetensors paths")
-        for f in self.files:
-            if not is_content_id(f.blake3):
-                raise _fail(f"file {f.path!r} hash is not 64 hex digits")
-            if sum(c.raw_size for c in f.chunks) != f.size or (f.size and not f.chunks):
-                raise _fail(f"file {f.path!r}: its chunks do not add up to its size {f.size}")
-            for k, c in enumerate(f.chunks):
-                if c.index != k or c.raw_size > self.chunk_size:
-                    raise _fail(f"file {f.path!r} chunk #{k} is out of order or larger than the chunk size")
-                if c.codec == "raw" and c.stored_size != c.raw_size:
-                    raise _fail(f"file {f.path!r} raw chunk #{k} has stored_size {c.stored_size} != raw_size {c.raw_size}")
+        """Raise ManifestError unless tensors, byte ranges and chunks agree (and a folder's files and shards are sound)."""
+        check_chunks(self.chunk_size, self.tensors, self.chunks, self.fingerprint)
+        check_folder(self.chunk_size, len(self.tensors), self.files, self.weight_files, self.tensor_file,
+                     self.weight_file_metadata)
 
     # -- derived views ---------------------------------------------------
     @cached_property
@@ -627,105 +487,3 @@ class Manifest:
     def with_version(self, version: int) -> Manifest:
         """A copy for version slot ``version``; chunks this version introduced are re-stamped."""
         return dataclasses.replace(self, version=version, chunks=self.chunks.restamped(self.version, version))
-
-
-def _unsupported(fmt: Any) -> ManifestError:
-    return ManifestError(
-        f"manifest format version {fmt!r} is not supported: this chunking library reads versions "
-        f"{', '.join(map(str, READABLE_FORMATS))}. Upgrade the worker/server software to read it, or re-push the "
-        "model with this version."
-    )
-
-
-def _mismatch(expected_id: str) -> ManifestError:
-    return ManifestError(
-        f"manifest bytes do not match the id {expected_id}: they were corrupted or belong to another "
-        "version. Fetch the manifest again from another server."
-    )
-
-
-def _check_root_keys(root: manifest_split.Root) -> None:
-    if root.layout is None:
-        _check_keys(set(root.doc), SPLIT_KEYS)
-        return
-    # Exactly these: the tensors, files and shards belong in the layout blob.
-    expected = HEADER_KEYS - LAYOUT_KEYS | manifest_split.ROOT4_KEYS
-    if set(root.doc) != expected:
-        raise _fail(f"format-4 root keys {sorted(set(root.doc) ^ expected)} are missing or unexpected")
-
-
-def metadata_pairs(metadata: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
-    """A safetensors ``__metadata__`` object as the manifest keeps it: sorted (key, value) pairs."""
-    return tuple(sorted(metadata.items()))
-
-
-def _check_keys(keys: set[str], base: frozenset[str]) -> None:
-    expected = set(base)
-    if keys & FILE_KEYS:
-        expected |= FILE_KEYS
-    if keys & SHARD_KEYS:
-        expected |= SHARD_KEYS
-        if SHARD_METADATA_KEY in keys:
-            expected.add(SHARD_METADATA_KEY)
-    if keys != expected:
-        raise _fail(f"keys {sorted(keys ^ expected)} are missing or unexpected")
-
-
-def _chunk_span(tensors: tuple[TensorEntry, ...], chunk_size: int) -> int:
-    end = max((t.offset + t.nbytes for t in tensors if t.nbytes), default=0)
-    return -(-end // chunk_size)
-
-
-def _spans(tensors: tuple[TensorEntry, ...], chunk_size: int, count: int) -> bool:
-    return _chunk_span(tensors, chunk_size) == count
-
-
-def _tensor_from(item: Any, i: int) -> TensorEntry:
-    if not isinstance(item, list) or len(item) != len(TENSOR_FIELDS):
-        raise _fail(f"tensor #{i} is not a {len(TENSOR_FIELDS)}-field list")
-    name, dtype, shape, offset, nbytes = item
-    if not isinstance(name, str) or not isinstance(dtype, str) or not isinstance(shape, list):
-        raise _fail(f"tensor #{i} has a bad name, dtype or shape")
-    dims = tuple(_int(d, f"tensor {name!r} dimension") for d in shape)
-    return TensorEntry(name, dtype, dims, _int(offset, f"tensor {name!r} offset"), _int(nbytes, f"tensor {name!r} nbytes"))
-
-
-def _chunk_from(item: Any, i: int) -> ChunkRef:
-    if not isinstance(item, list) or len(item) != len(CHUNK_FIELDS):
-        raise _fail(f"chunk #{i} is not a {len(CHUNK_FIELDS)}-field list")
-    cid, raw_size, stored_size, codec, crc, introduced_in, created_at = item
-    if not is_content_id(cid):
-        raise _fail(f"chunk #{i} id {cid!r} is not a content id")
-    if not is_codec_name(codec):
-        raise _fail(f"chunk #{i} codec {codec!r} is unknown")
-    if not isinstance(created_at, (int, float)) or isinstance(created_at, bool):
-        raise _fail(f"chunk #{i} created_at is not a number")
-    return ChunkRef(
-        index=i,
-        id=cid,
-        raw_size=_int(raw_size, f"chunk #{i} raw_size", 1, MAX_CHUNK_SIZE),
-        stored_size=_int(stored_size, f"chunk #{i} stored_size", 1, 0xFFFFFFFF),
-        codec=codec,
-        crc32c=_int(crc, f"chunk #{i} crc32c", 0, 0xFFFFFFFF),
-        introduced_in=_int(introduced_in, f"chunk #{i} introduced_in", 0, MAX_VERSION),
-        created_at=float(created_at),
-    )
-
-
-def _file_from(item: Any, i: int) -> FileEntry:
-    if not isinstance(item, list) or len(item) != len(FILE_FIELDS):
-        raise _fail(f"file #{i} is not a {len(FILE_FIELDS)}-field list")
-    path, size, digest, chunks = item
-    if not isinstance(path, str) or not isinstance(digest, str) or not isinstance(chunks, list):
-        raise _fail(f"file #{i} has a bad path, hash or chunk list")
-    refs = []
-    for k, c in enumerate(chunks):
-        if not isinstance(c, list) or len(c) != len(FILE_CHUNK_FIELDS):
-            raise _fail(f"file {path!r} chunk #{k} is not a {len(FILE_CHUNK_FIELDS)}-field list")
-        cid, raw_size, stored_size, codec, crc = c
-        if not is_content_id(cid) or not is_codec_name(codec):
-            raise _fail(f"file {path!r} chunk #{k} has a bad id or codec")
-        refs.append(ChunkRef(index=k, id=cid, raw_size=_int(raw_size, f"file {path!r} chunk raw_size", 1),
-                             stored_size=_int(stored_size, f"file {path!r} chunk stored_size", 1), codec=codec,
-                             crc32c=_int(crc, f"file {path!r} chunk crc32c", 0, 0xFFFFFFFF), introduced_in=0, created_at=0.0))
-    return FileEntry(path, _int(size, f"file {path!r} size"), digest, tuple(refs))
