@@ -49,16 +49,8 @@ def member_record(data: Mapping[str, Any]) -> MemberRecord:
 
 
 def member_command(member: MemberRecord) -> dict[str, Any]:
-    return {
-        "op": "add_member",
-        "server_id": member.server_id,
-        "grpc_address": member.grpc_address,
-        "raft_address": member.raft_address,
-        "state": member.state,
-        "zone": member.zone,
-        "bulk_address": member.bulk_address,
-        "clock_rule": member.clock_rule,
-    }
+    # The record's JSON fields plus the clock rule, in the key order the log has always had.
+    return {"op": "add_member", **member_to_json(member), "clock_rule": member.clock_rule}
 
 
 def version_to_json(record: VersionRecord) -> dict[str, Any]:

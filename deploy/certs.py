@@ -62,6 +62,14 @@ _DNS_LABEL_RE = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
 CAKey = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey
 
 
+
+def _key_usage(*, ca: bool) -> x509.KeyUsage:
+    """A CA signs certificates (and CRLs) only; a server or client certificate signs handshakes only."""
+    return x509.KeyUsage(digital_signature=not ca, content_commitment=False, key_encipherment=False,
+                         data_encipherment=False, key_agreement=False, key_cert_sign=ca, crl_sign=ca,
+                         encipher_only=False, decipher_only=False)
+
+
 @dataclass(frozen=True)
 class CertPaths:
     """Where one certificate and its private key lie."""
@@ -105,17 +113,7 @@ def make_ca(folder: Path, *, name: str = "pdparams local CA", days: int = 365) -
         .not_valid_after(now + dt.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
-            x509.KeyUsage(
-                digital_signature=False,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
+            _key_usage(ca=True),
             critical=True,
         )
         .add_extension(ski, critical=False)
@@ -181,17 +179,7 @@ def issue(
         .not_valid_after(not_after)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=False,
-                crl_sign=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
+            _key_usage(ca=False),
             critical=True,
         )
         .add_extension(x509.ExtendedKeyUsage(usages), critical=False)

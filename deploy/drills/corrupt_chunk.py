@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from .framework import (
+    check_positive_seconds,
     DrillError,
     Loaded,
     Published,
@@ -48,9 +49,7 @@ class CorruptChunkConfig:
     def validate(self) -> None:
         if not 1 <= self.flip <= 4096:
             raise DrillError(f"flip must be 1..4096 bytes, got {self.flip}")
-        for name in ("observe_s", "repair_limit_s", "scrub_limit_s", "settle_s"):
-            if getattr(self, name) <= 0:
-                raise DrillError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        check_positive_seconds(self, ("observe_s", "repair_limit_s", "scrub_limit_s", "settle_s"))
 
 
 def stable_chunks(probe: ClusterProbe, committed: list[Published]) -> tuple[Published, list[str]]:

@@ -280,6 +280,13 @@ class Workload:
             return sum(st.failed for name, st in self.stats.items() if name.startswith("loader-"))
 
 
+def check_positive_seconds(config: object, names: Iterable[str]) -> None:
+    """A drill config's durations: each of ``names`` must be above 0 seconds (DrillError names the first that is not)."""
+    for name in names:
+        if getattr(config, name) <= 0:
+            raise DrillError(f"{name} must be > 0 seconds, got {getattr(config, name)}")
+
+
 # ---- bounded waiting -------------------------------------------------------------------------------------
 def wait_for(predicate: Callable[[], T | None], timeout: float, *, interval: float = 0.05,
              what: str = "condition") -> T:

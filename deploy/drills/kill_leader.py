@@ -15,6 +15,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from .framework import (
+    check_positive_seconds,
     DrillError,
     Published,
     Workload,
@@ -43,9 +44,7 @@ class KillLeaderConfig:
     def validate(self) -> None:
         if not 1 <= self.rounds <= 1000:
             raise DrillError(f"rounds must be 1..1000, got {self.rounds}")
-        for name in ("failover_limit_s", "catch_up_limit_s", "target_median_s", "settle_s"):
-            if getattr(self, name) <= 0:
-                raise DrillError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        check_positive_seconds(self, ("failover_limit_s", "catch_up_limit_s", "target_median_s", "settle_s"))
         if self.pause_s < 0:
             raise DrillError(f"pause_s must be >= 0, got {self.pause_s}")
 

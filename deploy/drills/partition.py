@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .framework import (
+    check_positive_seconds,
     DrillError,
     Workload,
     check_converged,
@@ -52,9 +53,7 @@ class PartitionDrillConfig:
     allowed_load_errors: tuple[str, ...] = ("StaleRead", "UNAVAILABLE", "DEADLINE_EXCEEDED")
 
     def validate(self) -> None:
-        for name in ("hold_s", "election_limit_s", "commit_limit_s", "failover_limit_s", "settle_s"):
-            if getattr(self, name) <= 0:
-                raise DrillError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        check_positive_seconds(self, ("hold_s", "election_limit_s", "commit_limit_s", "failover_limit_s", "settle_s"))
         if self.commit_grace_s < 0:
             raise DrillError(f"commit_grace_s must be >= 0, got {self.commit_grace_s}")
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from .framework import (
+    check_positive_seconds,
     DrillError,
     Loaded,
     Published,
@@ -50,9 +51,7 @@ class RestartConfig:
     allowed_load_errors: tuple[str, ...] = ()  # the bar: zero failed worker loads
 
     def validate(self) -> None:
-        for name in ("down_s", "catch_up_limit_s", "commit_limit_s", "settle_s", "load_s", "replicate_limit_s"):
-            if getattr(self, name) <= 0:
-                raise DrillError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        check_positive_seconds(self, ("down_s", "catch_up_limit_s", "commit_limit_s", "settle_s", "load_s", "replicate_limit_s"))
         if self.min_versions < 1:
             raise DrillError(f"min_versions must be >= 1, got {self.min_versions}")
         if self.max_verified_versions < 1:
