@@ -35,7 +35,7 @@ class RaftConfig:
     log_compaction_min_entries: int = 5000
     log_compaction_min_time: float = 300.0
     # Journal, term/vote and dump reach the disk before anything that depends on them is sent
-    # (consensus/durable.py). False (--no-fsync) is for tests and drills: a power loss can
+    # (consensus/durable/). False (--no-fsync) is for tests and drills: a power loss can
     # then lose acknowledged commits and votes.
     fsync: bool = True
 

@@ -26,7 +26,7 @@ WARNING line naming the remote address, at most one per remote host per
 pysyncobj unpickles every frame before any of this, so the port must only be
 reachable by members (loopback, or a secret; the server refuses otherwise).
 These hooks override TCPTransport methods of pysyncobj 0.3.17 (install() in
-consensus/durable.py refuses other versions) and read the peer address from
+consensus/durable refuses other versions) and read the peer address from
 TcpConnection's private socket.
 """
 from __future__ import annotations

@@ -147,7 +147,7 @@ def durable_meta_writes(calls: list[Call], raft_dir: str) -> list[tuple[int, dic
 def acks_sent_unsynced(calls: list[Call], journal: str) -> list[Any]:
     """AppendEntries answers sent while journal records were written but not yet committed to disk.
 
-    A commit to disk is what consensus/durable.py does: the header's end offset written after
+    A commit to disk is what consensus/durable/ does: the header's end offset written after
     the records, then an fdatasync (with a record longer than two sectors, one more before).
     """
     messages = dict(sent_messages(calls))

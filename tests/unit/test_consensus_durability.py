@@ -1,4 +1,4 @@
-"""consensus/durable.py without processes: journal format and group commit, term/vote file, gate, patches."""
+"""consensus/durable/ without processes: journal format and group commit, term/vote file, gate, patches."""
 from __future__ import annotations
 
 import dataclasses
