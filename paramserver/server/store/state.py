@@ -58,6 +58,8 @@ CorruptListener = Callable[[str, str], None]  # (chunk_id, reason)
 
 
 class Entry(NamedTuple):
+    """Where a chunk's record lies and what its header declares (the in-memory index's value)."""
+
     seg: int
     off: int  # of the record's header
     size: int  # stored bytes
@@ -93,6 +95,8 @@ def new_entry(seg: int, off: int, size: int, crc: int, codec: str, raw: int) -> 
 
 
 class Segment:
+    """One open segment file and its bookkeeping (changed under the store's locks)."""
+
     __slots__ = ("no", "path", "fd", "size", "live", "pending", "ids", "tombs", "records", "sealed", "refs", "retired",
                  "idx_size")
 
@@ -118,6 +122,7 @@ class Pending(NamedTuple):
 
 
 def close_all(segs: dict[int, Segment], retired: list[Segment], lock_fd: list[int]) -> None:
+    """Close every file of a store that was never closed (its finalizer: it holds no reference to the store)."""
     for seg in [*segs.values(), *retired]:
         if seg.fd >= 0:
             try:
@@ -133,7 +138,6 @@ def close_all(segs: dict[int, Segment], retired: list[Segment], lock_fd: list[in
         except OSError:
             pass
         lock_fd[0] = -1
-
 
 
 class StoreState:
@@ -182,7 +186,6 @@ class StoreState:
     _closed: bool
     _lock_fd: list[int]  # segments/LOCK's fd, -1 when another store holds it
     _appender: DirectAppender
-
 
     @property
     def direct_writes(self) -> bool:

@@ -42,8 +42,6 @@ class Tombstones(SegmentLog):
                 return None
             return self._claimed.get(chunk_id, self._opened_at)
 
-    # ------------------------------------------------------------- deletes
-
     def delete(self, chunk_id: str) -> bool:
         self.check_id(chunk_id)
         return self._delete([chunk_id], None) == [chunk_id]
