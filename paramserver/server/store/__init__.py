@@ -48,6 +48,13 @@ file that fails is quarantined. Counts are logged.
 
 Only one store may write a data dir: the first to open it holds ``segments/LOCK``; another
 instance (a tool, a test) opens it read only.
+
+**Modules**, one job each; ``ChunkStore`` (``chunk_store.py``) combines their classes, each of which
+builds only on those below it: ``state.py`` (index entries, segments, locks), ``segment_log.py``
+(appends, roll-over, group commit), ``tombstones.py`` (claims, deletes), ``quarantine.py``,
+``proofs.py`` (is it the chunk its id says), ``reads.py``, ``writes.py`` (``put_many``),
+``compaction.py`` (moving records, removing segments), ``migration.py`` (the one-file layout),
+``recovery.py`` (open: the index rebuilt); ``config.py`` (StoreConfig), ``files.py`` (OS helpers).
 """
 from __future__ import annotations
 

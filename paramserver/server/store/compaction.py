@@ -17,6 +17,8 @@ from paramserver.server.store.state import Entry, new_entry
 
 
 class CompactionSteps(Reads):
+    """The steps ``paramserver.server.compaction.Compactor`` drives."""
+
     def segment_usage(self) -> list[tuple[int, int, int, bool]]:
         """(segment, size of its file, live bytes, sealed) of every segment; live counts the indexed chunk
         records and the tombstones still needed (their target segment exists)."""

@@ -25,6 +25,8 @@ _MIGRATE_BATCH_BYTES = 32 * MiB
 
 
 class Migration(Writes):
+    """Moves the one-file-per-chunk layout into segments (on open)."""
+
     def _migrate(self) -> None:
         """Move a one-file-per-chunk data dir (DATA_DIR/chunks/ab/cd/<id>) into segments."""
         root = str(self.chunks_dir)

@@ -11,6 +11,8 @@ from paramserver.wire.limits import MAX_CODEC_LEN
 
 
 class ContentProofs(StoreState):
+    """Checks that bytes are the chunk their id names (ingest, scrub, migration, recovery)."""
+
     def validate_incoming(self, chunk_id: str, data: bytes, codec: str, raw_size: int, crc: int) -> None:
         """Prove that ``data`` is chunk ``chunk_id``; raise InvalidChunkError naming why not."""
         self.check_id(chunk_id)

@@ -19,6 +19,8 @@ from paramserver.server.store.tombstones import Tombstones
 
 
 class Quarantine(Tombstones):
+    """Takes a corrupt record out of service; says why a chunk that is not here is missing."""
+
     def _missing(self, chunk_id: str) -> NoReturn:
         lost = self._lost.get(chunk_id)
         if lost is not None:

@@ -24,7 +24,7 @@ from paramserver.server.store.state import Entry, Segment, StoredChunk
 from paramserver.wire.limits import MAX_CODEC_LEN
 
 
-# A format-2 record header as a numpy record (records.py has the layout): a run of small records is
+# A format-2 record header as a numpy record (paramserver.server.records has the layout): a run of small records is
 # checked as arrays.
 _HEADER_DTYPE = np.dtype([("magic", "S4"), ("format", "u1"), ("codec_len", "u1"), ("codec", f"S{MAX_CODEC_LEN}"),
                           ("raw", "<u8"), ("stored", "<u8"), ("crc", "<u4"), ("id", "V32"), ("head_crc", "<u4")])
@@ -39,6 +39,8 @@ _COALESCE_GAP = 32 * 1024
 
 
 class Reads(Quarantine, ContentProofs):
+    """Checked reads of stored chunks, and what the index says without a read."""
+
     def has(self, chunk_id: str) -> bool:
         return chunk_id in self.cache or chunk_id in self._index
 

@@ -23,6 +23,8 @@ from paramserver.server.store.state import Segment, log, new_entry
 
 
 class Recovery(Migration):
+    """Opens a data dir: takes its lock, rebuilds the index from the segments, migrates the old layout."""
+
     def _open(self) -> None:
         for folder in (self.data_dir, self.quarantine_dir, self.segments_dir):
             if not folder.is_dir():

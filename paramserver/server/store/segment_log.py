@@ -26,6 +26,8 @@ _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
 class SegmentLog(StoreState):
+    """Appends records to the active segment and waits until they are durable (group commit)."""
+
     def _check_space(self, nbytes: int, what: str, reserve: int) -> None:
         if not reserve:
             return

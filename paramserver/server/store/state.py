@@ -168,7 +168,7 @@ class StoreState:
     _retired: list[Segment]  # removed segments whose fd a read still uses
     _pending: dict[str, Pending]  # written, not yet durable: not indexed yet
     _moving: dict[str, tuple[int, int]]  # compaction copies written, not yet swapped in
-    _shadows: dict[str, list[tuple[int, int]]]  # older live copies (see segments.py)
+    _shadows: dict[str, list[tuple[int, int]]]  # older live copies (see paramserver.server.segments)
     _claimed: dict[str, float]
     _lost: dict[str, str]  # chunk id -> why its copy was quarantined (reads as DATA_LOSS)
     _active: Segment | None

@@ -15,6 +15,8 @@ from paramserver.server.store.state import Entry
 
 
 class Tombstones(SegmentLog):
+    """Claims, deletes, and the tombstones that make a delete outlive a restart."""
+
     def claim(self, chunk_ids: Iterable[str]) -> list[bool]:
         """Which chunks are here; the ones that are get a fresh claim time.
 

@@ -17,6 +17,8 @@ from paramserver.wire.chunk_record import ChunkRecord
 
 
 class Writes(Reads):
+    """Proven, durable writes of chunks: ``put`` and ``put_many``."""
+
     def put(self, chunk_id: str, data: bytes, codec: str, raw_size: int, crc: int) -> bool:
         """Verify and store one chunk. True when written, False when an intact copy was already here.
 
