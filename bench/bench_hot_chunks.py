@@ -52,7 +52,7 @@ from worker.loader import load  # noqa: E402
 
 MiB = 1 << 20
 MODEL, TAG = "hot", "prod"
-# Hot-chunk settings for both runs (config file keys, paramserver/server/hot_chunks.py): short
+# Hot-chunk settings for both runs (config file keys, paramserver/server/hot_chunks/config.py): short
 # time constants so that a bench of a few seconds shows the whole cycle, hot then cool.
 HOT_SETTINGS = {
     "hot_interval_s": 0.25, "hot_tau_s": 2.0, "hot_rate": 1.0, "hot_cool_rate": 0.25, "hot_cool_s": 1.0,

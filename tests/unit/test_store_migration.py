@@ -79,10 +79,10 @@ def test_an_interrupted_migration_resumes_without_duplicates(tmp_path: Path, mon
     chunks = [chunk(300 + i, 40 * KiB) for i in range(10)]
     for c in chunks:
         old_file(tmp_path, c[0], v2(c))
-    import paramserver.server.store as store_module
+    import paramserver.server.store.migration as migration
 
-    monkeypatch.setattr(store_module, "_MIGRATE_BATCH_BYTES", 100 * KiB)  # batches of 3
-    real = store_module._unlink_quietly
+    monkeypatch.setattr(migration, "_MIGRATE_BATCH_BYTES", 100 * KiB)  # batches of 3
+    real = migration.unlink_quietly
     removed: list[str] = []
 
     def crash_after_first_batch(path: str) -> None:
@@ -91,10 +91,10 @@ def test_an_interrupted_migration_resumes_without_duplicates(tmp_path: Path, mon
         removed.append(path)
         real(path)
 
-    monkeypatch.setattr(store_module, "_unlink_quietly", crash_after_first_batch)
+    monkeypatch.setattr(migration, "unlink_quietly", crash_after_first_batch)
     with pytest.raises(KeyboardInterrupt):
         ChunkStore(tmp_path, cache_bytes=0)
-    monkeypatch.setattr(store_module, "_unlink_quietly", real)
+    monkeypatch.setattr(migration, "unlink_quietly", real)
     left = list((tmp_path / "chunks").rglob("*"))
     assert any(p.is_file() for p in left)
     store = ChunkStore(tmp_path, cache_bytes=0)  # the lock of the killed open went with its object
