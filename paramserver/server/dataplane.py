@@ -6,6 +6,10 @@ failing their CRC32C, or a stored copy failing verification -> DATA_LOSS; an
 unknown chunk -> NOT_FOUND; a full disk -> RESOURCE_EXHAUSTED. Every message
 names the chunk (and, for PutChunks, this server).
 
+PutChunks stores each message through ``paramserver.server.ingest``, as the bulk port stores
+a PUT: the same per-chunk outcomes, worded here as acks, or as the status the call ends with
+at the first chunk not taken (PUT_CODES: the codes clients give the bulk port's ACK statuses).
+
 No client can make this server stop serving others (DESIGN invariant 6):
 
 - Streams hold a gRPC worker thread for as long as they last, so they have concurrency
