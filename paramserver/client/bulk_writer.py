@@ -23,8 +23,6 @@ import grpc
 
 from paramserver.client.bulk_transport import split_address
 from paramserver.wire.bulk_frames import (
-    A_ACKS,
-    ACK_HEAD,
     ACK_NAMES,
     CORRUPT_IN_TRANSIT,
     DEFAULT_WRITE_WINDOW,
@@ -34,20 +32,14 @@ from paramserver.wire.bulk_frames import (
     INVALID,
     MAX_PUT_ITEMS,
     PUT_HEAD,
-    SOCKET_BUFFER_BYTES,
-    W_OK,
     W_UNAUTHENTICATED,
-    WELCOME,
-    WRITE_MAGIC,
     ProtocolError,
-    decode_acks,
     encode_put,
     encode_route,
-    encode_write_hello,
-    recv_ack_frame,
-    recv_exact,
     send_all,
 )
+from paramserver.wire.bulk_write_session import SessionEnded, open_write_session, read_ack_frame
+from paramserver.wire.errors import WriteSessionError
 
 # Per-chunk ack statuses as the gRPC codes PutChunks would have ended with (push.py decides on those).
 ACK_CODES: dict[int, grpc.StatusCode] = {
@@ -129,32 +121,17 @@ class BulkWriter:
         except Exception as exc:  # noqa: BLE001 - BulkUnavailable from the read side: same meaning
             raise BulkWriteRefused(address, str(exc), grpc.StatusCode.UNAVAILABLE) from None
         try:
-            sock = socket.create_connection((host, port), timeout=connect_timeout_s)
-        except OSError as exc:
-            raise BulkWriteRefused(address, f"cannot connect: {exc}", grpc.StatusCode.UNAVAILABLE) from None
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
-            sock.settimeout(self.io_timeout_s)
-            sock.sendall(encode_write_hello(token))
-            head = bytearray(WELCOME.size)
-            recv_exact(sock, memoryview(head))
-            magic, status, n = WELCOME.unpack(head)
-            message = bytearray(n)
-            recv_exact(sock, memoryview(message))
-            text = message.decode("utf-8", "replace")
-            if status == W_UNAUTHENTICATED:
-                raise BulkWriteRefused(address, text, grpc.StatusCode.UNAUTHENTICATED)
-            if magic != WRITE_MAGIC or status != W_OK:
-                # A server that serves bulk reads only answers a read welcome ("bad magic").
-                raise BulkWriteRefused(address, text or f"welcome status {status}", grpc.StatusCode.UNIMPLEMENTED)
-        except (OSError, EOFError) as exc:
-            sock.close()
-            raise BulkWriteRefused(address, f"handshake failed: {exc}", grpc.StatusCode.UNAVAILABLE) from None
-        except BaseException:
-            sock.close()
-            raise
-        return sock
+            return open_write_session(address, host, port, token, connect_timeout_s=connect_timeout_s,
+                                      io_timeout_s=self.io_timeout_s)
+        except WriteSessionError as exc:
+            if exc.stage == "connect":
+                raise BulkWriteRefused(address, f"cannot connect: {exc.detail}", grpc.StatusCode.UNAVAILABLE) from None
+            if exc.stage == "handshake":
+                raise BulkWriteRefused(address, f"handshake failed: {exc.detail}", grpc.StatusCode.UNAVAILABLE) from None
+            if exc.status == W_UNAUTHENTICATED:
+                raise BulkWriteRefused(address, exc.detail, grpc.StatusCode.UNAUTHENTICATED) from None
+            # A server that serves bulk reads only answers a read welcome ("bad magic").
+            raise BulkWriteRefused(address, exc.detail or f"welcome status {exc.status}", grpc.StatusCode.UNIMPLEMENTED) from None
 
     def close(self, goodbye: bool = False) -> None:
         """End the session. ``goodbye``: tell the server first (after every ack arrived)."""
@@ -289,23 +266,11 @@ class BulkWriter:
         self._on_change()
 
     def _read(self) -> None:
-        head = bytearray(ACK_HEAD.size)
-        hv = memoryview(head)
         sock = self._rsock
         try:
             while True:
                 try:
-                    sock.settimeout(1.0)  # an idle session waits for the next PUT; stalls are the senders' watch
-                    try:
-                        n = sock.recv_into(hv, ACK_HEAD.size)
-                    except TimeoutError:
-                        with self._cond:
-                            if self._closed:
-                                return
-                        continue
-                    if n == 0:
-                        raise EOFError("closed by the server")
-                    frame = recv_ack_frame(sock, head, n, time.monotonic() + self.io_timeout_s)  # the rest of the frame
+                    got = read_ack_frame(sock, self.io_timeout_s, self._is_closed)
                 except (OSError, EOFError) as exc:
                     with self._cond:
                         closed, pending = self._closed, len(self._inflight)
@@ -313,13 +278,13 @@ class BulkWriter:
                         why = f"connection lost with {pending} PUTs unacknowledged ({exc})" if pending else f"connection lost ({exc})"
                         self._fail(BulkWriteError(self.address, why, grpc.StatusCode.UNAVAILABLE))
                     return
-                seq, count, replicas = frame.seq, frame.count, frame.replicas
-                if frame.kind != A_ACKS:
-                    text = frame.messages.decode("utf-8", "replace")
-                    code = grpc.StatusCode.UNAVAILABLE if replicas == E_BUSY else grpc.StatusCode.INVALID_ARGUMENT
-                    self._fail(BulkWriteError(self.address, f"the server ended the session: {text}", code))
+                if got is None:
                     return
-                acks = decode_acks(frame.items, frame.messages)
+                if isinstance(got, SessionEnded):
+                    code = grpc.StatusCode.UNAVAILABLE if got.error_class == E_BUSY else grpc.StatusCode.INVALID_ARGUMENT
+                    self._fail(BulkWriteError(self.address, f"the server ended the session: {got.message}", code))
+                    return
+                seq, count, replicas = got.seq, got.count, got.replicas
                 with self._cond:
                     if not self._inflight or self._inflight[0].seq != seq:
                         want = self._inflight[0].seq if self._inflight else None
@@ -328,7 +293,7 @@ class BulkWriter:
                     if count != len(batch.chunks) or replicas != 1 + len(batch.route):
                         raise ProtocolError(f"ACKS of {count} x {replicas} for PUT {seq} of {len(batch.chunks)} chunks x "
                                             f"{1 + len(batch.route)} replicas")
-                self._on_acks(batch, acks, replicas)
+                self._on_acks(batch, got.acks, replicas)
                 with self._cond:
                     self._inflight.popleft()
                     self.acked_batches += 1
@@ -343,6 +308,10 @@ class BulkWriter:
                 pass
         except Exception as exc:  # noqa: BLE001 - a bug in on_acks must fail the session, not hang its producer
             self._fail(BulkWriteError(self.address, f"{type(exc).__name__}: {exc}", grpc.StatusCode.INTERNAL))
+
+    def _is_closed(self) -> bool:
+        with self._cond:
+            return self._closed
 
 
 def ack_name(status: int) -> str:

@@ -6,6 +6,10 @@ failing their CRC32C, or a stored copy failing verification -> DATA_LOSS; an
 unknown chunk -> NOT_FOUND; a full disk -> RESOURCE_EXHAUSTED. Every message
 names the chunk (and, for PutChunks, this server).
 
+PutChunks stores each message through ``paramserver.server.ingest``, as the bulk port stores
+a PUT: the same per-chunk outcomes, worded here as acks, or as the status the call ends with
+at the first chunk not taken (PUT_CODES: the codes clients give the bulk port's ACK statuses).
+
 No client can make this server stop serving others (DESIGN invariant 6):
 
 - Streams hold a gRPC worker thread for as long as they last, so they have concurrency
@@ -38,17 +42,26 @@ import numpy as np
 from chunking.hashing import hex_ids
 from paramserver.server.auth import AuthConfig, has_admin_token
 from paramserver.server.config import DEFAULT_GET_MESSAGE_BYTES
-from paramserver.server.errors import ChunkCorruptError, ChunkNotFoundError, ConfigError, InvalidChunkError, ParamServerError
+from paramserver.server.errors import ChunkCorruptError, ChunkNotFoundError, ConfigError, InvalidChunkError
 from paramserver.server.hot_chunks import HotChunks
+from paramserver.server.ingest import Kind, ingest
 from paramserver.wire.proto import pb
 from paramserver.server.repair import RepairQueue
-from paramserver.server.rpc_errors import abort_with, invalid, status_for
+from paramserver.server.rpc_errors import abort_with, invalid
 from paramserver.server.store import ChunkStore
 from paramserver.wire.chunk_record import ChunkRecord
 from paramserver.wire.getchunks import ReplyBuilder
 
 log = logging.getLogger(__name__)
 
+# The status a PutChunks call ends with when a chunk of it was not taken (the bulk port's ACK
+# statuses; clients map those to these same codes).
+PUT_CODES: dict[Kind, grpc.StatusCode] = {
+    Kind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    Kind.CORRUPT_IN_TRANSIT: grpc.StatusCode.DATA_LOSS,
+    Kind.FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Kind.FAILED: grpc.StatusCode.UNAVAILABLE,
+}
 MAX_IDS_PER_CALL = 1 << 20
 DEFAULT_MAX_CALL_BYTES = 1 << 30  # GetChunks chunk data per call; clients read at most 64 MiB per call
 MAX_REPORT_IDS = 4096  # ReportCorrupt: each id costs a full read and verification
@@ -300,67 +313,26 @@ class ChunkService:
     def _put(self, request_iterator: Iterable[pb.PutChunksRequest], context: grpc.ServicerContext, watch: _Watch) -> pb.PutChunksReply:
         reply = pb.PutChunksReply(server_id=self.server_id)
         stored = present = nbytes = 0
+        where = f"server {self.server_id}"
         for request in request_iterator:
             if watch.expired:
                 break
             watch.touch(busy=True)
             batch = [ChunkRecord(c.id, c.codec, c.raw_size, c.crc32c, c.data) for c in request.chunks]
-            extras: set[str] = set()
-            refused: dict[str, str] = {}
-            received = batch
-            if request.hot_copy:
-                batch, extras, refused = self._hot_copies(batch)
-            try:
-                results = self.store.put_many(batch)
-            except ParamServerError as exc:  # invalid chunk, damaged in transit, disk full, ...
-                for chunk_id in extras:
-                    assert self.hot is not None
-                    self.hot.stored(chunk_id, False)
-                context.abort(status_for(exc), f"server {self.server_id}: {exc}")
-            outcome = iter(results)
-            for chunk_id, _codec, _raw, _crc, data in received:
-                why = refused.get(chunk_id)
-                if why is not None:
-                    reply.acks.add(id=chunk_id, status=pb.REJECTED, message=why)
-                    continue
-                was_stored = next(outcome)
-                if chunk_id in extras:
-                    assert self.hot is not None
-                    self.hot.stored(chunk_id, was_stored)
-                if was_stored:
-                    stored += 1
-                    nbytes += len(data)
-                    reply.acks.add(id=chunk_id, status=pb.STORED)
+            done = ingest(self.store, batch, where=where, repair_queue=self.repair_queue, hot=self.hot,
+                          hot_copy=request.hot_copy)
+            error = done.first_error()
+            if error is not None:  # this call ends with the first chunk's error: acks are per call here
+                context.abort(PUT_CODES[error.kind], error.message)
+            for chunk, outcome in zip(batch, done.outcomes):
+                if outcome.kind is Kind.REFUSED:
+                    reply.acks.add(id=chunk.id, status=pb.REJECTED, message=outcome.message)
                 else:
-                    present += 1
-                    reply.acks.add(id=chunk_id, status=pb.ALREADY_PRESENT)
-                if self.repair_queue is not None:
-                    self.repair_queue.done(chunk_id)  # a fresh verified copy arrived
+                    reply.acks.add(id=chunk.id, status=pb.STORED if outcome.kind is Kind.STORED else pb.ALREADY_PRESENT)
+            stored, present, nbytes = stored + done.stored, present + done.present, nbytes + done.stored_bytes
             watch.touch(busy=False)
         reply.chunks_stored, reply.chunks_present, reply.bytes_stored = stored, present, nbytes
         return reply
-
-    def _hot_copies(self, batch: list[ChunkRecord]
-                    ) -> tuple[list[ChunkRecord], set[str], dict[str, str]]:
-        """Of a PutChunks(hot_copy) message: the chunks this server takes, which of them it keeps as
-        leased extras, and the refused ones with the reason (over the bounds, or hot chunks off)."""
-        kept: list[ChunkRecord] = []
-        extras: set[str] = set()
-        refused: dict[str, str] = {}
-        for item in batch:
-            if item[0] in refused:
-                continue  # a repeated id: refused again
-            if item[0] in extras:
-                kept.append(item)  # a repeated id: put_many answers it again
-                continue
-            decision = "this server runs with --hot-chunks off" if self.hot is None else self.hot.admit(item[0], len(item.data))
-            if decision == HotChunks.ADMIT:
-                extras.add(item[0])
-            elif decision != HotChunks.PLAIN:
-                refused[item[0]] = f"server {self.server_id}: hot copy refused: {decision}"
-                continue
-            kept.append(item)
-        return kept, extras, refused
 
     # ----------------------------------------------------------- GetChunks
 

@@ -88,7 +88,7 @@ from typing import Sequence
 import numpy as np
 
 from paramserver.wire.chunk_record import ChunkRecord
-from paramserver.wire.errors import ConfigError
+from paramserver.wire.errors import ConfigError, ProtocolError  # ProtocolError: re-exported, its home is errors
 from paramserver.wire.limits import MAX_CODEC_LEN
 
 MAGIC = b"PDBK"
@@ -148,10 +148,6 @@ ACK_NAMES = {STORED: "STORED", ALREADY_PRESENT: "ALREADY_PRESENT", INVALID: "INV
 ACK_OK = frozenset({STORED, ALREADY_PRESENT})
 # The client keeps at most this many PUTs in flight per connection unless told otherwise.
 DEFAULT_WRITE_WINDOW = 8
-
-
-class ProtocolError(Exception):
-    """The peer sent something this protocol does not allow."""
 
 
 def batch_items(version: int) -> int:

@@ -405,7 +405,7 @@ def test_version_3_fills_a_batch_with_up_to_512_small_chunks(store: ChunkStore, 
 
 def test_a_server_that_speaks_only_version_2_is_asked_again_in_version_2(store: ChunkStore, server: BulkServer,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    import paramserver.server.bulk_port as bulk_port
+    import paramserver.server.bulk_port.listener as bulk_port  # the module that reads the hello
 
     monkeypatch.setattr(bulk_port, "READ_VERSIONS", (2,))  # a server from before version 3
     chunks = [put(store, 4096) for _ in range(100)]

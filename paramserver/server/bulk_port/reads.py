@@ -1,0 +1,104 @@
+"""Read sessions of the bulk port: requests of chunk ids answered in batches (the read protocol of
+``paramserver.wire.bulk_frames``).
+
+Reads go through ``ChunkStore.get_many`` (hot cache, CRC32C checked on every disk read): a
+corrupt chunk is answered CORRUPT and never sent, and the store quarantines it and queues its
+repair exactly as on the gRPC path.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from chunking.hashing import hex_ids
+from paramserver.server.bulk_port.config import BulkServerConfig
+from paramserver.server.errors import ChunkCorruptError, ChunkError
+from paramserver.server.store import ChunkStore
+from paramserver.wire.bulk_frames import (
+    CORRUPT, ERROR, ID_BYTES, MAX_IDS, MISSING, OK, REQUEST, SEND_BATCH_BYTES, encode_batch, encode_header, encode_message,
+    recv_exact_by, send_all,
+)
+
+
+def recv_by(conn: socket.socket, n: int, deadline: float) -> bytes:
+    """``n`` bytes that must all arrive before ``deadline`` (time.monotonic): TimeoutError else."""
+    buf = bytearray(n)
+    recv_exact_by(conn, memoryview(buf), deadline)
+    return bytes(buf)
+
+
+class ReadSessions:
+    """Serves the read connections of one bulk server (one ``serve`` call per connection, on its thread)."""
+
+    def __init__(self, store: ChunkStore, config: BulkServerConfig, stopped: threading.Event,
+                 on_read: Callable[[str], None] | None) -> None:
+        self.store = store
+        self.config = config
+        self.stopped = stopped
+        self.on_read = on_read  # told the id of every chunk served (hot-chunk read rates)
+
+    def _error(self, conn: socket.socket, message: str) -> None:
+        raw = encode_message(message)
+        send_all(conn, encode_batch([encode_header(ERROR, stored_size=len(raw))], [raw]))
+
+    def serve(self, conn: socket.socket, max_items: int) -> None:
+        while not self.stopped.is_set():
+            conn.settimeout(self.config.idle_timeout_s)
+            try:
+                first = conn.recv(REQUEST.size, socket.MSG_WAITALL)
+            except TimeoutError:
+                return  # idle: the client reconnects when it needs us again
+            if not first:
+                return
+            deadline = time.monotonic() + self.config.io_timeout_s  # for the rest of the request, all of it
+            if len(first) < REQUEST.size:
+                first += recv_by(conn, REQUEST.size - len(first), deadline)
+            (count,) = REQUEST.unpack(first)
+            if count == 0:
+                return
+            if count > MAX_IDS:
+                self._error(conn, f"a bulk request carries at most {MAX_IDS} ids, got {count}; split it")
+                return
+            try:
+                raw_ids = recv_by(conn, count * ID_BYTES, deadline)
+            except EOFError:
+                return  # truncated request: nothing to answer
+            conn.settimeout(self.config.io_timeout_s)
+            self._answer(conn, hex_ids(raw_ids), max_items)
+
+    def _answer(self, conn: socket.socket, ids: list[str], max_items: int) -> None:
+        # Each batch is read from the store in one call (adjacent small records in one pread), so
+        # it is cut first, by the records' sizes: at most ``max_items``, closed once it holds
+        # SEND_BATCH_BYTES, as a batch of chunks read one by one would be.
+        ends = np.cumsum(self.store.record_sizes(ids))
+        start = 0
+        while start < len(ids):
+            # the first id that brings the batch to SEND_BATCH_BYTES closes it
+            before = int(ends[start - 1]) if start else 0
+            stop = min(int(np.searchsorted(ends, before + SEND_BATCH_BYTES, side="left")) + 1, start + max_items, len(ids))
+            block = ids[start:stop]
+            headers: list[bytes] = []
+            payloads: list[bytes | memoryview] = []
+            for chunk_id, chunk in zip(block, self.store.get_many(block)):
+                if isinstance(chunk, ChunkCorruptError):  # the store quarantined it and queued a repair
+                    payload = encode_message(str(chunk))
+                    head = encode_header(CORRUPT, stored_size=len(payload))
+                elif isinstance(chunk, ChunkError):  # not stored here, or not a content id
+                    payload = encode_message(str(chunk))
+                    head = encode_header(MISSING, stored_size=len(payload))
+                else:
+                    payload = chunk.data
+                    head = encode_header(OK, chunk.codec, chunk.raw_size, len(payload), chunk.crc32c)
+                    if self.on_read is not None:
+                        self.on_read(chunk_id)
+                headers.append(head)
+                payloads.append(payload)
+            send_all(conn, encode_batch(headers, payloads))
+            start = stop
+
+
+__all__ = ["ReadSessions", "recv_by"]
