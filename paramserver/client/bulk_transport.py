@@ -17,6 +17,7 @@ from typing import Iterator, NamedTuple, Sequence
 import numpy as np
 
 from paramserver.client.arrivals import Into, ReadIds
+from paramserver.client.errors import BulkError, BulkProtocolFailure, BulkUnauthenticated, BulkUnavailable
 from paramserver.wire.address import split_host_port
 from paramserver.wire.bulk_frames import (
     BATCH,
@@ -47,26 +48,6 @@ from paramserver.wire.bulk_frames import (
 
 # Refuse a declared payload larger than this: chunking's largest chunk is 64 MiB.
 MAX_PAYLOAD_BYTES = MAX_CHUNK_BYTES
-
-
-class BulkError(Exception):
-    """The bulk path failed for this request; fall back to GetChunks."""
-
-    def __init__(self, address: str, message: str) -> None:
-        super().__init__(f"bulk {address}: {message}")
-        self.address = address
-
-
-class BulkUnavailable(BulkError):
-    """Cannot connect, the connection broke, or a timeout."""
-
-
-class BulkUnauthenticated(BulkError):
-    """The server refused the token; the message says which one it expects."""
-
-
-class BulkProtocolFailure(BulkError):
-    """The server sent bytes this client cannot accept, or refused the request."""
 
 
 class BulkItem(NamedTuple):

@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 
 from paramserver.client.bulk_transport import split_address
+from paramserver.client.errors import BulkWriteError, BulkWriteRefused
 from paramserver.wire.bulk_frames import (
     ACK_NAMES,
     CORRUPT_IN_TRANSIT,
@@ -50,19 +51,6 @@ ACK_CODES: dict[int, grpc.StatusCode] = {
 }
 
 Ack = tuple[int, str, int]  # (status, message, free_bytes)
-
-
-class BulkWriteError(Exception):
-    """The write session failed; ``code`` is the gRPC status it stands for."""
-
-    def __init__(self, address: str, message: str, code: grpc.StatusCode) -> None:
-        super().__init__(f"bulk write to {address}: {message}")
-        self.address = address
-        self.code = code
-
-
-class BulkWriteRefused(BulkWriteError):
-    """The server did not open a write session (no bulk writes there, a limit, a bad token)."""
 
 
 class WriteBatch:

@@ -126,6 +126,44 @@ class PullError(TransferError):
     """The pull could not produce a verified copy of the version."""
 
 
+class BulkError(Exception):
+    """The bulk read path failed for this request; the caller falls back to GetChunks.
+
+    Rooted on its own, not under :class:`ClientError`: a malformed bulk address in a member record
+    raises it out of ``BulkPool.client`` through the fetch engine, and the CLIs' ``except
+    ClientError`` must not start catching what used to escape them.
+    """
+
+    def __init__(self, address: str, message: str) -> None:
+        super().__init__(f"bulk {address}: {message}")
+        self.address = address
+
+
+class BulkUnavailable(BulkError):
+    """Cannot connect, the connection broke, or a timeout."""
+
+
+class BulkUnauthenticated(BulkError):
+    """The server refused the token; the message says which one it expects."""
+
+
+class BulkProtocolFailure(BulkError):
+    """The server sent bytes this client cannot accept, or refused the request."""
+
+
+class BulkWriteError(ClientError):
+    """A bulk write session failed; ``code`` is the gRPC status it stands for (the push sender
+    catches every one of them: a fallback to PutChunks, or a failure of that server)."""
+
+    def __init__(self, address: str, message: str, code: grpc.StatusCode) -> None:
+        super().__init__(f"bulk write to {address}: {message}", code)
+        self.address = address
+
+
+class BulkWriteRefused(BulkWriteError):
+    """The server did not open a write session (no bulk writes there, a limit, a bad token)."""
+
+
 _BY_CODE: dict[grpc.StatusCode, type[TransferError]] = {
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.UNAUTHENTICATED: AuthFailed,
@@ -194,7 +232,8 @@ PATH_ERRORS = (PermissionError, FileExistsError, FileNotFoundError, IsADirectory
 
 
 __all__ = [
-    "PATH_ERRORS", "AuthFailed", "ChunkDataLoss", "ChunkUnavailable", "ClientClosed", "ClientError", "ClusterUnreachable",
+    "PATH_ERRORS", "AuthFailed", "BulkError", "BulkProtocolFailure", "BulkUnauthenticated", "BulkUnavailable", "BulkWriteError",
+    "BulkWriteRefused", "ChunkDataLoss", "ChunkUnavailable", "ClientClosed", "ClientError", "ClusterUnreachable",
     "ConfigError", "NotFound",
     "BadModelRef", "MonotonicFileError", "NotSafetensors",
     "PullError", "PushConflict", "PushError", "StaleRead", "TransferError", "from_rpc", "rpc_code", "rpc_details",
