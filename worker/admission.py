@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from worker.errors import ConfigError, WorkerError
+from worker.errors import ConfigError, Shed  # Shed: re-exported, its home is worker.errors
 
 _TOO_MANY = b'{"error":"overloaded: too many open connections; retry later"}'
 # The whole answer to a connection past a server's connection cap (paramworker serve, paramrouter),
@@ -132,15 +132,6 @@ class AdmissionConfig:
         if not 0 < self.queue_timeout_s <= 3600:
             raise ConfigError(f"queue_timeout_s must be in (0, 3600] seconds, got {self.queue_timeout_s}")
         return self
-
-
-class Shed(WorkerError):
-    """The request was refused to protect the worker; retry after ``retry_after_s``."""
-
-    def __init__(self, reason: str, retry_after_s: int) -> None:
-        super().__init__(f"overloaded: {reason}; retry after {retry_after_s} s")
-        self.reason = reason
-        self.retry_after_s = retry_after_s
 
 
 class Admission:

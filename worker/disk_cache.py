@@ -24,6 +24,7 @@ from typing import Protocol
 
 from chunking.hashing import content_id, crc32c, is_content_id
 from worker.errors import CacheError
+from worker.lru_k import CacheCounters
 
 _MAGIC = b"PDC2"
 _UNBOUND_MAGIC = b"PDC1"  # written before the key was in the CRC
@@ -71,8 +72,8 @@ class DiskCache:
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # id -> file size, LRU first
         self._bytes = 0
-        self._hits = self._misses = self._evictions = self._inserts = 0
-        self._rejected = self._corrupt = self._write_errors = 0
+        self._count = CacheCounters()
+        self._corrupt = self._write_errors = 0
         try:
             (self.root / "tmp").mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -85,7 +86,7 @@ class DiskCache:
         """The verified raw bytes, or None (missing, or corrupt and now deleted)."""
         with self._lock:
             if key not in self._index:
-                self._misses += 1
+                self._count.misses += 1
                 return None
             self._index.move_to_end(key)
         path = self._path(key)
@@ -108,10 +109,10 @@ class DiskCache:
             problem, data = f"unreadable ({exc})", b""
         if problem is None:
             with self._lock:
-                self._hits += 1
+                self._count.hits += 1
             return data
         with self._lock:
-            self._misses += 1
+            self._count.misses += 1
             if problem != "missing":
                 self._corrupt += 1
             self._drop(key)
@@ -144,7 +145,7 @@ class DiskCache:
                 self._index.move_to_end(key)
                 return True
             if size > self.capacity_bytes:
-                self._rejected += 1
+                self._count.rejected += 1
                 return False
         tmp = self.root / "tmp" / f"{key}.{uuid.uuid4().hex}"
         try:
@@ -173,7 +174,7 @@ class DiskCache:
                 return False
             self._index[key] = size
             self._bytes += size
-            self._inserts += 1
+            self._count.inserts += 1
         for victim in victims:
             _unlink(self._path(victim))
         return True
@@ -188,11 +189,7 @@ class DiskCache:
     def stats(self) -> DiskCacheStats:
         with self._lock:
             return DiskCacheStats(
-                hits=self._hits,
-                misses=self._misses,
-                evictions=self._evictions,
-                inserts=self._inserts,
-                rejected=self._rejected,
+                **self._count.snapshot(),
                 corrupt=self._corrupt,
                 write_errors=self._write_errors,
                 bytes=self._bytes,
@@ -230,7 +227,7 @@ class DiskCache:
         while self._index and self._bytes + size > self.capacity_bytes:
             victim, vsize = self._index.popitem(last=False)
             self._bytes -= vsize
-            self._evictions += 1
+            self._count.evictions += 1
             victims.append(victim)
         return victims
 

@@ -1,4 +1,4 @@
-"""Errors of the worker's own parts (caches, staging, readiness, heat). Messages say what to do next.
+"""Errors of the worker's own parts (caches, staging, readiness, heat, serving, routing). Messages say what to do next.
 
 Failures of talking to the cluster (not found, unavailable, stale, data loss, bad references)
 are the client's: ``paramserver.client.errors``.
@@ -69,3 +69,31 @@ class TensorFailed(WorkerError):
 
 class HeatmapMismatch(WorkerError, ValueError):
     """Heat reports of different model versions were merged."""
+
+
+# ---------------------------------------------------------------------- serving (paramworker serve, paramrouter)
+
+
+class BadRequest(WorkerError, ValueError):
+    """The request body is not something the model can run; answered 400."""
+
+
+class Misdirected(WorkerError):
+    """A router asked for a version this worker neither holds nor loads on demand; answered 421."""
+
+
+class UnknownVersion(WorkerError):
+    """A request named a version of this worker's model that the cluster does not have; answered 404."""
+
+
+class Shed(WorkerError):
+    """The request was refused to protect the worker; retry after ``retry_after_s``."""
+
+    def __init__(self, reason: str, retry_after_s: int) -> None:
+        super().__init__(f"overloaded: {reason}; retry after {retry_after_s} s")
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+class HeartbeatError(WorkerError, ValueError):
+    """A heartbeat body that is not what a worker sends (``paramrouter`` answers it 400)."""

@@ -7,7 +7,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from worker.errors import ConfigError
-from worker.lru_k import CacheStats, value_size
+from worker.lru_k import CacheCounters, CacheStats, value_size
 
 
 class LRUCache:
@@ -20,15 +20,15 @@ class LRUCache:
         self._lock = threading.Lock()
         self._data: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
         self._bytes = 0
-        self._hits = self._misses = self._evictions = self._inserts = self._rejected = 0
+        self._count = CacheCounters()
 
     def get(self, key: Hashable) -> Any | None:
         with self._lock:
             item = self._data.get(key)
             if item is None:
-                self._misses += 1
+                self._count.misses += 1
                 return None
-            self._hits += 1
+            self._count.hits += 1
             self._data.move_to_end(key)
             return item[0]
 
@@ -45,16 +45,16 @@ class LRUCache:
             if old is not None:
                 self._bytes -= old[1]
             if nbytes > self.capacity_bytes:
-                self._rejected += 1
+                self._count.rejected += 1
                 return False
             while self._data and self._bytes + nbytes > self.capacity_bytes:
                 _k, (_v, size_out) = self._data.popitem(last=False)
                 self._bytes -= size_out
-                self._evictions += 1
+                self._count.evictions += 1
             self._data[key] = (value, nbytes)
             self._bytes += nbytes
             if old is None:
-                self._inserts += 1
+                self._count.inserts += 1
             return True
 
     def pop(self, key: Hashable) -> Any | None:
@@ -68,11 +68,7 @@ class LRUCache:
     def stats(self) -> CacheStats:
         with self._lock:
             return CacheStats(
-                hits=self._hits,
-                misses=self._misses,
-                evictions=self._evictions,
-                inserts=self._inserts,
-                rejected=self._rejected,
+                **self._count.snapshot(),
                 bytes=self._bytes,
                 entries=len(self._data),
                 capacity_bytes=self.capacity_bytes,

@@ -40,6 +40,21 @@ def value_size(value: Any) -> int:
     return memoryview(value).nbytes
 
 
+@dataclass
+class CacheCounters:
+    """What every byte-budget cache (``LRUKCache``, ``LRUCache``, ``DiskCache``) counts, under the
+    cache's own lock; ``snapshot`` gives them to its stats."""
+
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    inserts: int = 0
+    rejected: int = 0
+
+    def snapshot(self) -> dict[str, int]:
+        return asdict(self)
+
+
 @dataclass(frozen=True)
 class CacheStats:
     """A consistent snapshot of one cache's counters."""
@@ -114,7 +129,7 @@ class LRUKCache:
         # Evicted keys' (hist, last), with a heap by last for RIP and count-bounded expiry.
         self._retained: dict[Hashable, tuple[list[float], float]] = {}
         self._retained_heap: list[tuple[float, int, Hashable]] = []
-        self._hits = self._misses = self._evictions = self._inserts = self._rejected = 0
+        self._count = CacheCounters()
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -124,9 +139,9 @@ class LRUKCache:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                self._misses += hits
+                self._count.misses += hits
                 return None
-            self._hits += hits
+            self._count.hits += hits
             self._reference(key, entry, self._clock())
             return entry.value
 
@@ -191,11 +206,7 @@ class LRUKCache:
     def stats(self) -> CacheStats:
         with self._lock:
             return CacheStats(
-                hits=self._hits,
-                misses=self._misses,
-                evictions=self._evictions,
-                inserts=self._inserts,
-                rejected=self._rejected,
+                **self._count.snapshot(),
                 bytes=self._bytes,
                 entries=len(self._entries),
                 capacity_bytes=self.capacity_bytes,
@@ -227,7 +238,7 @@ class LRUKCache:
     def _put(self, key: Hashable, value: Any, nbytes: int, now: float) -> bool:
         entry = self._entries.get(key)
         if nbytes > self.capacity_bytes:
-            self._rejected += 1
+            self._count.rejected += 1
             if entry is not None:
                 self._remove(key, entry, retain=True)
             return False
@@ -248,7 +259,7 @@ class LRUKCache:
         entry = _Entry(value, nbytes, hist, now, self._seq)
         self._entries[key] = entry
         self._bytes += nbytes
-        self._inserts += 1
+        self._count.inserts += 1
         self._index(key, entry)
         return True
 
@@ -328,7 +339,7 @@ class LRUKCache:
                 break  # only the protected key is left and it fits by construction
             entry = self._entries[key]
             self._remove(key, entry, retain=True)
-            self._evictions += 1
+            self._count.evictions += 1
             if self.on_evict is not None:
                 self.on_evict(key, entry.value)
 

@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from worker.errors import HeartbeatError  # re-exported: its home is worker.errors
+
 # Headers the router sends a worker with each request: which version it wants ("MODEL@N"),
 # whether another version of that model will do ("0": a tag request) and the seconds left.
 WANT_HEADER = "X-Pdparams-Want"
@@ -34,10 +36,6 @@ HEARTBEAT_S = 1.0
 LEASE_BEATS = 3
 MAX_VERSIONS_REPORTED = 64
 MAX_WORKERS = 4096
-
-
-class HeartbeatError(ValueError):
-    """A heartbeat body that is not what a worker sends (answered 400)."""
 
 
 @dataclass(frozen=True)

@@ -618,14 +618,14 @@ def test_answers_of_a_module_still_being_filled_are_not_cached(cluster: Cluster)
 
             cold = Filling()
             cold.module = module  # type: ignore[attr-defined]
-            server._cold = cold  # type: ignore[assignment]
+            server.models._cold = cold  # type: ignore[assignment]
             outcomes = [server.infer(x)[0].outcome for _ in range(2)]
             assert outcomes == ["computed", "computed"]
-            server._cold = None
+            server.models._cold = None
             outcomes = [server.infer(x)[0].outcome for _ in range(2)]
             assert outcomes == ["computed", "hit_l1"]
         finally:
-            server._cold = None
+            server.models._cold = None
             server.stop()
 
 
