@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -25,6 +25,7 @@ from chunking.errors import ManifestError
 from chunking.chunk_table import ChunkRows
 from chunking.manifest import Manifest
 from paramserver.client.cluster_view import ClusterOptions, ClusterView, start_background
+from paramserver.client.config import ClientSettings, resolve_settings
 from paramserver.client.errors import (
     ClientClosed,
     ClientError,
@@ -45,9 +46,6 @@ from paramserver.client.verify import VERIFY_MODES, Verifier
 from paramserver.wire.heat_entries import HeatArrays, report_request
 from paramserver.wire.limits import DEFAULT_MAX_MESSAGE_BYTES, HEAT_ENTRIES_PER_CALL
 from paramserver.wire.proto import pb
-
-if TYPE_CHECKING:
-    from paramserver.client.config import ClientSettings
 
 T = TypeVar("T")
 
@@ -129,8 +127,7 @@ class ClusterClient:
     no BLAKE3) or "content" (also each chunk's content id, once). ``bulk``: read chunk bytes over
     the servers' bulk ports when they advertise one (never with TLS), GetChunks otherwise.
     ``settings`` (``paramserver.client.config.ClientSettings``) gives all of these, and TLS; without
-    it (and without ``cluster``) they come as for the CLIs: ``seeds``/``token``/``verify`` given here,
-    else the environment, else the ``PARAMS_CONFIG`` file (see :meth:`from_config`).
+    it or ``cluster``, what is not given here comes as for the CLIs (:meth:`from_config`).
     """
 
     def __init__(self, seeds: str | Sequence[str] | None = None, token: str | None = None,
@@ -142,13 +139,11 @@ class ClusterClient:
         self.settings = settings
         if cluster is None:
             if settings is None:
-                from paramserver.client.config import resolve_settings  # config imports this package's lower modules
-
                 settings = self.settings = resolve_settings(seeds, token=token, verify=verify)
             cluster = settings.cluster_options(write=False)
             token = token if token is not None else cluster.token
             bulk = bulk and settings.bulk
-            verify = settings.verify
+            verify = verify or settings.verify
         verify = verify or "crc"
         if token is not None and cluster.token != token:
             cluster = replace(cluster, token=token)
@@ -186,11 +181,8 @@ class ClusterClient:
     @classmethod
     def from_config(cls, path: str | os.PathLike[str] | None = None, *, config: SessionConfig | None = None,
                     **overrides: Any) -> ClusterClient:
-        """A client with the CLIs' settings: ``overrides`` (``cluster=``, ``token=``, ``tls_ca=``,
-        ``verify=``, ... any ClientSettings field) > environment > the client config file ``path``
-        (default ``$PARAMS_CONFIG``) > defaults."""
-        from paramserver.client.config import resolve_settings
-
+        """The CLIs' settings: ``overrides`` (``cluster=``, ``token=``, ``tls_ca=``, ... any ClientSettings
+        field) > environment > the config file ``path`` (default ``$PARAMS_CONFIG``) > defaults."""
         return cls(settings=resolve_settings(config_file=path, **overrides), config=config)
 
     # ------------------------------------------------------------ lifecycle
@@ -604,13 +596,10 @@ class ClusterClient:
 
 def client_for(cluster: ClusterClient | ClientSettings | str | Sequence[str] | None,
                token: str | None = None) -> tuple[ClusterClient, bool]:
-    """``(client, owned)``: an existing client, or a new one (to be closed) for settings or seed
-    addresses; what is not given (None: even the addresses) comes as for the CLIs, from PARAMS_*
-    and the PARAMS_CONFIG file, so load_state_dict("HOST:PORT", ...) works where paramctl does."""
+    """``(client, owned)``: an existing client, or a new one (to be closed) for settings or seed addresses;
+    what is not given (None: even the addresses) comes as for the CLIs: from PARAMS_* or PARAMS_CONFIG."""
     if isinstance(cluster, ClusterClient):
         return cluster, False
-    from paramserver.client.config import resolve_settings
-
     return ClusterClient(settings=resolve_settings(cluster, token=token)), True
 
 

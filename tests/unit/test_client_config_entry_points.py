@@ -136,6 +136,8 @@ def test_cluster_client_reads_the_settings_unless_given_cluster_options(config: 
     with ClusterClient("127.0.0.1:1", token="arg", verify="crc") as c:  # explicit values win, the rest from the file
         assert (c.options.seeds, c.options.token, c.verify, c.options.tls_cert) == (
             ("127.0.0.1:1",), "arg", "crc", config.parent / "tls" / "client.pem")
+    with ClusterClient(settings=resolve_settings(), verify="crc") as c:  # an explicit verify wins over the settings'
+        assert (c.verify, c.options.token) == ("crc", "file-read")
     with ClusterClient(cluster=ClusterOptions(("127.0.0.1:2",))) as c:
         assert (c.options.token, c.options.tls_ca, c.verify) == (None, None, "crc")
     monkeypatch.delenv("PARAMS_CONFIG")
