@@ -1,12 +1,45 @@
 """GPU workers: load model versions from the cluster into tensors, cache their chunks, serve them.
 
-- ``worker.loader``: ``load_state_dict(cluster, "resnet50:prod", device=...)``,
-  ``load_into(module, cluster, ref)``, ``start_load`` (tensors usable as their chunks land).
+The public Python API (docs/python-api.md)::
+
+    from worker import load_state_dict, load_into, empty_weights, start_load
+
+- ``worker.loader``: ``load_state_dict("resnet50:prod", device=...)`` (cluster, token and TLS from
+  the environment or ``PARAMS_CONFIG``, as for the CLIs) or ``load_state_dict(cluster, ref, ...)``,
+  ``load_into(module, ref)``, ``start_load`` (tensors usable as their chunks land).
+- ``worker.module_fill``: ``empty_weights`` (modules built without parameter storage) and
+  ``fill_module`` (loaded tensors put in place).
 - ``worker.tiered_cache`` / ``worker.lru_k`` / ``worker.disk_cache``: the memory and disk tiers.
 - ``worker.prefetch``, ``worker.staging``, ``worker.readiness``: filling tensors, pinned staging;
   ``worker.upload``: a host-staged load's tensors going up to the device whole.
 - ``worker.swap`` (follow a tag), ``worker.serve`` and ``worker.cli`` (``paramworker``).
 
-The cluster client itself is ``paramserver.client.session.ClusterClient``. Nothing is imported
-here, so importing the cache algorithms does not import torch or gRPC.
+The cluster client itself is ``paramserver.client.ClusterClient``. The four names above are
+imported on first use (module ``__getattr__``), so importing ``worker`` or the cache algorithms
+does not import torch or gRPC.
 """
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from worker.loader import load_into as load_into
+    from worker.loader import load_state_dict as load_state_dict
+    from worker.loader import start_load as start_load
+    from worker.module_fill import empty_weights as empty_weights
+
+# public name -> the module that defines it
+_LAZY = {"load_state_dict": "worker.loader", "load_into": "worker.loader", "start_load": "worker.loader",
+         "empty_weights": "worker.module_fill"}
+
+__all__ = ["empty_weights", "load_into", "load_state_dict", "start_load"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -71,6 +71,10 @@ class HeatmapMismatch(WorkerError, ValueError):
     """Heat reports of different model versions were merged."""
 
 
+class FillError(WorkerError, RuntimeError):
+    """The module and the checkpoint do not fit together; nothing in the module was changed."""
+
+
 # ---------------------------------------------------------------------- serving (paramworker serve, paramrouter)
 
 

@@ -29,7 +29,7 @@ import argparse
 import dataclasses
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -358,8 +358,52 @@ def settings_from_args(
     return ClientSettings.load(flags, environ, defaults=defaults)
 
 
+# -------------------------------------------------------------------- the Python entry points
+
+
+def resolve_settings(
+    cluster: ClientSettings | str | Sequence[str] | None = None,
+    *,
+    token: str | None = None,
+    write: bool = False,
+    config_file: str | os.PathLike[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> ClientSettings:
+    """The settings a Python entry point (push, pull, the loaders, ``ClusterClient``) runs with.
+
+    The same precedence as the CLIs (:meth:`ClientSettings.load`): the explicit arguments
+    (``cluster`` addresses, ``token``, ``config_file`` and ``overrides``: any ClientSettings field,
+    e.g. ``tls_ca=``, ``verify=``), then the environment, then the ``PARAMS_CONFIG`` file, then the
+    defaults. ``token`` is the admin token when ``write``, else the read token (as ``--token``).
+    ``cluster`` given as ClientSettings is already resolved: it is used as it is (``token`` and
+    ``overrides`` still win).
+    """
+    field = "admin_token" if write else "read_token"
+    given = {k: v for k, v in {**overrides, field: token}.items() if v is not None}
+    if isinstance(cluster, ClientSettings):  # no environment, no file: they were read when it was made
+        return ClientSettings.load(given, {}, defaults=cluster) if given else cluster
+    return ClientSettings.load({"cluster": cluster, "config_file": config_file, **given}, environ)
+
+
+def split_cluster_arg(cluster: Any, *given: Any, what: str) -> tuple[Any, ...]:
+    """``(cluster, *given)`` of an entry point called as ``f(cluster, a, b)`` or as ``f(a, b)``.
+
+    The cluster argument comes first (as it always did) but may be left out when the settings
+    supply it: when the last of ``given`` is missing (None), the arguments shift one place and the
+    cluster is None, i.e. taken from the environment or ``PARAMS_CONFIG``. ``what`` names ``given``
+    for the error when even the shifted arguments are short.
+    """
+    if given[-1] is not None:
+        return (cluster, *given)
+    shifted = (None, cluster, *given[:-1])
+    if any(value is None for value in shifted[1:]):
+        raise TypeError(f"missing argument(s): {what}")
+    return shifted
+
 
 __all__ = [
     "ADMIN_TOKEN_ENV", "CLUSTER_ENV", "CONFIG_ENV", "ClientSettings", "READ_TOKEN_ENV", "TLS_CA_ENV", "TLS_CERT_ENV",
-    "TLS_KEY_ENV", "VERIFY_ENV", "add_client_arguments", "read_config_file", "settings_from_args",
+    "TLS_KEY_ENV", "VERIFY_ENV", "add_client_arguments", "read_config_file", "resolve_settings", "settings_from_args",
+    "split_cluster_arg",
 ]

@@ -22,7 +22,8 @@ import torch
 from chunking.chunk_table import ChunkRows
 from chunking.errors import ChunkingError
 from chunking.manifest import Manifest
-from paramserver.client.cluster_view import ClusterOptions, parse_seeds
+from paramserver.client.cluster_view import ClusterOptions
+from paramserver.client.config import ClientSettings, resolve_settings, split_cluster_arg
 from paramserver.client.errors import PATH_ERRORS, ConfigError, PullError, TransferError
 from paramserver.client.hostmem import ArenaPool, HostMemoryConfig, Targets, allocate_targets
 from paramserver.client.progress import ProgressFn, no_progress
@@ -101,39 +102,50 @@ class PullReport:
 
 
 def pull_tensors(
-    seeds: str | Sequence[str],
-    ref: str | ModelRef,
+    seeds: str | Sequence[str] | ClientSettings | ModelRef | None = None,
+    ref: str | ModelRef | None = None,
     *,
     token: str | None = None,
     progress: ProgressFn | None = None,
-    options: PullOptions = PullOptions(),
+    options: PullOptions | None = None,
     cluster: ClusterOptions | None = None,
 ) -> tuple[dict[str, torch.Tensor], PullReport]:
-    """The verified tensors of a version (CPU, in manifest order) and a report."""
-    return _pull(seeds, ref, token=token, progress=progress, options=options, cluster=cluster)
+    """The verified tensors of a version (CPU, in manifest order) and a report.
+
+    ``pull_tensors(ref)``: the cluster, token, TLS, verify mode and bulk come as for ``paramctl
+    pull`` (see :func:`_pull`)."""
+    at, target = split_cluster_arg(seeds, ref, what="ref")
+    return _pull(at, target, token=token, progress=progress, options=options, cluster=cluster)
 
 
 Allocate = Callable[[Manifest, VersionInfo], Targets]
 
 
 def _pull(
-    seeds: str | Sequence[str],
+    seeds: str | Sequence[str] | ClientSettings | None,
     ref: str | ModelRef,
     *,
     token: str | None,
     progress: ProgressFn | None,
-    options: PullOptions,
+    options: PullOptions | None,
     cluster: ClusterOptions | None,
     allocate: Allocate | None = None,
     then: Callable[[ClusterClient, Manifest], None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], PullReport]:
     """pull_tensors, with the destination chosen by ``allocate(manifest, version)``; ``then(client,
-    manifest)`` runs after the tensors landed, on the same client (a folder's other files)."""
+    manifest)`` runs after the tensors landed, on the same client (a folder's other files).
+
+    Without ``cluster`` (ClusterOptions, used as it is), what is not given comes as for ``paramctl
+    pull``: arguments > environment > ``PARAMS_CONFIG`` file > defaults, the verify mode and bulk
+    included unless ``options`` are given."""
     t0 = time.perf_counter()
-    options.validate()
+    if cluster is None:
+        settings = resolve_settings(seeds, token=token)
+        cluster = settings.cluster_options(write=False)
+        options = options or PullOptions(verify=settings.verify, bulk=settings.bulk)
+    options = (options or PullOptions()).validate()
     progress = progress or no_progress
     target = parse_ref(ref) if isinstance(ref, str) else ref
-    cluster = cluster or ClusterOptions(parse_seeds(seeds), token=token)
     with ClusterClient(cluster=cluster, token=token, config=options.session(), bulk=options.bulk, verify=options.verify) as client:
         progress("resolve", 0, 1)
         version = client.resolve_ref(target, linearizable=options.linearizable)
@@ -196,21 +208,25 @@ def write_failure(out: object, exc: BaseException) -> TransferError:
 
 
 def pull(
-    seeds: str | Sequence[str],
-    ref: str | ModelRef,
-    out: str | os.PathLike[str],
+    seeds: str | Sequence[str] | ClientSettings | ModelRef | None = None,
+    ref: str | ModelRef | os.PathLike[str] | None = None,
+    out: str | os.PathLike[str] | None = None,
     *,
     token: str | None = None,
     progress: ProgressFn | None = None,
-    options: PullOptions = PullOptions(),
+    options: PullOptions | None = None,
     cluster: ClusterOptions | None = None,
 ) -> PullReport:
     """Pull ``ref`` ("model:tag", "model@N" or "model") into a .safetensors file at ``out``.
+
+    ``pull(ref, out)``: the cluster, token, TLS, verify mode and bulk come as for ``paramctl pull``
+    (arguments > environment > ``PARAMS_CONFIG`` file > defaults).
 
     Chunks are received straight into the output file's pages (paramserver.client.safetensors_out):
     no second copy of the model in memory. The file appears, complete and fsynced, only when
     every chunk is in and verified; a failed pull leaves nothing at ``out``.
     """
+    at, target, out = split_cluster_arg(seeds, ref, out, what="ref and out")
     t0 = time.perf_counter()
     progress = progress or no_progress
     holder: list[SafetensorsOut] = []
@@ -224,7 +240,7 @@ def pull(
         return holder[0].targets
 
     try:
-        tensors, report = _pull(seeds, ref, token=token, progress=progress, options=options, cluster=cluster, allocate=in_file)
+        tensors, report = _pull(at, target, token=token, progress=progress, options=options, cluster=cluster, allocate=in_file)
     except BaseException:
         if holder:
             holder[0].abort()

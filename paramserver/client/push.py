@@ -49,7 +49,8 @@ from consensus.errors import Invalid
 from consensus.validation import check_name
 
 from paramserver.client.rpc import ChunkData, ParamServerClient
-from paramserver.client.cluster_view import RETRYABLE, ClusterOptions, ClusterView, parse_seeds
+from paramserver.client.cluster_view import RETRYABLE, ClusterOptions, ClusterView
+from paramserver.client.config import ClientSettings, resolve_settings, split_cluster_arg
 from paramserver.client.errors import ConfigError
 from paramserver.client.progress import ProgressFn, no_progress
 from paramserver.wire.proto import pb
@@ -471,8 +472,8 @@ STALE_LEADER_S = 1.0  # an upload longer than this asks who leads before the com
 
 
 def push(
-    seeds: str | Sequence[str],
-    source: Source,
+    seeds: str | Sequence[str] | ClientSettings | Source | None = None,
+    source: Source | None = None,
     *,
     model: str,
     tag: str | None = None,
@@ -491,7 +492,12 @@ def push(
     normal push never conflicts; an int commits on that version (ABORTED ->
     PushConflict if it is not the head); None starts a model's history.
     Raises TransferError (with a gRPC status ``code``) when nothing was committed.
+
+    ``seeds`` (addresses or ClientSettings) may be left out, ``push(state_dict, model=...)``: the
+    cluster, the admin token and TLS come as for ``paramctl push`` (arguments > environment >
+    ``PARAMS_CONFIG`` file); ``cluster`` (ClusterOptions) is used as it is.
     """
+    at, source = split_cluster_arg(seeds, source, what="source (a state dict, a file or a folder)")
     t0 = time.perf_counter()
     options.validate()
     config.validate()
@@ -500,7 +506,7 @@ def push(
     if tag is not None:
         _checked_name("tag", tag)
     publisher = _checked_name("publisher", publisher or default_publisher())
-    cluster = cluster or ClusterOptions(parse_seeds(seeds), token=token)
+    cluster = cluster or resolve_settings(at, token=token, write=True).cluster_options(write=True)
     with ClusterView.connect(cluster) as view:
         head = head_version(view, model)
         base: int | None = head if parent == "head" else parent

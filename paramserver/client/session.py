@@ -17,14 +17,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, TypeVar, cast
+from typing import Any, TypeVar
 
 import grpc
 
 from chunking.errors import ManifestError
 from chunking.chunk_table import ChunkRows
 from chunking.manifest import Manifest
-from paramserver.client.cluster_view import ClusterOptions, ClusterView, parse_seeds, start_background
+from paramserver.client.cluster_view import ClusterOptions, ClusterView, start_background
+from paramserver.client.config import ClientSettings, resolve_settings
 from paramserver.client.errors import (
     ClientClosed,
     ClientError,
@@ -45,9 +46,6 @@ from paramserver.client.verify import VERIFY_MODES, Verifier
 from paramserver.wire.heat_entries import HeatArrays, report_request
 from paramserver.wire.limits import DEFAULT_MAX_MESSAGE_BYTES, HEAT_ENTRIES_PER_CALL
 from paramserver.wire.proto import pb
-
-if TYPE_CHECKING:
-    from paramserver.client.config import ClientSettings
 
 T = TypeVar("T")
 
@@ -128,25 +126,25 @@ class ClusterClient:
     ``seeds``: any members' gRPC addresses. ``verify``: "crc" (size and CRC32C from the manifest,
     no BLAKE3) or "content" (also each chunk's content id, once). ``bulk``: read chunk bytes over
     the servers' bulk ports when they advertise one (never with TLS), GetChunks otherwise.
-    ``settings`` (``paramserver.client.config.ClientSettings``) gives all of these, and TLS.
+    ``settings`` (``paramserver.client.config.ClientSettings``) gives all of these, and TLS; without
+    it or ``cluster``, what is not given here comes as for the CLIs (:meth:`from_config`).
     """
 
     def __init__(self, seeds: str | Sequence[str] | None = None, token: str | None = None,
-                 config: SessionConfig | None = None, *, bulk: bool = True, verify: str = "crc",
+                 config: SessionConfig | None = None, *, bulk: bool = True, verify: str | None = None,
                  settings: ClientSettings | None = None, cluster: ClusterOptions | None = None) -> None:
         config = (config or SessionConfig()).validate()
-        if verify not in VERIFY_MODES:
+        if verify is not None and verify not in VERIFY_MODES:
             raise ConfigError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
+        self.settings = settings
         if cluster is None:
-            if settings is not None:
-                cluster = settings.cluster_options(write=False)
-                token = token if token is not None else cluster.token
-                bulk = bulk and settings.bulk
-                verify = settings.verify
-            else:
-                if seeds is None:
-                    raise ConfigError("no cluster address given: pass --cluster HOST:PORT (any member) or set PARAMS_CLUSTER")
-                cluster = ClusterOptions(parse_seeds(seeds), token=token)
+            if settings is None:
+                settings = self.settings = resolve_settings(seeds, token=token, verify=verify)
+            cluster = settings.cluster_options(write=False)
+            token = token if token is not None else cluster.token
+            bulk = bulk and settings.bulk
+            verify = verify or settings.verify
+        verify = verify or "crc"
         if token is not None and cluster.token != token:
             cluster = replace(cluster, token=token)
         cluster = replace(cluster, timeout_s=config.call_timeout_s).validate()
@@ -179,6 +177,13 @@ class ClusterClient:
             reads_per_server=self._lanes, report=self._report_bad,
         )
         self._closed = False
+
+    @classmethod
+    def from_config(cls, path: str | os.PathLike[str] | None = None, *, config: SessionConfig | None = None,
+                    **overrides: Any) -> ClusterClient:
+        """The CLIs' settings: ``overrides`` (``cluster=``, ``token=``, ``tls_ca=``, ... any ClientSettings
+        field) > environment > the config file ``path`` (default ``$PARAMS_CONFIG``) > defaults."""
+        return cls(settings=resolve_settings(config_file=path, **overrides), config=config)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -589,18 +594,13 @@ class ClusterClient:
             self._hot_first.set()
 
 
-def client_for(cluster: ClusterClient | ClientSettings | str | Sequence[str], token: str | None = None) -> tuple[ClusterClient, bool]:
-    """``(client, owned)``: an existing client, or a new one for seed addresses or settings (to be closed)."""
+def client_for(cluster: ClusterClient | ClientSettings | str | Sequence[str] | None,
+               token: str | None = None) -> tuple[ClusterClient, bool]:
+    """``(client, owned)``: an existing client, or a new one (to be closed) for settings or seed addresses;
+    what is not given (None: even the addresses) comes as for the CLIs: from PARAMS_* or PARAMS_CONFIG."""
     if isinstance(cluster, ClusterClient):
         return cluster, False
-    if hasattr(cluster, "cluster_options"):  # ClientSettings (imported here for types only)
-        return ClusterClient(settings=cast("ClientSettings", cluster), token=token), True
-    # Seed addresses: the rest (tokens, TLS, verify) comes as for the CLIs, from PARAMS_* and the
-    # PARAMS_CONFIG file, so load_state_dict("HOST:PORT", ...) works where paramctl does.
-    from paramserver.client.config import ClientSettings
-
-    settings = ClientSettings.load({"cluster": cluster, "read_token": token})
-    return ClusterClient(settings=settings), True
+    return ClusterClient(settings=resolve_settings(cluster, token=token)), True
 
 
 __all__ = ["ClientError", "ClusterClient", "SessionConfig", "VersionInfo", "client_for"]
