@@ -251,6 +251,7 @@ OUTSIDE = [
     "DESIGN" + ".md",
     "/tmp/" + "me",
     "/" + "work/",
+    "/ho" + "me/",
 ]
 
 
