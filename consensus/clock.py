@@ -1,4 +1,4 @@
-"""Vector clocks that order model versions (DESIGN.md, invariant 4)."""
+"""Vector clocks that order model versions (docs/architecture.md, invariant 4)."""
 from __future__ import annotations
 
 import enum

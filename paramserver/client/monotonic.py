@@ -1,4 +1,4 @@
-"""Monotonic reads of tag resolutions (DESIGN.md, invariant 4).
+"""Monotonic reads of tag resolutions (docs/architecture.md, invariant 4).
 
 The worker remembers, per (model, tag), the newest resolution it has accepted: the version
 number, its vector clock and the Raft commit index of the server that answered. A later

@@ -238,7 +238,7 @@ def test_up_after_down_restarts_the_same_cluster_with_its_data(tmp_path: Path) -
 
 @pytest.mark.timeout(240)
 def test_a_server_alone_without_its_journal_collects_none_of_its_chunks(tmp_path: Path) -> None:
-    """Started alone from an empty Raft journal (the README's advice for a damaged one), a server
+    """Started alone from an empty Raft journal (docs/operations.md's advice for a damaged one), a server
     saw no committed version, took every chunk it held for an orphan and deleted all of them once
     the grace period had passed. Orphan collection now waits until it is in sync with a leader."""
     import shutil

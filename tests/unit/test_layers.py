@@ -1,6 +1,6 @@
 """The import layers, read from the source with ``ast`` (nothing is imported or executed).
 
-The one place the allowed order is written (it matches shared/DESIGN.md): chunking and consensus
+The one place the allowed order is written (docs/architecture.md describes it): chunking and consensus
 at the bottom, then the wire contract, then the server and the client side by side, then the
 worker, then deploy. A module may import its own layer and the layers below it; the server
 reaches the client stack through one peer-client factory only; no product code imports
