@@ -167,6 +167,12 @@ def from_rpc(exc: grpc.RpcError, what: str) -> TransferError:
     return cls(f"{what}: {details}" + (f"; {advice}" if advice else ""), code)
 
 
+class UsageError(Exception):
+    """Bad command-line input found after parsing (exit code 2).
+
+    Not a ClientError, so no handler of client errors (``cmd_pull``'s, ``main``'s) takes it for one."""
+
+
 # A local path the user named that cannot be used (read, written, made): a bad argument, exit 2.
 PATH_ERRORS = (PermissionError, FileExistsError, FileNotFoundError, IsADirectoryError, NotADirectoryError)
 
@@ -174,6 +180,6 @@ PATH_ERRORS = (PermissionError, FileExistsError, FileNotFoundError, IsADirectory
 __all__ = [
     "PATH_ERRORS", "AuthFailed", "ChunkDataLoss", "ChunkUnavailable", "ClientClosed", "ClientError", "ClusterUnreachable",
     "ConfigError", "NotFound",
-    "PullError", "PushConflict", "PushError", "StaleRead", "TransferError", "from_rpc", "rpc_code", "rpc_details",
+    "PullError", "PushConflict", "PushError", "StaleRead", "TransferError", "UsageError", "from_rpc", "rpc_code", "rpc_details",
     "tls_problem",
 ]
