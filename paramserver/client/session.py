@@ -1,11 +1,13 @@
-"""``ClusterClient``: the one client session every user path goes through.
+"""``ClusterClient``: the one client session every user path goes through, for reads and writes.
 
-``paramctl pull``, ``paramworker load`` and ``serve``, the demo, the drills and the benchmarks
-all read a cluster through this: one cluster view (seeds, ClusterInfo, ring, leader, refresh:
-``paramserver.client.cluster_view``), one tag resolution with monotonic reads, one manifest
-fetch and cache (manifests are immutable and named by their content id, so the cache is shared
-by every client of the process), and one chunk-fetch engine (``paramserver.client.fetch``)
-over the bulk and gRPC transports, verifying each chunk as the mode asks.
+``paramctl``, ``push``, ``pull``, ``paramworker load`` and ``serve``, the demo, the drills and the
+benchmarks all reach a cluster through this: one cluster view (seeds, ClusterInfo, ring, leader,
+refresh, leader failover: ``paramserver.client.cluster_view``, the session's internal part), one
+tag resolution with monotonic reads, the one manifest reader and its cache
+(``paramserver.client.manifests``), the writes through the leader (``paramserver.client.writes``:
+head, commit, tag moves), and one chunk-fetch engine (``paramserver.client.fetch``) over the bulk
+and gRPC transports, verifying each chunk as the mode asks. ``push`` sends its chunks through the
+session's view (``push_sender``).
 """
 from __future__ import annotations
 
