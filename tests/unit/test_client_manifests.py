@@ -14,17 +14,7 @@ from chunking.manifest import LAYOUT_SPLIT_FORMAT, Manifest
 from chunking.pack import pack
 from paramserver.client.errors import AuthFailed, ClusterUnreachable
 from paramserver.client.manifests import ManifestCache, read_from, read_manifest
-
-
-class Failed(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode) -> None:
-        self._code = code
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._code.name.lower()
+from tests.conftest import FakeRpcError
 
 
 class Server:
@@ -36,13 +26,13 @@ class Server:
     def get_manifest(self, *, manifest_id: str = "") -> SimpleNamespace:
         self.calls += 1
         if self.fail is not None:
-            raise Failed(self.fail)
+            raise FakeRpcError(self.fail)
         return SimpleNamespace(data=self.blobs[manifest_id])
 
     def get_manifest_parts(self, part_ids: Sequence[str]) -> dict[str, bytes]:
         self.calls += 1
         if self.fail is not None:
-            raise Failed(self.fail)
+            raise FakeRpcError(self.fail)
         return {p: self.blobs[p] for p in part_ids}
 
 
@@ -86,7 +76,7 @@ def test_a_root_in_hand_is_proven_and_one_server_raises_its_own_error() -> None:
     one = Server(blobs)
     assert read_manifest(m.id, ["a"], lambda _a: one, root=blobs[m.id], cache=None) == m
     assert read_from(m.id, ["a"], lambda _a: one, root=blobs[m.id], parallel=1) == m
-    with pytest.raises(Failed):
+    with pytest.raises(FakeRpcError):
         read_from(m.id, ["a"], lambda _a: Server(blobs, grpc.StatusCode.NOT_FOUND), root=blobs[m.id])
 
 
