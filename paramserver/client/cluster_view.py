@@ -1,4 +1,7 @@
-"""The client's view of a cluster: members, ring, R/W, and one client per member.
+"""The client's view of a cluster: members, ring, R/W, the leader, and one client per member.
+
+The membership and leader part of the client session (``ClusterClient.view()``): push, paramctl
+and the fetch engine use the session's view; a ClusterView is rarely made on its own.
 
 Built from ClusterInfo of any seed, so ``paramctl --cluster`` needs only one
 reachable member. The ring is built from the members whose state is "up",

@@ -227,6 +227,12 @@ class NotSafetensors(ValueError):
     tensor named ``__metadata__``. Loads into memory keep both."""
 
 
+class UsageError(Exception):
+    """Bad command-line input found after parsing (exit code 2).
+
+    Not a ClientError, so no handler of client errors (``cmd_pull``'s, ``main``'s) takes it for one."""
+
+
 # A local path the user named that cannot be used (read, written, made): a bad argument, exit 2.
 PATH_ERRORS = (PermissionError, FileExistsError, FileNotFoundError, IsADirectoryError, NotADirectoryError)
 
@@ -236,6 +242,6 @@ __all__ = [
     "BulkWriteRefused", "ChunkDataLoss", "ChunkUnavailable", "ClientClosed", "ClientError", "ClusterUnreachable",
     "ConfigError", "NotFound",
     "BadModelRef", "MonotonicFileError", "NotSafetensors",
-    "PullError", "PushConflict", "PushError", "StaleRead", "TransferError", "from_rpc", "rpc_code", "rpc_details",
+    "PullError", "PushConflict", "PushError", "StaleRead", "TransferError", "UsageError", "from_rpc", "rpc_code", "rpc_details",
     "tls_problem",
 ]

@@ -31,15 +31,14 @@ from collections import deque
 from functools import partial
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Collection, Literal, Mapping, Sequence
+from typing import Callable, Literal, Mapping, Sequence
 
 import grpc
 import numpy as np
 
 from chunking.config import ChunkingConfig
-from chunking.errors import ChunkingError, ManifestError
+from chunking.errors import ChunkingError
 from chunking.hashing import crc32c
-from chunking.manifest import Manifest
 from chunking.hashing import Buffer
 from chunking.manifest import ChunkRef
 from chunking.folder import FolderPackResult, FolderPackStream, pack_folder_stream
@@ -48,15 +47,17 @@ from chunking.sources import Source
 from consensus.errors import Invalid
 from consensus.validation import check_name
 
-from paramserver.client.rpc import ChunkData, ParamServerClient
-from paramserver.client.cluster_view import RETRYABLE, ClusterOptions, ClusterView
+from paramserver.client.rpc import ChunkData
+from paramserver.client.cluster_view import ClusterOptions, ClusterView
 from paramserver.client.config import ClientSettings, resolve_settings, split_cluster_arg
 from paramserver.client.errors import ConfigError
 from paramserver.client.progress import ProgressFn, no_progress
-from paramserver.wire.proto import pb
 from paramserver.client.push_plan import AckLedger, Item, plan_uploads, wanted_by_server
 from paramserver.client.push_sender import SendOptions, SendSession
-from paramserver.client.errors import ClusterUnreachable, PushConflict, PushError, TransferError, rpc_code, rpc_details
+from paramserver.client.errors import ClusterUnreachable, PushError, TransferError, rpc_code, rpc_details
+from paramserver.client.session import ClusterClient
+# head_version, fetch_manifest and commit: re-exported, their home is the session's writes
+from paramserver.client.writes import commit, fetch_manifest, head_version
 
 Parent = int | None | Literal["head"]
 
@@ -150,38 +151,6 @@ def _checked_name(kind: str, value: str) -> str:
         return check_name(kind, value)
     except Invalid as exc:
         raise PushError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
-
-
-def head_version(view: ClusterView, model: str) -> int | None:
-    """The latest version number of ``model`` (asked of the leader), None for a new model."""
-    try:
-        versions = view.leader_call(lambda c: c.list_versions(model)).versions
-    except ClusterUnreachable as exc:
-        raise TransferError(f"cannot list the versions of {model}: {exc}", grpc.StatusCode.UNAVAILABLE) from None
-    except grpc.RpcError as exc:
-        if rpc_code(exc) == grpc.StatusCode.NOT_FOUND:
-            return None
-        raise TransferError(f"cannot list the versions of {model}: {rpc_details(exc)}", rpc_code(exc)) from None
-    return max((v.number for v in versions), default=None)
-
-
-def fetch_manifest(view: ClusterView, model: str, version: int) -> Manifest:
-    try:
-        reply = view.leader_call(lambda c: c.get_manifest(model=model, version=version))
-    except grpc.RpcError as exc:
-        raise TransferError(f"cannot read the manifest of {model} v{version}: {rpc_details(exc)}", rpc_code(exc)) from None
-    def get_blob(blob_id: str) -> bytes:
-        return bytes(view.leader_call(lambda c: c.get_manifest(manifest_id=blob_id)).data)
-
-    def get_parts(part_ids: Sequence[str]) -> dict[str, bytes]:
-        return view.leader_call(lambda c: c.get_manifest_parts(part_ids))
-
-    try:
-        return Manifest.read(reply.manifest_id, get_blob, get_parts=get_parts, root=reply.data)
-    except grpc.RpcError as exc:
-        raise TransferError(f"cannot read a manifest part of {model} v{version}: {rpc_details(exc)}", rpc_code(exc)) from None
-    except ManifestError as exc:
-        raise TransferError(f"manifest of {model} v{version} from {view.info.server_id}: {exc}", grpc.StatusCode.DATA_LOSS) from None
 
 
 class _Push:
@@ -389,85 +358,6 @@ class _Push:
         return len(data_sent), sum(self.items[c].stored_size for c in data_sent)
 
 
-def _find_committed(view: ClusterView, model: str, manifest_id: str, parent: int | None, publisher: str) -> pb.Version | None:
-    """A version an earlier CommitVersion try committed before its reply was lost."""
-    try:
-        versions = view.leader_call(lambda c: c.list_versions(model)).versions
-    except (grpc.RpcError, TransferError):
-        return None
-    for v in versions:
-        same_parent = (v.parent if v.HasField("parent") else None) == parent
-        if v.manifest_id == manifest_id and v.publisher == publisher and same_parent:
-            return v
-    return None
-
-
-def commit(
-    view: ClusterView,
-    *,
-    model: str,
-    manifest_id: str,
-    parent: int | None,
-    publisher: str,
-    tag: str | None,
-    nbytes: int,
-    chunk_count: int,
-    force: bool,
-    deadline_s: float,
-    suspects: Collection[str] = (),
-) -> pb.Version:
-    """CommitVersion at the leader, following it through an election (``ClusterView.leader_call``):
-    a leader that went silent costs the election, not a deadline.
-
-    Never commits twice: a try whose reply was lost, whose deadline passed, or that was abandoned
-    because a member named a newer leader may still have committed, so before sending again (and
-    before reporting a failure) the leader's versions are checked for it (``_find_committed``). A
-    try that cannot be checked is sent again only under the same parent, which the state machine
-    refuses once a first try landed (ABORTED, resolved by the same check). ``suspects``: server ids
-    that just failed this push (a broken stream); when the leader is one, the other members are
-    asked who leads with the first try.
-    """
-    sent = 0
-
-    def send(c: ParamServerClient) -> pb.Version:
-        nonlocal sent
-        sent += 1
-        return c.commit_version(
-            model, manifest_id, parent=parent, publisher=publisher, tag=tag or "", force=force, nbytes=nbytes, chunk_count=chunk_count
-        ).version
-
-    def landed() -> pb.Version | None:
-        return _find_committed(view, model, manifest_id, parent, publisher)
-
-    try:
-        return view.leader_call(send, deadline_s, before_resend=landed, suspect=view.info.leader_id in suspects)
-    except ClusterUnreachable as exc:
-        code, details = grpc.StatusCode.UNAVAILABLE, str(exc)
-    except grpc.RpcError as exc:
-        code, details = rpc_code(exc), rpc_details(exc)
-    if code == grpc.StatusCode.ABORTED:
-        if sent > 1:  # an earlier try may have landed after all, making our parent stale
-            found = landed()
-            if found is not None:
-                return found
-        head = head_version(view, model)
-        raise PushConflict(
-            f"push of {model} was based on version {parent if parent is not None else '(none)'} but version {head} "
-            f"was committed first; pull {model} v{head}, apply the change on it and push again with --parent {head} "
-            f"(or without --parent to push on the head). Server: {details}",
-            model=model, parent=parent, head=head,
-        ) from None  # fmt: skip
-    if code in RETRYABLE:
-        # A commit that timed out may still have landed (Raft applied it, the reply was lost).
-        found = landed()
-        if found is not None:
-            return found
-    outcome = "nothing was committed" if code not in RETRYABLE else (
-        "no committed version was found for it, but the outcome is unknown until the cluster answers again: "
-        "check with 'paramctl ls " + model + "' before pushing again")  # fmt: skip
-    raise PushError(f"CommitVersion of {model} failed ({code.name}): {details}; {outcome}", code) from None
-
-
 STALE_LEADER_S = 1.0  # an upload longer than this asks who leads before the commit
 
 
@@ -507,7 +397,8 @@ def push(
         _checked_name("tag", tag)
     publisher = _checked_name("publisher", publisher or default_publisher())
     cluster = cluster or resolve_settings(at, token=token, write=True).cluster_options(write=True)
-    with ClusterView.connect(cluster) as view:
+    with ClusterClient.for_options(cluster) as session:
+        view = session.view()  # this push's one view: refreshed only before the commit (below)
         head = head_version(view, model)
         base: int | None = head if parent == "head" else parent
         previous = fetch_manifest(view, model, base) if base is not None else None

@@ -16,6 +16,7 @@ from chunking.hashing import crc32c
 from chunking.manifest import Manifest
 
 from paramserver.client.channel import open_channel
+from paramserver.client.manifests import read_from
 from paramserver.wire.address import split_host_port
 # ChunkData: the client's name for the wire's one chunk record
 from paramserver.wire.chunk_record import ChunkRecord as ChunkData
@@ -200,9 +201,9 @@ class ParamServerClient:
 
     def read_manifest(self, reply: pb.GetManifestReply, *, parallel: int = 8) -> Manifest:
         """The manifest a GetManifest ``reply`` carries the root (or sole blob) of, its parts read
-        from this server, every blob proven by its id (``Manifest.read``)."""
-        return Manifest.read(reply.manifest_id, lambda blob_id: bytes(self.get_manifest(manifest_id=blob_id).data),
-                             get_parts=self.get_manifest_parts, root=reply.data, parallel=parallel)
+        from this server, every blob proven by its id: the client's one manifest reader
+        (``paramserver.client.manifests``), this server only and no cache (a probe of it)."""
+        return read_from(reply.manifest_id, [self.address], lambda _address: self, root=reply.data, parallel=parallel)
 
     def get_manifest_parts(self, part_ids: Sequence[str]) -> dict[str, bytes]:
         """The bytes of split-manifest parts, many per call (each reply holds a prefix that fits;

@@ -1,11 +1,13 @@
-"""``ClusterClient``: the one client session every user path goes through.
+"""``ClusterClient``: the one client session every user path goes through, for reads and writes.
 
-``paramctl pull``, ``paramworker load`` and ``serve``, the demo, the drills and the benchmarks
-all read a cluster through this: one cluster view (seeds, ClusterInfo, ring, leader, refresh:
-``paramserver.client.cluster_view``), one tag resolution with monotonic reads, one manifest
-fetch and cache (manifests are immutable and named by their content id, so the cache is shared
-by every client of the process), and one chunk-fetch engine (``paramserver.client.fetch``)
-over the bulk and gRPC transports, verifying each chunk as the mode asks.
+``paramctl``, ``push``, ``pull``, ``paramworker load`` and ``serve``, the demo, the drills and the
+benchmarks all reach a cluster through this: one cluster view (seeds, ClusterInfo, ring, leader,
+refresh, leader failover: ``paramserver.client.cluster_view``, the session's internal part), one
+tag resolution with monotonic reads, the one manifest reader and its cache
+(``paramserver.client.manifests``), the writes through the leader (``paramserver.client.writes``:
+head, commit, tag moves), and one chunk-fetch engine (``paramserver.client.fetch``) over the bulk
+and gRPC transports, verifying each chunk as the mode asks. ``push`` sends its chunks through the
+session's view (``push_sender``).
 """
 from __future__ import annotations
 
@@ -14,14 +16,12 @@ import random
 import socket
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import grpc
 
-from chunking.errors import ManifestError
 from chunking.chunk_table import ChunkRows
 from chunking.manifest import Manifest
 from paramserver.client.cluster_view import ClusterOptions, ClusterView, start_background
@@ -38,82 +38,24 @@ from paramserver.client.errors import (
     rpc_code,
 )
 from paramserver.client.fetch import ChunkSink, EngineOptions, FetchEngine, FetchStats
+from paramserver.client.manifests import read_manifest
 from paramserver.client.monotonic import MonotonicReads, Resolution
 from paramserver.client.refs import ModelRef
 from paramserver.client.rpc import ParamServerClient
+# SessionConfig and VersionInfo: re-exported, the session's value types
+from paramserver.client.session_config import SessionConfig, VersionInfo
 from paramserver.client.transport import ClusterTransport
 from paramserver.client.verify import VERIFY_MODES, Verifier
+from paramserver.client.writes import fetch_manifest, head_version, write_once
 from paramserver.wire.heat_entries import HeatArrays, report_request
 from paramserver.wire.limits import DEFAULT_MAX_MESSAGE_BYTES, HEAT_ENTRIES_PER_CALL
 from paramserver.wire.proto import pb
 
 T = TypeVar("T")
 
-MIB = 1 << 20
 # A heat report refused with one of these is sent again after each delay (a lagging follower, a busy one).
 HEAT_RETRY_CODES = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 HEAT_RETRY_DELAYS_S = (0.2, 0.5, 1.0)
-
-
-@dataclass(frozen=True)
-class SessionConfig:
-    """How a client talks to the cluster.
-
-    ``call_timeout_s`` bounds unary calls; a chunk read gets ``call_timeout_s`` plus the time its
-    bytes take at ``min_stream_bytes_per_s``, so a hung replica is left for another one.
-    """
-
-    call_timeout_s: float = 10.0
-    min_stream_bytes_per_s: float = 20e6
-    grpc_streams_per_server: int = 3  # GetChunks reads in parallel per replica
-    bulk_streams_per_server: int = 1  # one bulk connection already fills the link here
-    max_read_bytes: int = 64 * MIB
-    get_message_bytes: int = 2 * MIB
-    refresh_interval_s: float = 5.0
-    bulk_down_s: float = 30.0
-    monotonic_path: str | None = None
-    allow_rollback: bool = True
-    worker_id: str = ""
-    # Hot chunks: read extra copies that servers advertise (GetHotChunks, asked of every member at
-    # most every hot_refresh_s, before a fetch); False reads ring replicas only.
-    hot_chunks: bool = True
-    hot_refresh_s: float = 2.0
-    hot_timeout_s: float = 0.2
-
-    def validate(self) -> SessionConfig:
-        if self.call_timeout_s <= 0 or self.min_stream_bytes_per_s <= 0:
-            raise ConfigError("call_timeout_s and min_stream_bytes_per_s must be > 0")
-        if not 1 <= self.grpc_streams_per_server <= 16 or not 1 <= self.bulk_streams_per_server <= 16:
-            raise ConfigError("grpc_streams_per_server and bulk_streams_per_server must be between 1 and 16")
-        if not 64 << 10 <= self.get_message_bytes <= 64 * MIB:
-            raise ConfigError(f"get_message_bytes must be between 64 KiB and 64 MiB, got {self.get_message_bytes}")
-        if self.max_read_bytes < 1 * MIB:
-            raise ConfigError(f"max_read_bytes must be >= 1 MiB, got {self.max_read_bytes}")
-        if self.hot_refresh_s <= 0 or self.hot_timeout_s <= 0:
-            raise ConfigError("hot_refresh_s and hot_timeout_s must be > 0")
-        if self.refresh_interval_s <= 0 or self.bulk_down_s < 0:
-            raise ConfigError("refresh_interval_s must be > 0 and bulk_down_s >= 0")
-        return self
-
-
-@dataclass(frozen=True)
-class VersionInfo:
-    """A resolved model version (the wire's Version plus where it came from)."""
-
-    model: str
-    number: int
-    manifest_id: str
-    clock: dict[str, int]
-    commit_index: int = 0
-    server: str = ""
-    tag: str = ""
-
-
-# Manifests are immutable and named by their content id: a process that loads a version again
-# (a reload, a rollback, a rolling restart) reuses the parsed one.
-_MANIFESTS: OrderedDict[str, Manifest] = OrderedDict()
-_MANIFESTS_KEPT = 8
-_MANIFESTS_LOCK = threading.Lock()
 
 
 def _default_worker_id() -> str:
@@ -184,6 +126,13 @@ class ClusterClient:
         """The CLIs' settings: ``overrides`` (``cluster=``, ``token=``, ``tls_ca=``, ... any ClientSettings
         field) > environment > the config file ``path`` (default ``$PARAMS_CONFIG``) > defaults."""
         return cls(settings=resolve_settings(config_file=path, **overrides), config=config)
+
+    @classmethod
+    def for_options(cls, cluster: ClusterOptions) -> ClusterClient:
+        """A session on ``cluster`` as given, its unary timeout included (push and paramctl:
+        their timeouts and notices are the options', not SessionConfig's default)."""
+        cluster.validate()
+        return cls(cluster=cluster, config=SessionConfig(call_timeout_s=cluster.timeout_s))
 
     # ------------------------------------------------------------ lifecycle
 
@@ -305,6 +254,29 @@ class ClusterClient:
             return None
         return view.info.leader_grpc_address or None
 
+    # ------------------------------------------------------------ writes (through the leader)
+
+    def leader_call(self, fn: Callable[[ParamServerClient], T], deadline_s: float | None = None) -> T:
+        """``fn(leader client)``, following the leader through an election (``ClusterView.leader_call``)."""
+        return self.view().leader_call(fn, deadline_s)
+
+    def head_version(self, model: str) -> int | None:
+        """The latest version number of ``model``, as the leader has it; None for a new model."""
+        return head_version(self.view(), model)
+
+    def manifest_of(self, model: str, version: int) -> Manifest:
+        """The manifest of ``model`` v``version``, named by the leader (``manifest`` reads it)."""
+        return fetch_manifest(self.view(), model, version)
+
+    def set_tag(self, model: str, tag: str, version: int, who: str = "") -> pb.TagReply:
+        return write_once(self.view(), lambda c: c.set_tag(model, tag, version, who=who))
+
+    def rollback_tag(self, model: str, tag: str, who: str = "") -> pb.TagReply:
+        return write_once(self.view(), lambda c: c.rollback_tag(model, tag, who=who))
+
+    def delete_tag(self, model: str, tag: str, who: str = "") -> pb.DeleteTagReply:
+        return write_once(self.view(), lambda c: c.delete_tag(model, tag, who=who))
+
     # ------------------------------------------------------------ metadata
 
     def _ask(self, what: str, call: Callable[[ParamServerClient], T], order: Iterable[str] | None = None) -> tuple[T, str]:
@@ -403,38 +375,10 @@ class ClusterClient:
         return self.latest(mref.model)
 
     def manifest(self, manifest_id: str) -> Manifest:
-        """The manifest named ``manifest_id``, proven by its content id; tries every server."""
-        with _MANIFESTS_LOCK:
-            cached = _MANIFESTS.get(manifest_id)
-            if cached is not None:
-                _MANIFESTS.move_to_end(manifest_id)
-                return cached
-        errors: list[str] = []
-        order = self._leader_first()
-        for address in order:
-            try:
-                reply = self.server(address).get_manifest(manifest_id=manifest_id)
-                readers = self._blob_readers([address, *(a for a in order if a != address)])
-                manifest = Manifest.read(manifest_id, readers[0], get_parts=readers[1], root=reply.data)
-            except grpc.RpcError as exc:
-                code = rpc_code(exc)
-                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                    raise from_rpc(exc, f"manifest {manifest_id}") from None
-                errors.append(f"{address}: {code.name}")
-                continue
-            except ManifestError as exc:
-                errors.append(f"{address}: {exc}")
-                continue
-            manifest.plan  # noqa: B018 - plan once, here, rather than on every load
-            with _MANIFESTS_LOCK:
-                _MANIFESTS[manifest_id] = manifest
-                while len(_MANIFESTS) > _MANIFESTS_KEPT:
-                    _MANIFESTS.popitem(last=False)
-            return manifest
-        raise ClusterUnreachable(
-            f"manifest {manifest_id} could not be read intact from any server ({'; '.join(errors)}); "
-            "check the servers or re-push the version"
-        )
+        """The manifest named ``manifest_id``, proven by its content id: the client's one manifest
+        reader (``paramserver.client.manifests``), cached for the process; the leader is asked
+        first, then every other server."""
+        return read_manifest(manifest_id, self._leader_first(), self.server)
 
     # ------------------------------------------------------------ heat and corruption
 
@@ -448,29 +392,6 @@ class ClusterClient:
             if reply.reports and reply.entries:
                 return [(e.chunk_index, e.count, e.first_access_order) for e in reply.entries]
         return None
-
-    def _blob_readers(self, order: Sequence[str]) -> tuple[Callable[[str], bytes], Callable[[Sequence[str]], dict[str, bytes]]]:
-        """``get_blob`` and ``get_parts`` for ``Manifest.read``: from the first of ``order`` that answers."""
-
-        def first(call: Callable[[ParamServerClient], T]) -> T:
-            failure: grpc.RpcError | None = None
-            for address in order:
-                try:
-                    return call(self.server(address))
-                except grpc.RpcError as exc:
-                    if rpc_code(exc) in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-                        raise
-                    failure = exc
-            assert failure is not None
-            raise failure
-
-        def get_blob(blob_id: str) -> bytes:
-            return bytes(first(lambda c: c.get_manifest(manifest_id=blob_id).data))
-
-        def get_parts(part_ids: Sequence[str]) -> dict[str, bytes]:
-            return first(lambda c: c.get_manifest_parts(part_ids))
-
-        return get_blob, get_parts
 
     def report_heat(self, model: str, version: int, entries: HeatArrays | Sequence[tuple[int, int, int]]) -> int:
         """Send a heat report to every up member (each aggregates on its own). Best effort: a member
