@@ -88,10 +88,10 @@ def test_split_cluster_arg() -> None:
 def test_push_takes_the_admin_token_and_tls_from_the_config(config: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     module = sys.modules["paramserver.client.push"]  # loaded by ``from paramserver.client import push``
 
-    def connect(options: ClusterOptions) -> None:
+    def for_options(options: ClusterOptions) -> None:  # push's one session, on the options it resolved
         raise Captured(options=options)
 
-    monkeypatch.setattr(module.ClusterView, "connect", staticmethod(connect))
+    monkeypatch.setattr(module.ClusterClient, "for_options", staticmethod(for_options))
     monkeypatch.setenv("PARAMS_CONFIG", str(config))
     state = {"w": torch.zeros(2)}
     with pytest.raises(Captured) as got:

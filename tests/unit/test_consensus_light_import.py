@@ -27,10 +27,10 @@ def test_importing_consensus_and_its_light_names_leaves_pysyncobj_out() -> None:
 
 
 def test_paramctls_name_check_leaves_pysyncobj_out() -> None:
-    # paramctl validates names with consensus.validation.check_name (paramserver/client/ctl.py, push.py)
+    # paramctl validates names with consensus.validation.check_name (paramserver/client/ctl_commands.py, push.py)
     assert not _loads_pysyncobj(
         "import paramserver.client.ctl\n"
-        "from paramserver.client.ctl import check_name\n"
+        "import paramserver.client.ctl_commands\nfrom paramserver.client.ctl_commands import check_name\n"
         "check_name('model', 'llama-7b')")
 
 
