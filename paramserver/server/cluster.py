@@ -26,9 +26,10 @@ from consensus.records import MemberRecord
 
 from paramserver.server import codecs
 # The server's one way into the client stack: its peer clients (tests/unit/test_layers.py).
-from paramserver.client.rpc import ChunkData, ClientConfig, ParamServerClient
+from paramserver.client.rpc import ClientConfig, ParamServerClient
 from paramserver.server.errors import ChunkNotFoundError, InvalidChunkError, ParamServerError
 from paramserver.server.metaservice import CLUSTER_ID_KEY, VersionFacts
+from paramserver.wire.chunk_record import ChunkRecord
 from paramserver.wire.proto import pb
 from paramserver.wire.ring import Ring, RingConfig, replication_and_quorum
 from paramserver.server.rpc_errors import PreconditionFailed
@@ -450,9 +451,9 @@ class ReplicaFetcher:
         for server in order:
             try:
                 for item in self.peers.client(members[server]).get_chunks_partial([chunk_id]):
-                    if not isinstance(item, ChunkData):
+                    if not isinstance(item, ChunkRecord):
                         break  # MISSING / CORRUPT there
-                    data = bytes(item.data)  # a read's ChunkData already holds bytes: no copy
+                    data = bytes(item.data)  # a read's ChunkRecord already holds bytes: no copy
                     self.local.validate_incoming(item.id, data, item.codec, item.raw_size, item.crc32c)
                     return StoredChunk(item.id, data, item.codec, item.raw_size, item.crc32c)
             except (grpc.RpcError, InvalidChunkError):
@@ -476,5 +477,5 @@ def cluster_blob_fetcher(local: ChunkStore, fetch: ReplicaFetcher) -> Callable[[
     return fetch_blob
 
 
-__all__ = ["ChunkData", "MemberCheck", "MembersFn", "ParamServerClient", "PeerSet", "QuorumVersionCheck", "ReplicaFetcher",
+__all__ = ["MemberCheck", "MembersFn", "ParamServerClient", "PeerSet", "QuorumVersionCheck", "ReplicaFetcher",
            "cluster_blob_fetcher"]

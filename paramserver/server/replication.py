@@ -43,7 +43,8 @@ import grpc
 
 from consensus.records import MemberRecord
 
-from paramserver.server.cluster import ChunkData, ParamServerClient, PeerSet
+from paramserver.server.cluster import ParamServerClient, PeerSet
+from paramserver.wire.chunk_record import ChunkRecord
 from paramserver.server.errors import ParamServerError
 from paramserver.wire.ring import Ring, points_of
 from paramserver.wire.status_keys import PLACEMENT_AT_KEY, PLACEMENT_RING_KEY
@@ -241,14 +242,14 @@ class ReReplicator:
         now = self.clock()
         return sorted(s for s, (until, _) in self._full.items() if now < until)
 
-    def _chunks(self, ids: list[str], sent: list[int]) -> Iterator[ChunkData]:
+    def _chunks(self, ids: list[str], sent: list[int]) -> Iterator[ChunkRecord]:
         for cid in ids:
             try:
                 c = self.store.get(cid, use_cache=False)
             except ParamServerError:
                 continue  # corrupt or deleted since the scan: the repair queue owns it now
             sent[0] += len(c.data)
-            yield ChunkData(c.id, c.codec, c.raw_size, c.crc32c, c.data)
+            yield ChunkRecord(c.id, c.codec, c.raw_size, c.crc32c, c.data)
 
 
 __all__ = ["PassGate", "ReReplicator", "ReplicationReport"]

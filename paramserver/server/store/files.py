@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import resource
 
+# one directory fsync for the whole server: the Raft journal's (the store's segments need the same guarantee)
+from consensus.durable.files import fsync_dir as fsync_dir
+
 
 def size_of(path: str) -> int:
     try:
@@ -28,14 +31,6 @@ def human_size(n: int) -> str:
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n} B"
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fsync_dir_quietly(path: str) -> None:
