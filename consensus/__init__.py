@@ -2,7 +2,7 @@
 
 The light names (errors, configuration, records, clocks, the state machine) import without
 pysyncobj: a client that only checks a name (``consensus.validation``) must not load the Raft
-library. The Raft node (``MetadataNode``, ``NodeNotStarted``) is imported on first use.
+library. The Raft node (``MetadataNode``) is imported on first use.
 """
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ from typing import TYPE_CHECKING, Any
 
 from .clock import Ordering, VectorClock
 from .config import RaftConfig
-from .errors import (CommitTimeout, ConfigError, Conflict, DamagedState, Invalid, MetadataError, NoQuorum, NotFound,
-                     NotLeader, RaftStopped, Unavailable)
+from .errors import (CommitTimeout, ConfigError, Conflict, DamagedState, Invalid, MetadataError, NodeNotStarted, NoQuorum,
+                     NotFound, NotLeader, RaftStopped, Unavailable)
 from .records import MemberRecord, ReadResult, TagMove, TagRecord, VersionRecord
 from .state import MetadataState
 
 if TYPE_CHECKING:  # for type checkers only; at run time __getattr__ imports them on first use
-    from .node import MetadataNode, NodeNotStarted
+    from .node import MetadataNode
 
-_HEAVY = {"MetadataNode": "node", "NodeNotStarted": "node"}  # name -> submodule that needs pysyncobj
+_HEAVY = {"MetadataNode": "node"}  # name -> submodule that needs pysyncobj
 
 __all__ = [
     "CommitTimeout", "Conflict", "DamagedState", "Invalid", "MetadataError", "NoQuorum", "NotFound", "NotLeader",

@@ -67,3 +67,7 @@ class JournalFailure(RuntimeError):
     success for data that never reached the disk, so there is no retry. Not a MetadataError: it
     never leaves the Raft layer (the node turns it into RaftStopped for callers).
     """
+
+
+class NodeNotStarted(Unavailable):
+    """The node was used before start() or after close()."""

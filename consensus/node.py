@@ -19,7 +19,7 @@ from .codec import member_command, member_record, tag_record, version_record
 from .config import RaftConfig
 from .durable import (AckGate, DurableJournal, DurableSyncObj, check_dump, dump_log_tail, fsync_path_and_ancestors,
                       install)
-from .errors import CommitTimeout, Conflict, NoQuorum, NotLeader, RaftStopped, Unavailable
+from .errors import CommitTimeout, Conflict, NodeNotStarted, NoQuorum, NotLeader, RaftStopped, Unavailable
 from .links import transport_class
 from .records import MemberRecord, ReadResult, TagRecord, VersionRecord
 from .replica import StateReplica, unwrap
@@ -54,10 +54,6 @@ def _racy(read: Callable[[], T]) -> T:
         except RuntimeError:  # "changed size during iteration"
             time.sleep(0.001)
     return read()
-
-
-class NodeNotStarted(Unavailable):
-    """The node was used before start() or after close()."""
 
 
 class MetadataNode:

@@ -13,17 +13,9 @@ from typing import Any
 from rich.console import Console
 
 from paramserver.client.cluster_view import ClusterOptions
-from paramserver.client.errors import UsageError
+from paramserver.client.errors import RouterFailure, UsageError
 from paramserver.client.exit_codes import BAD_ARGUMENTS, NOT_FOUND, OTHER, PRECONDITION, UNAVAILABLE
 from paramserver.client.refs import ModelRef
-
-
-class RouterFailure(Exception):
-    """The router refused or could not be reached, or a pre-warm wait ran out; ``code`` is the exit code."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 ROUTER_ENV = "PARAMS_ROUTER"

@@ -237,11 +237,44 @@ class UsageError(Exception):
 PATH_ERRORS = (PermissionError, FileExistsError, FileNotFoundError, IsADirectoryError, NotADirectoryError)
 
 
+class ReadBroken(Exception):
+    """A read stopped before answering every id; ``replica_down``: do not ask that replica again."""
+
+    def __init__(self, reason: str, replica_down: bool = True) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.replica_down = replica_down
+
+
+class NoLongerLeads(grpc.RpcError):
+    """A member the view took for the leader answered as a follower: retryable, so ``leader_call``
+    asks the others who leads now."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(f"{address} answered but does not lead")
+        self.address = address
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return f"{self.address} answered but is not the Raft leader, and no member named one that is"
+
+
+class RouterFailure(Exception):
+    """The router refused or could not be reached, or a pre-warm wait ran out; ``code`` is the exit code."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 __all__ = [
     "PATH_ERRORS", "AuthFailed", "BulkError", "BulkProtocolFailure", "BulkUnauthenticated", "BulkUnavailable", "BulkWriteError",
     "BulkWriteRefused", "ChunkDataLoss", "ChunkUnavailable", "ClientClosed", "ClientError", "ClusterUnreachable",
     "ConfigError", "NotFound",
     "BadModelRef", "MonotonicFileError", "NotSafetensors",
     "PullError", "PushConflict", "PushError", "StaleRead", "TransferError", "UsageError", "from_rpc", "rpc_code", "rpc_details",
+    "NoLongerLeads", "ReadBroken", "RouterFailure",
     "tls_problem",
 ]

@@ -27,19 +27,10 @@ import numpy as np
 from chunking.hashing import Buffer
 from paramserver.client.arrivals import Arrivals, Into, ReadIds
 from paramserver.client.bulk_transport import BulkError, BulkPool, BulkUnauthenticated
-from paramserver.client.errors import AuthFailed, from_rpc, rpc_code, rpc_details
+from paramserver.client.errors import AuthFailed, ReadBroken, from_rpc, rpc_code, rpc_details
 from paramserver.client.getchunks_transport import get_chunks_raw, open_channel
 from paramserver.wire import bulk_frames
 from paramserver.wire.proto import pb
-
-
-class ReadBroken(Exception):
-    """A read stopped before answering every id; ``replica_down``: do not ask that replica again."""
-
-    def __init__(self, reason: str, replica_down: bool = True) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.replica_down = replica_down
 
 
 class ChunkTransport(Protocol):

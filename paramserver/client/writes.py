@@ -13,7 +13,7 @@ import grpc
 
 from chunking.manifest import Manifest
 from paramserver.client.cluster_view import RETRYABLE, ClusterView
-from paramserver.client.errors import ClusterUnreachable, PushConflict, PushError, TransferError, rpc_code, rpc_details
+from paramserver.client.errors import ClusterUnreachable, NoLongerLeads, PushConflict, PushError, TransferError, rpc_code, rpc_details
 from paramserver.client.manifests import read_manifest
 from paramserver.client.rpc import ParamServerClient
 from paramserver.wire.proto import pb
@@ -128,21 +128,6 @@ def commit(
         "no committed version was found for it, but the outcome is unknown until the cluster answers again: "
         "check with 'paramctl ls " + model + "' before pushing again")  # fmt: skip
     raise PushError(f"CommitVersion of {model} failed ({code.name}): {details}; {outcome}", code) from None
-
-
-class NoLongerLeads(grpc.RpcError):
-    """A member the view took for the leader answered as a follower: retryable, so ``leader_call``
-    asks the others who leads now."""
-
-    def __init__(self, address: str) -> None:
-        super().__init__(f"{address} answered but does not lead")
-        self.address = address
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.UNAVAILABLE
-
-    def details(self) -> str:
-        return f"{self.address} answered but is not the Raft leader, and no member named one that is"
 
 
 def leader_status(client: ParamServerClient) -> pb.ServerStatusReply:

@@ -2,6 +2,7 @@
 gRPC service modules map them to status codes. Messages say what to do next."""
 from __future__ import annotations
 
+from paramserver.wire.bulk_frames import E_MALFORMED
 from paramserver.wire.errors import ConfigError as WireConfigError
 
 
@@ -83,6 +84,18 @@ class AuthError(ParamServerError):
     """A call carried a missing or wrong token. Maps to UNAUTHENTICATED."""
 
 
+class ForwardFailed(Exception):
+    """Forwarding to the next hop failed; the message says why."""
+
+
+class PutRefused(Exception):
+    """A bulk PUT a write session will not take; ``error_class`` goes into the ERROR frame."""
+
+    def __init__(self, message: str, error_class: int = E_MALFORMED) -> None:
+        super().__init__(message)
+        self.error_class = error_class
+
+
 __all__ = [
     "ParamServerError",
     "ConfigError",
@@ -95,4 +108,5 @@ __all__ = [
     "UnknownCodecError",
     "StoreFullError",
     "AuthError",
+    "ForwardFailed", "PutRefused",
 ]

@@ -17,11 +17,8 @@ from collections.abc import Callable, Collection
 from paramserver.wire.address import split_host_port
 from paramserver.wire.bulk_frames import FAILED, ProtocolError, PutBatch, encode_put, encode_route, send_all
 from paramserver.wire.bulk_write_session import Ack, SessionEnded, open_write_session, read_ack_frame
+from paramserver.server.errors import ForwardFailed
 from paramserver.wire.errors import WriteSessionError
-
-
-class ForwardFailed(Exception):
-    """Forwarding to the next hop failed; the message says why."""
 
 
 class Forwarder:

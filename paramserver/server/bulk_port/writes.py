@@ -26,11 +26,12 @@ import numpy as np
 from paramserver.server.bulk_port.chain import Chain, Waiter
 from paramserver.server.bulk_port.config import BulkServerConfig
 from paramserver.server.dataplane import RateLimitedLog
+from paramserver.server.errors import PutRefused
 from paramserver.server.ingest import Kind, ingest
 from paramserver.server.repair import RepairQueue
 from paramserver.server.store import ChunkStore
 from paramserver.wire.bulk_frames import (
-    ALREADY_PRESENT, CORRUPT_IN_TRANSIT, E_BUSY, E_MALFORMED, FAILED, FULL, INVALID, MAX_PUT_BYTES, MAX_PUT_ITEMS,
+    ALREADY_PRESENT, CORRUPT_IN_TRANSIT, E_BUSY, FAILED, FULL, INVALID, MAX_PUT_BYTES, MAX_PUT_ITEMS,
     MAX_ROUTE_BYTES, PUT_HEAD, PUT_ITEM, STORED, ProtocolError, PutBatch, decode_route, encode_ack_error, encode_acks,
     recv_exact_by,
 )
@@ -123,14 +124,6 @@ class WritePort:
             spare.append(array)
 
 
-class Refused(Exception):
-    """A PUT this session will not take; ``error_class`` goes into the ERROR frame."""
-
-    def __init__(self, message: str, error_class: int = E_MALFORMED) -> None:
-        super().__init__(message)
-        self.error_class = error_class
-
-
 class WriteSession:
     """One write connection: this thread receives PUTs, ``store_workers`` threads store them, acks go out in order."""
 
@@ -155,7 +148,7 @@ class WriteSession:
     # ------------------------------------------------------------ receiving
 
     def run(self) -> None:
-        refused: Refused | None = None
+        refused: PutRefused | None = None
         expected = 1
         try:
             while not self.port.stopped.is_set():
@@ -168,7 +161,7 @@ class WriteSession:
                     t.start()
                     self.workers.append(t)
                 self.queue.put(batch)  # blocks while every worker is busy: we stop reading, the client's window fills
-        except Refused as exc:
+        except PutRefused as exc:
             refused = exc
         except (OSError, EOFError) as exc:
             log.debug("bulk write session ended: %s", exc)
@@ -210,24 +203,24 @@ class WriteSession:
             if count == 0:
                 return None  # goodbye
             if count > MAX_PUT_ITEMS:
-                raise Refused(f"a PUT carries at most {MAX_PUT_ITEMS} chunks, got {count}; split it")
+                raise PutRefused(f"a PUT carries at most {MAX_PUT_ITEMS} chunks, got {count}; split it")
             if seq != expected:
-                raise Refused(f"PUT number {seq} out of order: expected {expected}")
+                raise PutRefused(f"PUT number {seq} out of order: expected {expected}")
             if payload_bytes > MAX_PUT_BYTES:
-                raise Refused(f"a PUT carries at most {MAX_PUT_BYTES} payload bytes, this one declares {payload_bytes}; split it")
+                raise PutRefused(f"a PUT carries at most {MAX_PUT_BYTES} payload bytes, this one declares {payload_bytes}; split it")
             if route_len > MAX_ROUTE_BYTES:
-                raise Refused(f"a PUT route has at most {MAX_ROUTE_BYTES} bytes, got {route_len}")
+                raise PutRefused(f"a PUT route has at most {MAX_ROUTE_BYTES} bytes, got {route_len}")
             rest = bytearray(route_len + count * PUT_ITEM.size)
             recv_exact_by(conn, memoryview(rest), deadline)
             try:
                 route = decode_route(bytes(rest[:route_len]))
                 batch = PutBatch(seq, bytes(rest[route_len:]), route)
             except ProtocolError as exc:
-                raise Refused(str(exc)) from None
+                raise PutRefused(str(exc)) from None
             if batch.payload_bytes != payload_bytes:
-                raise Refused(f"PUT {seq} declares {payload_bytes} payload bytes, its chunks {batch.payload_bytes}")
+                raise PutRefused(f"PUT {seq} declares {payload_bytes} payload bytes, its chunks {batch.payload_bytes}")
             if not self.port.budget.acquire(payload_bytes, time.monotonic() + self.cfg.io_timeout_s):
-                raise Refused(f"no room for a PUT of {payload_bytes} bytes within {self.cfg.io_timeout_s:g} s (the server's "
+                raise PutRefused(f"no room for a PUT of {payload_bytes} bytes within {self.cfg.io_timeout_s:g} s (the server's "
                               f"write buffers, {self.cfg.write_buffer_bytes} bytes, are full); retry later", E_BUSY)
             try:
                 array = self.port.buffer(payload_bytes)
@@ -240,7 +233,7 @@ class WriteSession:
             batch.array = array
             return batch
         except TimeoutError as exc:
-            raise Refused(f"PUT not received in time ({exc})", E_BUSY) from None
+            raise PutRefused(f"PUT not received in time ({exc})", E_BUSY) from None
 
     # ------------------------------------------------------------ storing
 
@@ -299,4 +292,4 @@ class WriteSession:
         return [(_ACK_STATUS[o.kind], o.message, o.free_bytes) for o in done.outcomes]
 
 
-__all__ = ["Budget", "Refused", "WritePort", "WriteSession"]
+__all__ = ["Budget", "WritePort", "WriteSession"]
