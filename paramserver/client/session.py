@@ -11,6 +11,7 @@ session's view (``push_sender``).
 """
 from __future__ import annotations
 
+import logging
 import os
 import random
 import socket
@@ -36,6 +37,7 @@ from paramserver.client.errors import (
     TransferError,
     from_rpc,
     rpc_code,
+    rpc_details,
 )
 from paramserver.client.fetch import ChunkSink, EngineOptions, FetchEngine, FetchStats
 from paramserver.client.manifests import read_manifest
@@ -43,7 +45,7 @@ from paramserver.client.monotonic import MonotonicReads, Resolution
 from paramserver.client.refs import ModelRef
 from paramserver.client.rpc import ParamServerClient
 # SessionConfig and VersionInfo: re-exported, the session's value types
-from paramserver.client.session_config import SessionConfig, VersionInfo
+from paramserver.client.session_config import READ_FALLBACK, READ_LEADER, READ_MEMBER, SessionConfig, VersionInfo
 from paramserver.client.transport import ClusterTransport
 from paramserver.client.verify import VERIFY_MODES, Verifier
 from paramserver.client.writes import fetch_manifest, head_version, write_once
@@ -52,6 +54,7 @@ from paramserver.wire.limits import DEFAULT_MAX_MESSAGE_BYTES, HEAT_ENTRIES_PER_
 from paramserver.wire.proto import pb
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 # A heat report refused with one of these is sent again after each delay (a lagging follower, a busy one).
 HEAT_RETRY_CODES = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
@@ -280,7 +283,9 @@ class ClusterClient:
     # ------------------------------------------------------------ metadata
 
     def _ask(self, what: str, call: Callable[[ParamServerClient], T], order: Iterable[str] | None = None) -> tuple[T, str]:
-        """``call`` on the first server that answers; NOT_FOUND, a bad token and bad input end it."""
+        """``call`` on the first server that answers; NOT_FOUND, a bad token and bad input end it.
+        When every one refused (members catching up, an election), the leader answers, followed
+        through the election (``_leader_read``)."""
         errors: list[str] = []
         for address in order if order is not None else self._metadata_order():
             try:
@@ -291,58 +296,119 @@ class ClusterClient:
                                 grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED):
                     raise from_rpc(exc, what) from None
                 errors.append(f"{address}: {code.name}")
+        if self._view is not None:  # without a view no seed answered: asking for a leader again would only wait
+            got = self._leader_read(what, call)
+            if not isinstance(got, str):
+                return got
+            errors.append(got)
         raise ClusterUnreachable(f"{what}: no server answered ({'; '.join(errors)}); check that the cluster is up")
 
-    def resolve(self, model: str, tag: str, *, linearizable: bool = False) -> VersionInfo:
+    def _leader_read(self, what: str, call: Callable[[ParamServerClient], T]) -> tuple[T, str] | str:
+        """``(call(leader), its address)``, following the leader through an election for up to
+        ``leader_read_wait_s``; or, when no leader answered, why. NOT_FOUND and the like raise."""
+        def at(client: ParamServerClient) -> tuple[T, str]:
+            return call(client), client.address
+
+        try:
+            return self.view().leader_call(at, self.config.leader_read_wait_s)
+        except StaleRead:
+            raise
+        except ClusterUnreachable as exc:
+            return str(exc)
+        except grpc.RpcError as exc:
+            code = rpc_code(exc)
+            if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                        grpc.StatusCode.INVALID_ARGUMENT):
+                raise from_rpc(exc, what) from None
+            return f"the leader: {code.name} ({rpc_details(exc)[:200]})"
+
+    def resolve(self, model: str, tag: str, *, linearizable: bool | None = None) -> VersionInfo:
         """The version ``model:tag`` points at, never older than one resolved before (monotonic reads).
 
-        ``linearizable`` asks the leader first (a pull right after a push sees it). Otherwise a
-        stale answer is refused and the next server asked, then the leader; if that is stale too,
+        ``linearizable`` (by default: for this client's first resolution of ``model:tag``, when its
+        monotonic memory has nothing to compare an answer with) asks the leader, following it through
+        an election for up to ``leader_read_wait_s``: every tag move acknowledged before the call is
+        seen. Only when no leader answers by then is a member's answer taken, with a warning logged
+        and ``VersionInfo.read`` saying so. Otherwise the members are asked in order (each answers
+        only while in sync with the leader: at most a heartbeat behind); an answer older than one
+        seen is refused and the next member asked, then the leader; if that is stale too,
         ``StaleRead`` is raised.
         """
+        started = time.monotonic()
+        what = f"{model}:{tag}"
+        at_leader = self.monotonic.seen(model, tag) is None if linearizable is None else linearizable
         stale: list[str] = []
-        errors: list[str] = []
+        why = ""
+        if at_leader:
+            got = self._leader_read(what, lambda c: c.resolve_tag(model, tag, linearizable=True))
+            if isinstance(got, str):
+                why = got
+            else:
+                info, refused = self._judged(model, tag, *got, READ_LEADER)
+                if info is not None:
+                    return replace(info, resolve_s=time.monotonic() - started)
+                stale.append(refused)
+        info = self._resolve_at_members(model, tag, stale, [why] if why else [], leader_last=not at_leader)
+        if why and info.read == READ_MEMBER:
+            log.warning("%s resolved to v%d by member %s without the leader (%s): a tag move of the last moments may be "
+                        "missing; it is followed once a leader answers", what, info.number, info.server, why)
+            info = replace(info, read=READ_FALLBACK)
+        return replace(info, resolve_s=time.monotonic() - started)
+
+    def _judged(self, model: str, tag: str, reply: pb.VersionReply, address: str, read: str) -> tuple[VersionInfo | None, str]:
+        """The resolution ``reply`` as a VersionInfo once monotonic reads accept it; else (None, why not)."""
+        v = reply.version
+        res = Resolution(model, tag, int(v.number), v.manifest_id, dict(v.clock), int(reply.read.commit_index),
+                         reply.read.server_id or address)
+        verdict = self.monotonic.check(res)
+        if not verdict.accepted:
+            return None, verdict.reason
+        try:
+            self.monotonic.accept(res)
+        except StaleRead as exc:  # another thread recorded something newer meanwhile
+            return None, str(exc)
+        return VersionInfo(model, int(v.number), v.manifest_id, dict(v.clock), int(reply.read.commit_index), address, tag,
+                           read=read), ""
+
+    def _resolve_at_members(self, model: str, tag: str, stale: list[str], errors: list[str], *, leader_last: bool) -> VersionInfo:
+        """Serializable resolution at the members in order; then (``leader_last``) at the leader."""
+        what = f"{model}:{tag}"
         missing: TransferError | None = None
-        order = self._metadata_order()
-        leader = self._leader_address() or (order[0] if order else None)
-        attempts = [(a, False) for a in order]
-        if leader:
-            attempts = [(leader, True), *attempts] if linearizable else [*attempts, (leader, True)]
-        for address, linear in attempts:
+        for address in self._metadata_order():
             try:
-                reply = self.server(address).resolve_tag(model, tag, linearizable=linear)
+                reply = self.server(address).resolve_tag(model, tag)
             except grpc.RpcError as exc:
                 code = rpc_code(exc)
-                if code == grpc.StatusCode.NOT_FOUND and not linear:
-                    # A lagging member (one restarting, or cut off) may not have the tag yet:
-                    # only the leader's linearizable answer says it does not exist.
-                    missing = from_rpc(exc, f"{model}:{tag}")
+                if code == grpc.StatusCode.NOT_FOUND:
+                    # A lagging member may not have the tag yet: only the leader's linearizable answer
+                    # says it does not exist.
+                    missing = from_rpc(exc, what)
                     continue
-                if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
-                            grpc.StatusCode.INVALID_ARGUMENT):
-                    raise from_rpc(exc, f"{model}:{tag}") from None
-                errors.append(f"{address}: {code.name}")
+                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT):
+                    raise from_rpc(exc, what) from None
+                errors.append(f"{address}: {code.name}")  # UNAVAILABLE: down, or catching up (it says why)
                 continue
-            v = reply.version
-            res = Resolution(model, tag, int(v.number), v.manifest_id, dict(v.clock), int(reply.read.commit_index),
-                             reply.read.server_id or address)
-            verdict = self.monotonic.check(res)
-            if verdict.accepted:
-                try:
-                    self.monotonic.accept(res)
-                except StaleRead as exc:  # another thread recorded something newer meanwhile
-                    stale.append(str(exc))
-                    continue
-                return VersionInfo(model, int(v.number), v.manifest_id, dict(v.clock), int(reply.read.commit_index), address, tag)
-            stale.append(verdict.reason)
+            info, refused = self._judged(model, tag, reply, address, READ_MEMBER)
+            if info is not None:
+                return info
+            stale.append(refused)
+        if leader_last:
+            got = self._leader_read(what, lambda c: c.resolve_tag(model, tag, linearizable=True))
+            if isinstance(got, str):
+                errors.append(got)
+            else:
+                info, refused = self._judged(model, tag, *got, READ_LEADER)
+                if info is not None:
+                    return info
+                stale.append(refused)
         if missing is not None and not stale:
             raise missing
         if stale:
             raise StaleRead(
-                f"every server answered {model}:{tag} with an older version than this client already saw: "
+                f"every server answered {what} with an older version than this client already saw: "
                 + " | ".join(stale[:3]) + ". A partitioned or lagging server cannot roll it back; retry once the cluster heals"
             )
-        raise ClusterUnreachable(f"resolving {model}:{tag}: no server answered ({'; '.join(errors)}); check that the cluster is up")
+        raise ClusterUnreachable(f"resolving {what}: no server answered ({'; '.join(errors)}); check that the cluster is up")
 
     def version(self, model: str, number: int, *, linearizable: bool = False) -> VersionInfo:
         leader = self._leader_address()
@@ -365,13 +431,14 @@ class ClusterClient:
         v = max(reply.versions, key=lambda x: x.number)
         return VersionInfo(model, int(v.number), v.manifest_id, dict(v.clock), int(reply.read.commit_index), address)
 
-    def resolve_ref(self, ref: ModelRef | str, *, linearizable: bool = False) -> VersionInfo:
-        """``MODEL:TAG`` (monotonic), ``MODEL@N`` or ``MODEL`` (its latest version)."""
+    def resolve_ref(self, ref: ModelRef | str, *, linearizable: bool | None = None) -> VersionInfo:
+        """``MODEL:TAG`` (monotonic; linearizable the first time, see ``resolve``), ``MODEL@N`` or
+        ``MODEL`` (its latest version)."""
         mref = ModelRef.parse(ref) if isinstance(ref, str) else ref
         if mref.tag is not None:
             return self.resolve(mref.model, mref.tag, linearizable=linearizable)
         if mref.version is not None:
-            return self.version(mref.model, mref.version, linearizable=linearizable)
+            return self.version(mref.model, mref.version, linearizable=bool(linearizable))
         return self.latest(mref.model)
 
     def manifest(self, manifest_id: str) -> Manifest:
