@@ -68,6 +68,12 @@ class _Progress:
         self._deadline: float | None = None
 
     def tick(self) -> None:
+        try:
+            self._observe()
+        except Exception:  # an error here must never stop Raft's tick thread; sync_state stays conservative
+            log.debug("sync progress not observed this tick", exc_info=True)
+
+    def _observe(self) -> None:
         so = self._so
         term = so.raftCurrentTerm
         if self.applied_term != term:

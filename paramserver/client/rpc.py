@@ -81,7 +81,8 @@ class ParamServerClient:
         )  # fmt: skip
         self._channel = channel
         self.stub = pb_grpc.ParamServerStub(channel)
-        self._reads = LOCAL_READ_METADATA if config.local_reads else None  # metadata of the metadata reads
+        # Keyword arguments of the metadata reads: none unless local reads were asked for.
+        self._reads: dict[str, Any] = {"metadata": LOCAL_READ_METADATA} if config.local_reads else {}
         self._put_chunks = channel.stream_unary(
             f"/{SERVICE_NAME}/PutChunks", request_serializer=passthrough_serializer, response_deserializer=pb.PutChunksReply.FromString
         )
@@ -201,7 +202,7 @@ class ParamServerClient:
     ) -> pb.GetManifestReply:
         return self.stub.GetManifest(
             pb.GetManifestRequest(manifest_id=manifest_id, model=model, version=version, tag=tag, linearizable=linearizable),
-            timeout=self.config.timeout_s, metadata=self._reads,
+            timeout=self.config.timeout_s, **self._reads,
         )
 
     def read_manifest(self, reply: pb.GetManifestReply, *, parallel: int = 8) -> Manifest:
@@ -227,20 +228,20 @@ class ParamServerClient:
 
     def resolve_tag(self, model: str, tag: str, *, linearizable: bool = False) -> pb.VersionReply:
         return self.stub.ResolveTag(pb.ResolveTagRequest(model=model, tag=tag, linearizable=linearizable), timeout=self.config.timeout_s,
-                                    metadata=self._reads)
+                                    **self._reads)
 
     def get_version(self, model: str, number: int, *, linearizable: bool = False) -> pb.VersionReply:
         return self.stub.GetVersion(pb.GetVersionRequest(model=model, number=number, linearizable=linearizable),
-                                    timeout=self.config.timeout_s, metadata=self._reads)
+                                    timeout=self.config.timeout_s, **self._reads)
 
     def list_models(self) -> pb.ListModelsReply:
-        return self.stub.ListModels(pb.ListModelsRequest(), timeout=self.config.timeout_s, metadata=self._reads)
+        return self.stub.ListModels(pb.ListModelsRequest(), timeout=self.config.timeout_s, **self._reads)
 
     def list_versions(self, model: str) -> pb.ListVersionsReply:
-        return self.stub.ListVersions(pb.ListVersionsRequest(model=model), timeout=self.config.timeout_s, metadata=self._reads)
+        return self.stub.ListVersions(pb.ListVersionsRequest(model=model), timeout=self.config.timeout_s, **self._reads)
 
     def list_tags(self, model: str) -> pb.ListTagsReply:
-        return self.stub.ListTags(pb.ListTagsRequest(model=model), timeout=self.config.timeout_s, metadata=self._reads)
+        return self.stub.ListTags(pb.ListTagsRequest(model=model), timeout=self.config.timeout_s, **self._reads)
 
     def set_tag(self, model: str, tag: str, version: int, who: str = "") -> pb.TagReply:
         return self.stub.SetTag(pb.SetTagRequest(model=model, tag=tag, version=version, who=who), timeout=self.config.timeout_s)

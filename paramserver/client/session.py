@@ -25,7 +25,7 @@ import grpc
 
 from chunking.chunk_table import ChunkRows
 from chunking.manifest import Manifest
-from paramserver.client.cluster_view import ClusterOptions, ClusterView, start_background
+from paramserver.client.cluster_view import RETRYABLE, ClusterOptions, ClusterView, start_background
 from paramserver.client.config import ClientSettings, resolve_settings
 from paramserver.client.errors import (
     ClientClosed,
@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 # A heat report refused with one of these is sent again after each delay (a lagging follower, a busy one).
 HEAT_RETRY_CODES = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 HEAT_RETRY_DELAYS_S = (0.2, 0.5, 1.0)
+# A metadata read refused with one of these fails at once: no other server would answer otherwise.
+FINAL_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT})
 
 
 def _default_worker_id() -> str:
@@ -283,9 +285,8 @@ class ClusterClient:
     # ------------------------------------------------------------ metadata
 
     def _ask(self, what: str, call: Callable[[ParamServerClient], T], order: Iterable[str] | None = None) -> tuple[T, str]:
-        """``call`` on the first server that answers; NOT_FOUND, a bad token and bad input end it.
-        When every one refused (members catching up, an election), the leader answers, followed
-        through the election (``_leader_read``)."""
+        """``call`` on the first server that answers (NOT_FOUND, a bad token and bad input end it);
+        when every one refused (catching up, an election), at the leader (``_leader_read``)."""
         errors: list[str] = []
         for address in order if order is not None else self._metadata_order():
             try:
@@ -309,66 +310,75 @@ class ClusterClient:
         def at(client: ParamServerClient) -> tuple[T, str]:
             return call(client), client.address
 
+        view = self._view_within(self.config.leader_read_wait_s)
+        if isinstance(view, str):
+            return view
         try:
-            return self.view().leader_call(at, self.config.leader_read_wait_s)
-        except StaleRead:
-            raise
+            return view.leader_call(at, self.config.leader_read_wait_s)
         except ClusterUnreachable as exc:
             return str(exc)
         except grpc.RpcError as exc:
-            code = rpc_code(exc)
-            if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
-                        grpc.StatusCode.INVALID_ARGUMENT):
+            if rpc_code(exc) == grpc.StatusCode.NOT_FOUND or rpc_code(exc) in FINAL_CODES:
                 raise from_rpc(exc, what) from None
-            return f"the leader: {code.name} ({rpc_details(exc)[:200]})"
+            return f"the leader: {rpc_code(exc).name} ({rpc_details(exc)[:200]})"
+
+    def _view_within(self, wait_s: float) -> ClusterView | str:
+        """The view, asked again for up to ``wait_s`` while the cluster forms (a member answers, none
+        is up yet); else why not (no seed answered, a bad token: the members' answers say so)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return self.view()
+            except ClusterUnreachable as exc:  # no seed answered at all: fail as fast as before
+                return str(exc)
+            except TransferError as exc:
+                if exc.code not in RETRYABLE or time.monotonic() >= deadline:
+                    return str(exc)
+            time.sleep(0.1)
 
     def resolve(self, model: str, tag: str, *, linearizable: bool | None = None) -> VersionInfo:
         """The version ``model:tag`` points at, never older than one resolved before (monotonic reads).
 
-        ``linearizable`` (by default: for this client's first resolution of ``model:tag``, when its
-        monotonic memory has nothing to compare an answer with) asks the leader, following it through
-        an election for up to ``leader_read_wait_s``: every tag move acknowledged before the call is
-        seen. Only when no leader answers by then is a member's answer taken, with a warning logged
-        and ``VersionInfo.read`` saying so. Otherwise the members are asked in order (each answers
-        only while in sync with the leader: at most a heartbeat behind); an answer older than one
-        seen is refused and the next member asked, then the leader; if that is stale too,
-        ``StaleRead`` is raised.
+        ``linearizable`` (default: the first resolution of ``model:tag``, nothing in monotonic memory)
+        asks the leader, followed through an election for up to ``leader_read_wait_s``: every tag move
+        acknowledged before the call is seen; a member's answer only when no leader answers (logged,
+        and said in ``VersionInfo.read``). Else the members in order (each answers only while in sync,
+        a heartbeat behind at most), an answer older than one seen refused, then the leader; then ``StaleRead``.
         """
         started = time.monotonic()
-        what = f"{model}:{tag}"
         at_leader = self.monotonic.seen(model, tag) is None if linearizable is None else linearizable
         stale: list[str] = []
-        why = ""
-        if at_leader:
-            got = self._leader_read(what, lambda c: c.resolve_tag(model, tag, linearizable=True))
-            if isinstance(got, str):
-                why = got
-            else:
-                info, refused = self._judged(model, tag, *got, READ_LEADER)
-                if info is not None:
-                    return replace(info, resolve_s=time.monotonic() - started)
-                stale.append(refused)
+        got = self._resolve_at_leader(model, tag, stale) if at_leader else None
+        if isinstance(got, VersionInfo):
+            return replace(got, resolve_s=time.monotonic() - started)
+        why = got or ""  # why no leader answered, if one was asked
         info = self._resolve_at_members(model, tag, stale, [why] if why else [], leader_last=not at_leader)
         if why and info.read == READ_MEMBER:
             log.warning("%s resolved to v%d by member %s without the leader (%s): a tag move of the last moments may be "
-                        "missing; it is followed once a leader answers", what, info.number, info.server, why)
+                        "missing; it is followed once a leader answers", f"{model}:{tag}", info.number, info.server, why)
             info = replace(info, read=READ_FALLBACK)
         return replace(info, resolve_s=time.monotonic() - started)
+
+    def _resolve_at_leader(self, model: str, tag: str, stale: list[str]) -> VersionInfo | str | None:
+        """The leader's answer once monotonic reads accept it; why no leader answered; or None (stale: why added to ``stale``)."""
+        got = self._leader_read(f"{model}:{tag}", lambda c: c.resolve_tag(model, tag, linearizable=True))
+        if isinstance(got, str):
+            return got
+        info, refused = self._judged(model, tag, *got, READ_LEADER)
+        if info is None:
+            stale.append(refused)
+        return info
 
     def _judged(self, model: str, tag: str, reply: pb.VersionReply, address: str, read: str) -> tuple[VersionInfo | None, str]:
         """The resolution ``reply`` as a VersionInfo once monotonic reads accept it; else (None, why not)."""
         v = reply.version
         res = Resolution(model, tag, int(v.number), v.manifest_id, dict(v.clock), int(reply.read.commit_index),
                          reply.read.server_id or address)
-        verdict = self.monotonic.check(res)
-        if not verdict.accepted:
-            return None, verdict.reason
         try:
             self.monotonic.accept(res)
-        except StaleRead as exc:  # another thread recorded something newer meanwhile
+        except StaleRead as exc:  # older than one seen (perhaps recorded by another thread meanwhile)
             return None, str(exc)
-        return VersionInfo(model, int(v.number), v.manifest_id, dict(v.clock), int(reply.read.commit_index), address, tag,
-                           read=read), ""
+        return VersionInfo(model, res.version, v.manifest_id, dict(v.clock), res.commit_index, address, tag, read=read), ""
 
     def _resolve_at_members(self, model: str, tag: str, stale: list[str], errors: list[str], *, leader_last: bool) -> VersionInfo:
         """Serializable resolution at the members in order; then (``leader_last``) at the leader."""
@@ -379,12 +389,10 @@ class ClusterClient:
                 reply = self.server(address).resolve_tag(model, tag)
             except grpc.RpcError as exc:
                 code = rpc_code(exc)
-                if code == grpc.StatusCode.NOT_FOUND:
-                    # A lagging member may not have the tag yet: only the leader's linearizable answer
-                    # says it does not exist.
+                if code == grpc.StatusCode.NOT_FOUND:  # a lagging member: only the leader's linearizable answer decides
                     missing = from_rpc(exc, what)
                     continue
-                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT):
+                if code in FINAL_CODES:
                     raise from_rpc(exc, what) from None
                 errors.append(f"{address}: {code.name}")  # UNAVAILABLE: down, or catching up (it says why)
                 continue
@@ -393,14 +401,10 @@ class ClusterClient:
                 return info
             stale.append(refused)
         if leader_last:
-            got = self._leader_read(what, lambda c: c.resolve_tag(model, tag, linearizable=True))
-            if isinstance(got, str):
-                errors.append(got)
-            else:
-                info, refused = self._judged(model, tag, *got, READ_LEADER)
-                if info is not None:
-                    return info
-                stale.append(refused)
+            got = self._resolve_at_leader(model, tag, stale)
+            if isinstance(got, VersionInfo):
+                return got
+            errors += [got] if got else []
         if missing is not None and not stale:
             raise missing
         if stale:
