@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from .clock import Ordering, VectorClock
 from .config import RaftConfig
-from .errors import (CommitTimeout, ConfigError, Conflict, DamagedState, Invalid, MetadataError, NodeNotStarted, NoQuorum,
-                     NotFound, NotLeader, RaftStopped, Unavailable)
+from .errors import (CatchingUp, CommitTimeout, ConfigError, Conflict, DamagedState, Invalid, MetadataError, NodeNotStarted,
+                     NoQuorum, NotFound, NotLeader, RaftStopped, Unavailable)
 from .records import MemberRecord, ReadResult, TagMove, TagRecord, VersionRecord
 from .state import MetadataState
 
@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # for type checkers only; at run time __getattr__ imports the
 _HEAVY = {"MetadataNode": "node"}  # name -> submodule that needs pysyncobj
 
 __all__ = [
-    "CommitTimeout", "Conflict", "DamagedState", "Invalid", "MetadataError", "NoQuorum", "NotFound", "NotLeader",
+    "CatchingUp", "CommitTimeout", "Conflict", "DamagedState", "Invalid", "MetadataError", "NoQuorum", "NotFound", "NotLeader",
     "RaftStopped", "Unavailable",
     "ConfigError", "NodeNotStarted",
     "MemberRecord", "ReadResult", "TagMove", "TagRecord", "VersionRecord",

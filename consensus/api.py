@@ -2,13 +2,15 @@
 
 ``MetadataNode`` (consensus/node.py) implements this protocol on pysyncobj.
 Writes block until committed (or raise), and are forwarded to the leader when
-called on a follower. Reads are local unless ``linearizable=True``.
+called on a follower. Reads are local unless ``linearizable=True``; the servers answer local
+(serializable) reads over gRPC only while ``sync_state()`` says the node is in sync.
 """
 from __future__ import annotations
 
 from typing import Mapping, Protocol, Sequence
 
 from .records import MemberRecord, ReadResult, TagRecord, VersionRecord
+from .sync import SyncVerdict
 
 
 class MetadataPlane(Protocol):
@@ -17,6 +19,7 @@ class MetadataPlane(Protocol):
     def close(self) -> None: ...
     def wait_ready(self, timeout: float) -> bool: ...  # a leader is known and the log is applied
     def in_sync(self) -> bool: ...  # now: a leader answers this node and it has applied what the leader committed
+    def sync_state(self) -> SyncVerdict: ...  # in_sync, and why not (serializable reads are refused while not)
 
     # identity and Raft status
     @property

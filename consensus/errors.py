@@ -42,6 +42,11 @@ class NoQuorum(Unavailable):
     """No leader is reachable: a majority of servers is down or partitioned away."""
 
 
+class CatchingUp(Unavailable):
+    """This member's state may be behind the cluster's (restarted, cut off, or a new leader's first
+    commit pending): it answers no serializable read; another member, or the leader, can."""
+
+
 class CommitTimeout(Unavailable):
     """The write was sent but not confirmed committed in time; it may still commit."""
 

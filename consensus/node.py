@@ -24,6 +24,7 @@ from .links import transport_class
 from .records import MemberRecord, ReadResult, TagRecord, VersionRecord
 from .replica import StateReplica, unwrap
 from .state import MetadataState
+from .sync import SyncFacts, SyncVerdict, judge_sync
 from .validation import check_name
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,46 @@ def _racy(read: Callable[[], T]) -> T:
     return read()
 
 
+class _Progress:
+    """What ``sync_state`` needs that only pysyncobj's tick thread may read (its log, its per-peer
+    answer times): kept up to date by a tick callback, read by any thread (plain attributes)."""
+
+    def __init__(self, so: SyncObj) -> None:
+        self._so = so
+        self.applied_term = -1  # the newest term of an entry this node has applied
+        self.heard_at: float | None = None  # time.monotonic() (pysyncobj's clock) the leader last spoke; leading: a majority
+        self._deadline: float | None = None
+
+    def tick(self) -> None:
+        try:
+            self._observe()
+        except Exception:  # an error here must never stop Raft's tick thread; sync_state stays conservative
+            log.debug("sync progress not observed this tick", exc_info=True)
+
+    def _observe(self) -> None:
+        so = self._so
+        term = so.raftCurrentTerm
+        if self.applied_term != term:
+            # Once an entry of this term is applied, so is everything earlier leaders committed.
+            applied = so._SyncObj__getEntries(so.raftLastApplied, 1)
+            if applied and applied[0][2] == term:
+                self.applied_term = term
+        if so._isLeader():
+            # A leader stays sure it leads while a majority (itself included) answered within an election timeout.
+            others = list(so._SyncObj__otherNodes)
+            need = (len(others) + 1) // 2
+            answered = sorted((so._SyncObj__lastResponseTime.get(n, 0.0) for n in others), reverse=True)
+            self.heard_at = time.monotonic() if need == 0 else answered[need - 1]
+            self._deadline = None
+            return
+        # pysyncobj moves a follower's election deadline on every AppendEntries from its leader (and on a
+        # vote it grants, when it names no leader anyway): a moved deadline means the leader was just heard.
+        deadline = so._SyncObj__raftElectionDeadline
+        if deadline != self._deadline:
+            self._deadline = deadline
+            self.heard_at = time.monotonic()
+
+
 class MetadataNode:
     """One member of the metadata cluster. Thread-safe; writes block until committed."""
 
@@ -66,6 +107,7 @@ class MetadataNode:
         self._replica = StateReplica()
         self._syncobj: SyncObj | None = None
         self._journal: DurableJournal | None = None
+        self._progress: _Progress | None = None
 
     # ------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -127,6 +169,9 @@ class MetadataNode:
             syncobj.destroy_synchronous()
             raise Unavailable(f"cannot listen on {cfg.raft_address} for Raft: {exc}; is the port in use?") from exc
         syncobj.addOnTickCallback(self._leader_observer(syncobj))
+        progress = _Progress(syncobj)
+        syncobj.addOnTickCallback(progress.tick)
+        self._progress = progress
         self._syncobj = syncobj
         self._journal = journal
 
@@ -173,19 +218,34 @@ class MetadataNode:
             time.sleep(0.02)
 
     def in_sync(self) -> bool:
-        """True while this node hears a leader (or is it) and has applied everything committed it
-        knows of: its local reads then miss no version the cluster had when it last heard. A node
-        alone, starting from an empty or restored journal, or cut off, is not in sync."""
-        so = self._syncobj
-        if so is None or self.failure() is not None or self.leader_raft_address() is None:
-            return False
+        """True while this node's local reads miss nothing committed before its last heartbeat
+        (``sync_state``). A node alone, starting from an empty or restored journal, cut off, or a
+        new leader whose first entry has not committed yet, is not in sync."""
+        return self.sync_state().in_sync
+
+    def sync_state(self) -> SyncVerdict:
+        """Whether this node's local state may answer a serializable read, and why not
+        (``consensus.sync.judge_sync``; servers refuse such reads while it is not)."""
+        so, progress = self._syncobj, self._progress
+        if so is None or progress is None:
+            return SyncVerdict(False, "its Raft node is not running")
         # A follower caps its own commit index at the log it holds, so while it is still catching up
         # raftCommitIndex == raftLastApplied says nothing; the leader's commit index (from its
         # last AppendEntries, or our own as leader) is what must have been applied.
         leader_commit = getattr(so, "_SyncObj__leaderCommitIndex", None)
-        if not isinstance(leader_commit, int):
-            return False
-        return bool(so.isReady()) and so.raftLastApplied >= leader_commit
+        heard_at = progress.heard_at
+        facts = SyncFacts(
+            leading=bool(so._isLeader()),
+            leader_known=self.leader_raft_address() is not None,
+            ready=bool(so.isReady()),
+            last_applied=int(so.raftLastApplied),
+            leader_commit=leader_commit if isinstance(leader_commit, int) else None,
+            term=int(so.raftCurrentTerm),
+            applied_term=progress.applied_term,
+            heard_age_s=None if heard_at is None else max(0.0, time.monotonic() - heard_at),
+            failure=self.failure(),
+        )
+        return judge_sync(facts, self._config.election_max_timeout)
 
     # ------------------------------------------------------ identity, status
     @property

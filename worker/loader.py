@@ -3,6 +3,10 @@
 A model reference is ``MODEL:TAG`` (a tag, resolved with monotonic reads), ``MODEL@N`` (the
 exact version number N) or ``MODEL`` (its latest version): ``paramserver.client.refs``.
 
+A client's first resolution of a tag is linearizable (at the leader: ``ClusterClient.resolve``),
+so a worker starting up never loads a version the tag had already left; ``LoadReport.resolved_by``
+says when no leader answered and a member's answer was taken.
+
 One load pins one manifest: the tag is resolved once, the manifest is proven by its content id,
 and every chunk is checked against that manifest before its bytes reach a tensor, so a loaded
 model never mixes chunks of two versions and never holds bytes that failed verification.
@@ -29,6 +33,7 @@ from paramserver.client.errors import ConfigError
 from paramserver.client.hostmem import Targets, allocate_targets, default_pool, retarget
 from paramserver.client.refs import ModelRef
 from paramserver.client.session import ClusterClient, VersionInfo, client_for
+from paramserver.client.session_config import READ_FALLBACK
 from worker.config import CacheConfig, PrefetchConfig
 from worker.errors import FillError
 from worker.heatmap import HeatmapRecorder, HeatReport
@@ -64,6 +69,10 @@ class LoadReport:
     first_tensor_s: float | None
     failovers: int
     corrupt_reports: int
+    # How the tag was resolved (VersionInfo.read: "leader", "member", or "member, no leader reachable"
+    # when a first resolution found no leader to ask; "" for MODEL@N and MODEL) and how long that took.
+    resolved_by: str = ""
+    resolve_s: float = 0.0
 
     @property
     def gbps(self) -> float:
@@ -77,12 +86,14 @@ class LoadReport:
             return f"{n / (1 << 30):.3f} GiB"
 
         ttft = f"{self.first_tensor_s * 1000:.1f} ms" if self.first_tensor_s is not None else "n/a"
+        # A resolution without the leader may have missed the last tag move: the report says so.
+        warn = f"; tag resolved by a {self.resolved_by}" if self.resolved_by == READ_FALLBACK else ""
         return (
             f"{self.model} v{self.version}{f' ({self.tag})' if self.tag else ''} on {self.device}: {gib(self.bytes_total)} "
             f"in {self.seconds:.3f} s = {self.gbps:.2f} GB/s; network {gib(self.bytes_network)} "
             f"({gib(self.bytes_network_stored)} on the wire), disk tier {gib(self.bytes_disk)}, memory tier "
             f"{gib(self.bytes_memory)}, reused {gib(self.bytes_local)}; time to first tensor {ttft}; "
-            f"{self.chunks} chunks, {self.failovers} failovers, {self.corrupt_reports} corrupt replicas reported"
+            f"{self.chunks} chunks, {self.failovers} failovers, {self.corrupt_reports} corrupt replicas reported{warn}"
         )
 
 
@@ -92,7 +103,7 @@ def make_report(info: VersionInfo, manifest: Manifest, device: torch.device, c: 
         chunks=len(manifest.chunks), bytes_total=sum(c.bytes.values()), bytes_network=c.bytes["network"],
         bytes_network_stored=c.network_stored_bytes, bytes_memory=c.bytes["memory"], bytes_disk=c.bytes["disk"],
         bytes_local=c.bytes["local"], seconds=seconds, first_tensor_s=c.first_tensor_s, failovers=c.failovers,
-        corrupt_reports=c.corrupt_reports,
+        corrupt_reports=c.corrupt_reports, resolved_by=info.read, resolve_s=info.resolve_s,
     )
 
 

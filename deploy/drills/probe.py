@@ -1,14 +1,15 @@
 """Looking at a LocalCluster from outside, one server at a time, for the drills' checks.
 
-Every read here goes to one named server and asks for its local view, so a
-drill can compare servers (convergence) or watch one side of a partition.
+Every read here goes to one named server and asks for its local view (a
+local read, ``paramserver.wire.reads``: answered even while that server catches
+up), so a drill can compare servers (convergence) or watch one side of a partition.
 All calls carry short deadlines: a cut-off server answers nothing, and the
 drill must notice that quickly rather than hang. Calls use the cluster's own client
 settings (tokens, and the CA and client certificate of a ``--tls`` cluster).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -43,7 +44,8 @@ class ClusterProbe:
         from paramserver.client.rpc import ParamServerClient
 
         address = self.cluster.slot(server_id).grpc
-        return ParamServerClient(self.settings.client_config(address, write=write, timeout_s=self.config.timeout_s))
+        config = self.settings.client_config(address, write=write, timeout_s=self.config.timeout_s)
+        return ParamServerClient(replace(config, local_reads=True))
 
     # ---- leadership ---------------------------------------------------------------------------
     def leader_view(self, server_id: str) -> str | None:

@@ -25,6 +25,7 @@ from paramserver.client.errors import ConfigError
 from paramserver.wire.proto import SERVICE_NAME, pb, pb_grpc
 from paramserver.wire.getchunks import ReplyBuilder, passthrough_serializer
 from paramserver.wire.heat_entries import HeatArrays, report_request
+from paramserver.wire.reads import LOCAL_READ_METADATA
 
 
 
@@ -40,6 +41,9 @@ class ClientConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     timeout_s: float = 30.0  # unary calls
     stream_timeout_s: float | None = None  # streams: None = no deadline
+    # Metadata reads ask for the server's own state even while it catches up (a probe comparing
+    # servers); otherwise a member that is catching up refuses serializable reads (wire.reads).
+    local_reads: bool = False
 
     def validate(self) -> ClientConfig:
         try:
@@ -77,6 +81,8 @@ class ParamServerClient:
         )  # fmt: skip
         self._channel = channel
         self.stub = pb_grpc.ParamServerStub(channel)
+        # Keyword arguments of the metadata reads: none unless local reads were asked for.
+        self._reads: dict[str, Any] = {"metadata": LOCAL_READ_METADATA} if config.local_reads else {}
         self._put_chunks = channel.stream_unary(
             f"/{SERVICE_NAME}/PutChunks", request_serializer=passthrough_serializer, response_deserializer=pb.PutChunksReply.FromString
         )
@@ -196,7 +202,7 @@ class ParamServerClient:
     ) -> pb.GetManifestReply:
         return self.stub.GetManifest(
             pb.GetManifestRequest(manifest_id=manifest_id, model=model, version=version, tag=tag, linearizable=linearizable),
-            timeout=self.config.timeout_s,
+            timeout=self.config.timeout_s, **self._reads,
         )
 
     def read_manifest(self, reply: pb.GetManifestReply, *, parallel: int = 8) -> Manifest:
@@ -221,20 +227,21 @@ class ParamServerClient:
         return out
 
     def resolve_tag(self, model: str, tag: str, *, linearizable: bool = False) -> pb.VersionReply:
-        return self.stub.ResolveTag(pb.ResolveTagRequest(model=model, tag=tag, linearizable=linearizable), timeout=self.config.timeout_s)
+        return self.stub.ResolveTag(pb.ResolveTagRequest(model=model, tag=tag, linearizable=linearizable), timeout=self.config.timeout_s,
+                                    **self._reads)
 
     def get_version(self, model: str, number: int, *, linearizable: bool = False) -> pb.VersionReply:
         return self.stub.GetVersion(pb.GetVersionRequest(model=model, number=number, linearizable=linearizable),
-                                    timeout=self.config.timeout_s)
+                                    timeout=self.config.timeout_s, **self._reads)
 
     def list_models(self) -> pb.ListModelsReply:
-        return self.stub.ListModels(pb.ListModelsRequest(), timeout=self.config.timeout_s)
+        return self.stub.ListModels(pb.ListModelsRequest(), timeout=self.config.timeout_s, **self._reads)
 
     def list_versions(self, model: str) -> pb.ListVersionsReply:
-        return self.stub.ListVersions(pb.ListVersionsRequest(model=model), timeout=self.config.timeout_s)
+        return self.stub.ListVersions(pb.ListVersionsRequest(model=model), timeout=self.config.timeout_s, **self._reads)
 
     def list_tags(self, model: str) -> pb.ListTagsReply:
-        return self.stub.ListTags(pb.ListTagsRequest(model=model), timeout=self.config.timeout_s)
+        return self.stub.ListTags(pb.ListTagsRequest(model=model), timeout=self.config.timeout_s, **self._reads)
 
     def set_tag(self, model: str, tag: str, version: int, who: str = "") -> pb.TagReply:
         return self.stub.SetTag(pb.SetTagRequest(model=model, tag=tag, version=version, who=who), timeout=self.config.timeout_s)

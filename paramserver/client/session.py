@@ -11,6 +11,7 @@ session's view (``push_sender``).
 """
 from __future__ import annotations
 
+import logging
 import os
 import random
 import socket
@@ -24,7 +25,7 @@ import grpc
 
 from chunking.chunk_table import ChunkRows
 from chunking.manifest import Manifest
-from paramserver.client.cluster_view import ClusterOptions, ClusterView, start_background
+from paramserver.client.cluster_view import RETRYABLE, ClusterOptions, ClusterView, start_background
 from paramserver.client.config import ClientSettings, resolve_settings
 from paramserver.client.errors import (
     ClientClosed,
@@ -36,6 +37,7 @@ from paramserver.client.errors import (
     TransferError,
     from_rpc,
     rpc_code,
+    rpc_details,
 )
 from paramserver.client.fetch import ChunkSink, EngineOptions, FetchEngine, FetchStats
 from paramserver.client.manifests import read_manifest
@@ -43,7 +45,7 @@ from paramserver.client.monotonic import MonotonicReads, Resolution
 from paramserver.client.refs import ModelRef
 from paramserver.client.rpc import ParamServerClient
 # SessionConfig and VersionInfo: re-exported, the session's value types
-from paramserver.client.session_config import SessionConfig, VersionInfo
+from paramserver.client.session_config import READ_FALLBACK, READ_LEADER, READ_MEMBER, SessionConfig, VersionInfo
 from paramserver.client.transport import ClusterTransport
 from paramserver.client.verify import VERIFY_MODES, Verifier
 from paramserver.client.writes import fetch_manifest, head_version, write_once
@@ -52,10 +54,13 @@ from paramserver.wire.limits import DEFAULT_MAX_MESSAGE_BYTES, HEAT_ENTRIES_PER_
 from paramserver.wire.proto import pb
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 # A heat report refused with one of these is sent again after each delay (a lagging follower, a busy one).
 HEAT_RETRY_CODES = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 HEAT_RETRY_DELAYS_S = (0.2, 0.5, 1.0)
+# A metadata read refused with one of these fails at once: no other server would answer otherwise.
+FINAL_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT})
 
 
 def _default_worker_id() -> str:
@@ -280,7 +285,8 @@ class ClusterClient:
     # ------------------------------------------------------------ metadata
 
     def _ask(self, what: str, call: Callable[[ParamServerClient], T], order: Iterable[str] | None = None) -> tuple[T, str]:
-        """``call`` on the first server that answers; NOT_FOUND, a bad token and bad input end it."""
+        """``call`` on the first server that answers (NOT_FOUND, a bad token and bad input end it);
+        when every one refused (catching up, an election), at the leader (``_leader_read``)."""
         errors: list[str] = []
         for address in order if order is not None else self._metadata_order():
             try:
@@ -291,58 +297,122 @@ class ClusterClient:
                                 grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED):
                     raise from_rpc(exc, what) from None
                 errors.append(f"{address}: {code.name}")
+        if self._view is not None:  # without a view no seed answered: asking for a leader again would only wait
+            got = self._leader_read(what, call)
+            if not isinstance(got, str):
+                return got
+            errors.append(got)
         raise ClusterUnreachable(f"{what}: no server answered ({'; '.join(errors)}); check that the cluster is up")
 
-    def resolve(self, model: str, tag: str, *, linearizable: bool = False) -> VersionInfo:
+    def _leader_read(self, what: str, call: Callable[[ParamServerClient], T]) -> tuple[T, str] | str:
+        """``(call(leader), its address)``, following the leader through an election for up to
+        ``leader_read_wait_s``; or, when no leader answered, why. NOT_FOUND and the like raise."""
+        def at(client: ParamServerClient) -> tuple[T, str]:
+            return call(client), client.address
+
+        view = self._view_within(self.config.leader_read_wait_s)
+        if isinstance(view, str):
+            return view
+        try:
+            return view.leader_call(at, self.config.leader_read_wait_s)
+        except ClusterUnreachable as exc:
+            return str(exc)
+        except grpc.RpcError as exc:
+            if rpc_code(exc) == grpc.StatusCode.NOT_FOUND or rpc_code(exc) in FINAL_CODES:
+                raise from_rpc(exc, what) from None
+            return f"the leader: {rpc_code(exc).name} ({rpc_details(exc)[:200]})"
+
+    def _view_within(self, wait_s: float) -> ClusterView | str:
+        """The view, asked again for up to ``wait_s`` while the cluster forms (a member answers, none
+        is up yet); else why not (no seed answered, a bad token: the members' answers say so)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                return self.view()
+            except ClusterUnreachable as exc:  # no seed answered at all: fail as fast as before
+                return str(exc)
+            except TransferError as exc:
+                if exc.code not in RETRYABLE or time.monotonic() >= deadline:
+                    return str(exc)
+            time.sleep(0.1)
+
+    def resolve(self, model: str, tag: str, *, linearizable: bool | None = None) -> VersionInfo:
         """The version ``model:tag`` points at, never older than one resolved before (monotonic reads).
 
-        ``linearizable`` asks the leader first (a pull right after a push sees it). Otherwise a
-        stale answer is refused and the next server asked, then the leader; if that is stale too,
-        ``StaleRead`` is raised.
+        ``linearizable`` (default: the first resolution of ``model:tag``, nothing in monotonic memory)
+        asks the leader, followed through an election for up to ``leader_read_wait_s``: every tag move
+        acknowledged before the call is seen; a member's answer only when no leader answers (logged,
+        and said in ``VersionInfo.read``). Else the members in order (each answers only while in sync,
+        a heartbeat behind at most), an answer older than one seen refused, then the leader; then ``StaleRead``.
         """
+        started = time.monotonic()
+        at_leader = self.monotonic.seen(model, tag) is None if linearizable is None else linearizable
         stale: list[str] = []
-        errors: list[str] = []
+        got = self._resolve_at_leader(model, tag, stale) if at_leader else None
+        if isinstance(got, VersionInfo):
+            return replace(got, resolve_s=time.monotonic() - started)
+        why = got or ""  # why no leader answered, if one was asked
+        info = self._resolve_at_members(model, tag, stale, [why] if why else [], leader_last=not at_leader)
+        if why and info.read == READ_MEMBER:
+            log.warning("%s resolved to v%d by member %s without the leader (%s): a tag move of the last moments may be "
+                        "missing; it is followed once a leader answers", f"{model}:{tag}", info.number, info.server, why)
+            info = replace(info, read=READ_FALLBACK)
+        return replace(info, resolve_s=time.monotonic() - started)
+
+    def _resolve_at_leader(self, model: str, tag: str, stale: list[str]) -> VersionInfo | str | None:
+        """The leader's answer once monotonic reads accept it; why no leader answered; or None (stale: why added to ``stale``)."""
+        got = self._leader_read(f"{model}:{tag}", lambda c: c.resolve_tag(model, tag, linearizable=True))
+        if isinstance(got, str):
+            return got
+        info, refused = self._judged(model, tag, *got, READ_LEADER)
+        if info is None:
+            stale.append(refused)
+        return info
+
+    def _judged(self, model: str, tag: str, reply: pb.VersionReply, address: str, read: str) -> tuple[VersionInfo | None, str]:
+        """The resolution ``reply`` as a VersionInfo once monotonic reads accept it; else (None, why not)."""
+        v = reply.version
+        res = Resolution(model, tag, int(v.number), v.manifest_id, dict(v.clock), int(reply.read.commit_index),
+                         reply.read.server_id or address)
+        try:
+            self.monotonic.accept(res)
+        except StaleRead as exc:  # older than one seen (perhaps recorded by another thread meanwhile)
+            return None, str(exc)
+        return VersionInfo(model, res.version, v.manifest_id, dict(v.clock), res.commit_index, address, tag, read=read), ""
+
+    def _resolve_at_members(self, model: str, tag: str, stale: list[str], errors: list[str], *, leader_last: bool) -> VersionInfo:
+        """Serializable resolution at the members in order; then (``leader_last``) at the leader."""
+        what = f"{model}:{tag}"
         missing: TransferError | None = None
-        order = self._metadata_order()
-        leader = self._leader_address() or (order[0] if order else None)
-        attempts = [(a, False) for a in order]
-        if leader:
-            attempts = [(leader, True), *attempts] if linearizable else [*attempts, (leader, True)]
-        for address, linear in attempts:
+        for address in self._metadata_order():
             try:
-                reply = self.server(address).resolve_tag(model, tag, linearizable=linear)
+                reply = self.server(address).resolve_tag(model, tag)
             except grpc.RpcError as exc:
                 code = rpc_code(exc)
-                if code == grpc.StatusCode.NOT_FOUND and not linear:
-                    # A lagging member (one restarting, or cut off) may not have the tag yet:
-                    # only the leader's linearizable answer says it does not exist.
-                    missing = from_rpc(exc, f"{model}:{tag}")
+                if code == grpc.StatusCode.NOT_FOUND:  # a lagging member: only the leader's linearizable answer decides
+                    missing = from_rpc(exc, what)
                     continue
-                if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
-                            grpc.StatusCode.INVALID_ARGUMENT):
-                    raise from_rpc(exc, f"{model}:{tag}") from None
-                errors.append(f"{address}: {code.name}")
+                if code in FINAL_CODES:
+                    raise from_rpc(exc, what) from None
+                errors.append(f"{address}: {code.name}")  # UNAVAILABLE: down, or catching up (it says why)
                 continue
-            v = reply.version
-            res = Resolution(model, tag, int(v.number), v.manifest_id, dict(v.clock), int(reply.read.commit_index),
-                             reply.read.server_id or address)
-            verdict = self.monotonic.check(res)
-            if verdict.accepted:
-                try:
-                    self.monotonic.accept(res)
-                except StaleRead as exc:  # another thread recorded something newer meanwhile
-                    stale.append(str(exc))
-                    continue
-                return VersionInfo(model, int(v.number), v.manifest_id, dict(v.clock), int(reply.read.commit_index), address, tag)
-            stale.append(verdict.reason)
+            info, refused = self._judged(model, tag, reply, address, READ_MEMBER)
+            if info is not None:
+                return info
+            stale.append(refused)
+        if leader_last:
+            got = self._resolve_at_leader(model, tag, stale)
+            if isinstance(got, VersionInfo):
+                return got
+            errors += [got] if got else []
         if missing is not None and not stale:
             raise missing
         if stale:
             raise StaleRead(
-                f"every server answered {model}:{tag} with an older version than this client already saw: "
+                f"every server answered {what} with an older version than this client already saw: "
                 + " | ".join(stale[:3]) + ". A partitioned or lagging server cannot roll it back; retry once the cluster heals"
             )
-        raise ClusterUnreachable(f"resolving {model}:{tag}: no server answered ({'; '.join(errors)}); check that the cluster is up")
+        raise ClusterUnreachable(f"resolving {what}: no server answered ({'; '.join(errors)}); check that the cluster is up")
 
     def version(self, model: str, number: int, *, linearizable: bool = False) -> VersionInfo:
         leader = self._leader_address()
@@ -365,13 +435,14 @@ class ClusterClient:
         v = max(reply.versions, key=lambda x: x.number)
         return VersionInfo(model, int(v.number), v.manifest_id, dict(v.clock), int(reply.read.commit_index), address)
 
-    def resolve_ref(self, ref: ModelRef | str, *, linearizable: bool = False) -> VersionInfo:
-        """``MODEL:TAG`` (monotonic), ``MODEL@N`` or ``MODEL`` (its latest version)."""
+    def resolve_ref(self, ref: ModelRef | str, *, linearizable: bool | None = None) -> VersionInfo:
+        """``MODEL:TAG`` (monotonic; linearizable the first time, see ``resolve``), ``MODEL@N`` or
+        ``MODEL`` (its latest version)."""
         mref = ModelRef.parse(ref) if isinstance(ref, str) else ref
         if mref.tag is not None:
             return self.resolve(mref.model, mref.tag, linearizable=linearizable)
         if mref.version is not None:
-            return self.version(mref.model, mref.version, linearizable=linearizable)
+            return self.version(mref.model, mref.version, linearizable=bool(linearizable))
         return self.latest(mref.model)
 
     def manifest(self, manifest_id: str) -> Manifest:

@@ -33,6 +33,9 @@ class SessionConfig:
     hot_chunks: bool = True
     hot_refresh_s: float = 2.0
     hot_timeout_s: float = 0.2
+    # A linearizable read (a tag's first resolution, a pull) follows the leader through an election
+    # for this long before it takes an in-sync member's answer instead (``VersionInfo.read``).
+    leader_read_wait_s: float = 5.0
 
     def validate(self) -> SessionConfig:
         if self.call_timeout_s <= 0 or self.min_stream_bytes_per_s <= 0:
@@ -47,7 +50,17 @@ class SessionConfig:
             raise ConfigError("hot_refresh_s and hot_timeout_s must be > 0")
         if self.refresh_interval_s <= 0 or self.bulk_down_s < 0:
             raise ConfigError("refresh_interval_s must be > 0 and bulk_down_s >= 0")
+        if self.leader_read_wait_s <= 0:
+            raise ConfigError(f"leader_read_wait_s must be > 0, got {self.leader_read_wait_s}")
         return self
+
+
+# How a tag resolution was answered (``VersionInfo.read``): by the leader, linearizably; by a member
+# in sync with it (serializable, checked by monotonic reads); or by such a member because no leader
+# answered within ``leader_read_wait_s`` although a linearizable answer was wanted.
+READ_LEADER = "leader"
+READ_MEMBER = "member"
+READ_FALLBACK = "member, no leader reachable"
 
 
 @dataclass(frozen=True)
@@ -61,6 +74,8 @@ class VersionInfo:
     commit_index: int = 0
     server: str = ""
     tag: str = ""
+    read: str = ""  # a tag's resolution: READ_LEADER, READ_MEMBER or READ_FALLBACK ("" for MODEL@N, MODEL)
+    resolve_s: float = 0.0  # how long the resolution took
 
 
-__all__ = ["MIB", "SessionConfig", "VersionInfo"]
+__all__ = ["MIB", "READ_FALLBACK", "READ_LEADER", "READ_MEMBER", "SessionConfig", "VersionInfo"]

@@ -2,8 +2,12 @@
 
 Consensus errors are mapped to status codes here (rpc_errors): NotFound ->
 NOT_FOUND, Conflict -> ABORTED, Invalid -> INVALID_ARGUMENT, NotLeader /
-NoQuorum / CommitTimeout -> UNAVAILABLE (NotLeader adds the leader's address
+NoQuorum / CommitTimeout / CatchingUp -> UNAVAILABLE (NotLeader adds the leader's address
 as trailing metadata ``pdparams-leader``).
+
+Serializable metadata reads (every read not marked ``linearizable``, ClusterInfo aside) are
+answered only while this member is in sync (``MetadataPlane.sync_state``); a member catching
+up refuses them with CatchingUp, so clients ask another (``paramserver.wire.reads``).
 
 Before a commit, ``version_check`` (a hook the cluster layer provides) must
 prove invariant 2: every chunk of the manifest reached its write quorum with the
@@ -21,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Protocol
 
@@ -28,12 +33,14 @@ import grpc
 
 from chunking.hashing import content_id, is_content_id
 from consensus.api import MetadataPlane
+from consensus.errors import CatchingUp
 from consensus.records import MemberRecord, ReadResult, TagRecord, VersionRecord
 
 from paramserver.server import codecs
 from paramserver.server.errors import InvalidChunkError, ParamServerError
 from paramserver.wire.limits import MAX_PART_IDS_PER_CALL, MAX_PARTS_REPLY_BYTES
 from paramserver.wire.proto import pb
+from paramserver.wire.reads import wants_local
 from paramserver.wire.ring import replication_and_quorum
 from paramserver.server.rpc_errors import MAPPED, PreconditionFailed, abort_with, invalid
 from paramserver.server.store import ChunkStore
@@ -41,6 +48,12 @@ from paramserver.server.store import ChunkStore
 log = logging.getLogger(__name__)
 
 CLUSTER_ID_KEY = "cluster_id"  # ServerStatusReply.extra key
+
+# A serializable read at a member not in sync waits this long for it before being refused: a new
+# leader's first commit, or a follower one heartbeat behind, is in sync again within it, while a
+# member catching up after a restart sends its clients on to another member at little cost.
+CATCH_UP_WAIT_S = 0.2
+_CATCH_UP_POLL_S = 0.01
 
 
 def cluster_id(secret: str | None, vnodes: int, hash_name: str = "blake3") -> str:
@@ -286,8 +299,26 @@ class MetadataService:
 
     # ------------------------------------------------------------ reads
 
+    def _local_state_current(self, context: grpc.ServicerContext, linearizable: bool = False) -> None:
+        """Refuse a serializable read (UNAVAILABLE, naming why) while this member is catching up:
+        its state may miss tag moves the cluster acknowledged (docs/architecture.md). A
+        linearizable read goes through the leader anyway; a probe may ask for the local state."""
+        if linearizable or wants_local(context.invocation_metadata()):
+            return
+        verdict = self.metadata.sync_state()
+        deadline = time.monotonic() + CATCH_UP_WAIT_S
+        while not verdict.in_sync and time.monotonic() < deadline:
+            time.sleep(_CATCH_UP_POLL_S)
+            verdict = self.metadata.sync_state()
+        if not verdict.in_sync:
+            abort_with(context, CatchingUp(
+                f"{self.metadata.server_id} is catching up with the cluster and answers no serializable read: {verdict.reason}; "
+                "ask another member, or read linearizably (through the leader)"
+            ))
+
     def ResolveTag(self, request: pb.ResolveTagRequest, context: grpc.ServicerContext) -> pb.VersionReply:
         _need(context, model=request.model, tag=request.tag)
+        self._local_state_current(context, request.linearizable)
         try:
             result = self.metadata.resolve_tag(request.model, request.tag, linearizable=request.linearizable)
         except MAPPED as exc:
@@ -296,6 +327,7 @@ class MetadataService:
 
     def GetVersion(self, request: pb.GetVersionRequest, context: grpc.ServicerContext) -> pb.VersionReply:
         _need(context, model=request.model)
+        self._local_state_current(context, request.linearizable)
         try:
             result = self.metadata.get_version(request.model, request.number, linearizable=request.linearizable)
         except MAPPED as exc:
@@ -310,6 +342,7 @@ class MetadataService:
             manifest_id = request.manifest_id
             if not manifest_id:
                 _need(context, model=request.model)
+                self._local_state_current(context, request.linearizable)
                 if request.version:
                     result = self.metadata.get_version(request.model, request.version, linearizable=request.linearizable)
                 elif request.tag:
@@ -351,6 +384,7 @@ class MetadataService:
         return reply
 
     def ListModels(self, request: pb.ListModelsRequest, context: grpc.ServicerContext) -> pb.ListModelsReply:
+        self._local_state_current(context)
         try:
             result = self.metadata.list_models()
         except MAPPED as exc:
@@ -359,6 +393,7 @@ class MetadataService:
 
     def ListVersions(self, request: pb.ListVersionsRequest, context: grpc.ServicerContext) -> pb.ListVersionsReply:
         _need(context, model=request.model)
+        self._local_state_current(context)
         try:
             result = self.metadata.list_versions(request.model)
         except MAPPED as exc:
@@ -367,6 +402,7 @@ class MetadataService:
 
     def ListTags(self, request: pb.ListTagsRequest, context: grpc.ServicerContext) -> pb.ListTagsReply:
         _need(context, model=request.model)
+        self._local_state_current(context)
         try:
             result = self.metadata.list_tags(request.model)
         except MAPPED as exc:
@@ -375,6 +411,6 @@ class MetadataService:
 
 
 __all__ = [
-    "CLUSTER_ID_KEY", "BlobFetcher", "MemberProbe", "MetadataService", "RingInfo", "VersionCheck", "VersionFacts", "cluster_id",
-    "local_blob_fetcher",
+    "CATCH_UP_WAIT_S", "CLUSTER_ID_KEY", "BlobFetcher", "MemberProbe", "MetadataService", "RingInfo", "VersionCheck", "VersionFacts",
+    "cluster_id", "local_blob_fetcher",
 ]

@@ -6,6 +6,7 @@ small in-memory stand-in lets us check the gRPC boundary quickly.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -15,7 +16,8 @@ import pytest
 from chunking.hashing import content_id
 from consensus.errors import Conflict, Invalid, NotFound, NotLeader
 from consensus.records import MemberRecord, ReadResult, TagMove, TagRecord, VersionRecord
-from paramserver.client.rpc import ParamServerClient, make_chunk
+from consensus.sync import IN_SYNC, SyncVerdict
+from paramserver.client.rpc import ClientConfig, ParamServerClient, make_chunk
 from paramserver.server.config import ServerConfig
 from paramserver.server.metaservice import VersionFacts
 from paramserver.server.rpc_errors import LEADER_METADATA_KEY, PreconditionFailed
@@ -30,12 +32,16 @@ class FakePlane:
         self.tags: dict[tuple[str, str], TagRecord] = {}
         self.index = 7
         self.leader = True
+        self.sync = IN_SYNC
 
     def _r(self, value: Any) -> ReadResult[Any]:
         return ReadResult(value, self.index, self.server_id)
 
     def is_leader(self) -> bool:
         return self.leader
+
+    def sync_state(self) -> SyncVerdict:
+        return self.sync
 
     def leader_raft_address(self) -> str | None:
         return "127.0.0.1:7100"
@@ -158,6 +164,44 @@ def test_commit_resolve_and_manifest(client: ParamServerClient, checks: list[str
     moved = client.set_tag("resnet", "prod", 2, who="bob")
     assert [(m.from_version, m.to_version) for m in moved.tag.history] == [(0, 1), (1, 2)]
     assert not moved.tag.history[0].HasField("from_version")
+
+
+def test_a_member_catching_up_refuses_serializable_reads_only(client: ParamServerClient, plane: FakePlane,
+                                                               running: RunningServer) -> None:
+    """Issue 47: a restarted member answered tag reads from its state before the restart. Now every
+    serializable metadata read is refused with UNAVAILABLE, saying why; linearizable reads, reads of
+    a manifest by id, ClusterInfo and a probe's local reads are still answered."""
+    mid = push_manifest(client, b'{"manifest": 47}' + os.urandom(16))
+    client.commit_version("m", mid, publisher="alice", tag="prod")
+    plane.sync = SyncVerdict(False, "it has applied 3 of the leader's 9 committed entries", behind=6)
+    refused = [
+        lambda: client.resolve_tag("m", "prod"), lambda: client.get_version("m", 1), lambda: client.get_manifest(model="m", tag="prod"),
+        lambda: client.get_manifest(model="m", version=1), client.list_models, lambda: client.list_versions("m"),
+        lambda: client.list_tags("m"),
+    ]
+    for read in refused:
+        err = code_of(read)
+        assert err.code() == grpc.StatusCode.UNAVAILABLE, read
+        assert "ps1 is catching up" in err.details() and "3 of the leader's 9" in err.details() and "another member" in err.details()
+    assert client.resolve_tag("m", "prod", linearizable=True).version.number == 1
+    assert client.get_manifest(model="m", tag="prod", linearizable=True).manifest_id == mid
+    assert client.get_manifest(manifest_id=mid).manifest_id == mid
+    assert client.cluster_info().server_id == "ps1"
+    with ParamServerClient(ClientConfig(running.address, local_reads=True)) as probe:
+        assert [t.tag for t in probe.list_tags("m").tags] == ["prod"] and probe.resolve_tag("m", "prod").version.number == 1
+
+
+def test_a_member_a_moment_from_in_sync_answers_after_a_short_wait(client: ParamServerClient, plane: FakePlane) -> None:
+    """A new leader's first commit, or a follower a heartbeat behind: the read waits for it (briefly)."""
+    mid = push_manifest(client, b"m" + os.urandom(8))
+    client.commit_version("m", mid, publisher="a", tag="prod")
+    plane.sync = SyncVerdict(False, "it has not applied an entry of the current term 5 yet")
+    timer = threading.Timer(0.05, lambda: setattr(plane, "sync", IN_SYNC))
+    timer.start()
+    try:
+        assert client.resolve_tag("m", "prod").version.number == 1
+    finally:
+        timer.cancel()
 
 
 def test_errors_map_to_status_codes(client: ParamServerClient, plane: FakePlane) -> None:
