@@ -226,9 +226,11 @@ class ParamServerClient:
             rest = rest[len(got):]
         return out
 
-    def resolve_tag(self, model: str, tag: str, *, linearizable: bool = False) -> pb.VersionReply:
+    def resolve_tag(self, model: str, tag: str, *, linearizable: bool = False, local: bool = False) -> pb.VersionReply:
+        """``local``: this member's own state, answered even while it catches up (a fallback when no leader answers)."""
+        reads = {"metadata": LOCAL_READ_METADATA} if local else self._reads
         return self.stub.ResolveTag(pb.ResolveTagRequest(model=model, tag=tag, linearizable=linearizable), timeout=self.config.timeout_s,
-                                    **self._reads)
+                                    **reads)
 
     def get_version(self, model: str, number: int, *, linearizable: bool = False) -> pb.VersionReply:
         return self.stub.GetVersion(pb.GetVersionRequest(model=model, number=number, linearizable=linearizable),

@@ -352,7 +352,10 @@ class ClusterClient:
         if isinstance(got, VersionInfo):
             return replace(got, resolve_s=time.monotonic() - started)
         why = got or ""  # why no leader answered, if one was asked
-        info = self._resolve_at_members(model, tag, stale, [why] if why else [], leader_last=not at_leader)
+        # No leader answered within leader_read_wait_s (a lost quorum, or a client cut off from it): the
+        # members are then asked for their own state (a local read), which they give even while they
+        # catch up; the answer is marked as a fallback below and monotonic reads still apply.
+        info = self._resolve_at_members(model, tag, stale, [why] if why else [], leader_last=not at_leader, local=bool(why))
         if why and info.read == READ_MEMBER:
             log.warning("%s resolved to v%d by member %s without the leader (%s): a tag move of the last moments may be "
                         "missing; it is followed once a leader answers", f"{model}:{tag}", info.number, info.server, why)
@@ -380,13 +383,15 @@ class ClusterClient:
             return None, str(exc)
         return VersionInfo(model, res.version, v.manifest_id, dict(v.clock), res.commit_index, address, tag, read=read), ""
 
-    def _resolve_at_members(self, model: str, tag: str, stale: list[str], errors: list[str], *, leader_last: bool) -> VersionInfo:
-        """Serializable resolution at the members in order; then (``leader_last``) at the leader."""
+    def _resolve_at_members(self, model: str, tag: str, stale: list[str], errors: list[str], *, leader_last: bool,
+                            local: bool = False) -> VersionInfo:
+        """Serializable resolution at the members in order (``local``: each member's own state, even while it
+        catches up); then (``leader_last``) at the leader."""
         what = f"{model}:{tag}"
         missing: TransferError | None = None
         for address in self._metadata_order():
             try:
-                reply = self.server(address).resolve_tag(model, tag)
+                reply = self.server(address).resolve_tag(model, tag, local=local)
             except grpc.RpcError as exc:
                 code = rpc_code(exc)
                 if code == grpc.StatusCode.NOT_FOUND:  # a lagging member: only the leader's linearizable answer decides

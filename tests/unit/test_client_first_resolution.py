@@ -16,6 +16,7 @@ from paramserver.client.errors import ClusterUnreachable
 from paramserver.client.session import ClusterClient
 from paramserver.client.session_config import READ_FALLBACK, READ_LEADER, READ_MEMBER, SessionConfig
 from paramserver.wire.proto import pb, pb_grpc
+from paramserver.wire.reads import wants_local
 
 
 class FakeServer(pb_grpc.ParamServerServicer):
@@ -27,7 +28,8 @@ class FakeServer(pb_grpc.ParamServerServicer):
         self.members: list[pb.Member] = []
         self.leader: pb.Member | None = None
         self.asked: list[bool] = []  # the linearizable flag of each ResolveTag
-        self.refuse = False  # serializable reads: as a member catching up does
+        self.refuse = False  # serializable reads: as a member catching up does (a local read is answered)
+        self.local: list[bool] = []  # whether each ResolveTag asked for the member's own state
 
     def ClusterInfo(self, request: pb.ClusterInfoRequest, context: grpc.ServicerContext) -> pb.ClusterInfoReply:  # noqa: N802
         leader = self.leader
@@ -39,7 +41,9 @@ class FakeServer(pb_grpc.ParamServerServicer):
 
     def ResolveTag(self, request: pb.ResolveTagRequest, context: grpc.ServicerContext) -> pb.VersionReply:  # noqa: N802
         self.asked.append(request.linearizable)
-        if self.refuse and not request.linearizable:
+        local = wants_local(context.invocation_metadata())
+        self.local.append(local)
+        if self.refuse and not request.linearizable and not local:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.server_id} is catching up with the cluster")
         v = self.version
         return pb.VersionReply(version=pb.Version(model=request.model, number=v, manifest_id=f"{v:064x}", clock={"p": v}),
@@ -105,6 +109,11 @@ def test_without_a_reachable_leader_a_members_answer_is_taken_and_said(servers: 
     assert (info.number, info.read) == (4, READ_FALLBACK) and member.asked == [False]
     assert any("m:prod resolved to v4 by member" in r.getMessage() and "without the leader" in r.getMessage()
                for r in caplog.records)
-    member.refuse = True
-    with client([addresses[1]], leader_read_wait_s=0.3) as c, pytest.raises(ClusterUnreachable, match="ps2|UNAVAILABLE"):
+    assert member.local == [True]  # no leader answered: the member's own state, which it gives even while catching up
+    member.refuse = True  # no leader heard any more: it refuses serializable reads, not a local one
+    with client([addresses[1]], leader_read_wait_s=0.3) as c:
+        info = c.resolve("m", "prod")
+    assert (info.number, info.read) == (4, READ_FALLBACK) and member.local == [True, True]
+    running[1].stop(0)
+    with client([addresses[1]], leader_read_wait_s=0.3) as c, pytest.raises(ClusterUnreachable):
         c.resolve("m", "prod")
