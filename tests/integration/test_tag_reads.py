@@ -231,3 +231,27 @@ def test_fresh_clients_never_start_on_a_superseded_version_while_the_leader_rest
         assert fresh.total >= 100 and linear.total >= 100, (fresh.line(), linear.line())
         assert not fresh.stale, fresh.stale[:5]
         assert not linear.stale, linear.stale[:5]
+
+
+def test_a_worker_still_starts_during_a_lost_quorum_from_a_members_own_state(tmp_path: Path) -> None:
+    """With 2 of 3 servers down no leader answers and no member counts as in sync, so every
+    serializable read is refused: the first resolution then asks the survivor for its own state
+    (a local read), loads bit-exact from it, and says in the report that no leader was reachable."""
+    from paramserver.client.session_config import READ_FALLBACK, SessionConfig
+    from worker.loader import load
+
+    with local_cluster(tmp_path, servers=3) as cluster:
+        weights = {"w": torch.arange(4096, dtype=torch.bfloat16), "b": torch.tensor(1.5)}
+        push(cluster.seed, weights, model="q", tag="prod")
+        leader = cluster.leader_id()
+        assert leader is not None
+        others = [slot for slot in cluster.slots if slot.server_id != leader]
+        for server_id in (leader, others[0].server_id):
+            cluster.kill(server_id)
+        survivor = [others[1].grpc]
+        with ClusterClient(survivor, config=SessionConfig(leader_read_wait_s=1.0)) as client:
+            loaded = load(client, "q:prod", "cpu")
+        assert loaded.report.resolved_by == READ_FALLBACK and loaded.info.number == 1
+        assert "no leader reachable" in loaded.report.summary()
+        assert {k: (v.dtype, v.shape, v.reshape(-1).view(torch.uint8).tolist()) for k, v in loaded.tensors.items()} == \
+            {k: (v.dtype, v.shape, v.reshape(-1).view(torch.uint8).tolist()) for k, v in weights.items()}
