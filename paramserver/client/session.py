@@ -352,9 +352,7 @@ class ClusterClient:
         if isinstance(got, VersionInfo):
             return replace(got, resolve_s=time.monotonic() - started)
         why = got or ""  # why no leader answered, if one was asked
-        # No leader answered within leader_read_wait_s (a lost quorum, or a client cut off from it): the
-        # members are then asked for their own state (a local read), which they give even while they
-        # catch up; the answer is marked as a fallback below and monotonic reads still apply.
+        # no leader answered (lost quorum, client cut off): each member's own state (a local read), marked below
         info = self._resolve_at_members(model, tag, stale, [why] if why else [], leader_last=not at_leader, local=bool(why))
         if why and info.read == READ_MEMBER:
             log.warning("%s resolved to v%d by member %s without the leader (%s): a tag move of the last moments may be "
@@ -385,8 +383,7 @@ class ClusterClient:
 
     def _resolve_at_members(self, model: str, tag: str, stale: list[str], errors: list[str], *, leader_last: bool,
                             local: bool = False) -> VersionInfo:
-        """Serializable resolution at the members in order (``local``: each member's own state, even while it
-        catches up); then (``leader_last``) at the leader."""
+        """Serializable resolution at the members in order (``local``: their own state); then (``leader_last``) the leader."""
         what = f"{model}:{tag}"
         missing: TransferError | None = None
         for address in self._metadata_order():
