@@ -25,12 +25,8 @@ from paramserver.client.bulk_transport import split_address
 from paramserver.client.errors import BulkWriteError, BulkWriteRefused
 from paramserver.wire.bulk_frames import (
     ACK_NAMES,
-    CORRUPT_IN_TRANSIT,
     DEFAULT_WRITE_WINDOW,
     E_BUSY,
-    FAILED,
-    FULL,
-    INVALID,
     MAX_PUT_ITEMS,
     PUT_HEAD,
     W_UNAUTHENTICATED,
@@ -39,18 +35,9 @@ from paramserver.wire.bulk_frames import (
     encode_route,
     send_all,
 )
-from paramserver.wire.bulk_write_session import SessionEnded, open_write_session, read_ack_frame
+from paramserver.wire.bulk_write_session import Ack, SessionEnded, open_write_session, read_ack_frame
 from paramserver.wire.errors import WriteSessionError
 
-# Per-chunk ack statuses as the gRPC codes PutChunks would have ended with (push.py decides on those).
-ACK_CODES: dict[int, grpc.StatusCode] = {
-    INVALID: grpc.StatusCode.INVALID_ARGUMENT,
-    CORRUPT_IN_TRANSIT: grpc.StatusCode.DATA_LOSS,
-    FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    FAILED: grpc.StatusCode.UNAVAILABLE,
-}
-
-Ack = tuple[int, str, int]  # (status, message, free_bytes)
 
 
 class WriteBatch:
@@ -306,4 +293,4 @@ def ack_name(status: int) -> str:
     return ACK_NAMES.get(status, str(status))
 
 
-__all__ = ["ACK_CODES", "Ack", "BulkWriteError", "BulkWriteRefused", "BulkWriter", "OnAcks", "WriteBatch", "ack_name"]
+__all__ = ["Ack", "BulkWriteError", "BulkWriteRefused", "BulkWriter", "OnAcks", "WriteBatch", "ack_name"]

@@ -29,10 +29,18 @@ from typing import NamedTuple
 
 import grpc
 
-from paramserver.client.bulk_writer import ACK_CODES, Ack
 from paramserver.client.push_plan import AckLedger
-from paramserver.wire.bulk_frames import ACK_OK, CORRUPT_IN_TRANSIT, FAILED, FULL, MAX_PUT_ITEMS, encode_put_item
+from paramserver.wire.bulk_frames import ACK_OK, CORRUPT_IN_TRANSIT, FAILED, FULL, INVALID, MAX_PUT_ITEMS, encode_put_item
+from paramserver.wire.bulk_write_session import Ack
 from paramserver.wire.chunk_record import ChunkRecord
+
+# Per-chunk ack statuses as the gRPC codes PutChunks would have ended with (push.py decides on those).
+ACK_CODES: dict[int, grpc.StatusCode] = {
+    INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    CORRUPT_IN_TRANSIT: grpc.StatusCode.DATA_LOSS,
+    FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    FAILED: grpc.StatusCode.UNAVAILABLE,
+}
 
 
 class Failure(NamedTuple):
@@ -453,6 +461,6 @@ class SendPlanner:
 
 
 __all__ = [
-    "Aborted", "BulkFailed", "Decision", "Event", "Failure", "Flush", "NO_FALLBACK", "NoStream", "OpenStream", "Outgoing", "Put",
-    "PutAcked", "STOPPING", "SendPlanner", "SendStats", "Stream", "StreamAcked", "StreamFailed", "Submit",
+    "ACK_CODES", "Aborted", "BulkFailed", "Decision", "Event", "Failure", "Flush", "NO_FALLBACK", "NoStream", "OpenStream", "Outgoing",
+    "Put", "PutAcked", "STOPPING", "SendPlanner", "SendStats", "Stream", "StreamAcked", "StreamFailed", "Submit",
 ]

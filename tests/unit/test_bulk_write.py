@@ -19,7 +19,8 @@ import pytest
 
 from chunking.hashing import content_id, crc32c
 from paramserver.client.bulk_transport import BulkClient
-from paramserver.client.bulk_writer import ACK_CODES, BulkWriteError, BulkWriter, BulkWriteRefused, WriteBatch
+from paramserver.client.bulk_writer import BulkWriteError, BulkWriter, BulkWriteRefused, WriteBatch
+from paramserver.client.push_send_plan import ACK_CODES
 from paramserver.client.push_plan import AckLedger
 from paramserver.client.push_sender import SendOptions, SendSession, send_round
 from paramserver.client.rpc import ChunkData
