@@ -33,13 +33,11 @@ import json
 import math
 import os
 import random
-import resource
-import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -52,7 +50,7 @@ from paramserver.client.config import CLUSTER_ENV, CONFIG_ENV, ClientSettings, a
 from paramserver.wire.cli_args import OneLineParser, float_in, int_in
 from paramserver.client.errors import ClientError, NotFound
 from paramserver.client.refs import BadModelRef, ModelRef
-from worker.admission import TOO_MANY_CONNECTIONS
+from worker.router_listen import DEFAULT_MAX_CONNECTIONS, connection_cap, serve
 from worker.router_state import (
     DEADLINE_HEADER, EXACT_HEADER, MISDIRECTED, WANT_HEADER, Heartbeat, HeartbeatError, RefCache, RouterConfig, RouterState,
     VersionKey,
@@ -62,10 +60,6 @@ MAX_BODY = 64 << 20
 MAX_TIMEOUT_S = 600.0
 RESOLVE_TIMEOUT_S = 2.0
 BODY_TIMEOUT_S = 10.0  # a beat, leave or pre-warm body must arrive within this
-KEEPALIVE_S = 30.0  # an idle client connection is closed after this
-DEFAULT_MAX_CONNECTIONS = 4096
-REFUSE_LINGER_S = 1.0  # how long a refused connection is read from, so that its 503 is not reset
-REFUSE_DRAINING = 256  # refused connections read from at once; beyond, closed at once
 ROUTER_ENV = "PARAMS_ROUTER"
 WORKER_HEADER = "X-Pdparams-Worker"  # on every answer: the worker that gave it
 
@@ -458,7 +452,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                             RouterConfig(lease_s=args.lease_s, spill_queue=args.spill_queue, affinity=not args.no_affinity))
     router = Router(options, resolver, beat_token)
     try:
-        return asyncio.run(_serve(router, host or "127.0.0.1", port_no, connection_cap(args.max_connections)))
+        warning = None if resolver is not None else (
+            "paramrouter: warning: no cluster given (--cluster, PARAMS_CLUSTER or PARAMS_CONFIG): tags are resolved from "
+            "what workers report")
+        return asyncio.run(serve(router.app(), host or "127.0.0.1", port_no, connection_cap(args.max_connections),
+                                 on_refused=router.metrics.refused_connections.inc,
+                                 banner=f" affinity={'on' if options.state.affinity else 'off'}", warning=warning))
     except OSError as exc:  # only binding --listen raises it this far
         why = (f"port {port_no} is in use; pick another --listen (port 0 picks a free one)" if exc.errno == errno.EADDRINUSE
                else f"{exc.strerror or exc}; give a local HOST:PORT")
@@ -470,122 +469,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if client is not None:
             client.close()
-
-
-def connection_cap(wanted: int, fd_limit: int | None = None) -> int:
-    """At most ``wanted`` open client connections, and at most half the open-file limit: the rest
-    is for the connections to workers and the cluster."""
-    if fd_limit is None:
-        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        fd_limit = soft if soft != resource.RLIM_INFINITY else 1 << 20
-    return max(1, min(wanted, fd_limit // 2))
-
-
-class _Open:
-    """Client connections from accept to close. aiohttp adds one to its own count only when the
-    loop gets round to ``connection_made``: a burst accepted in one go was never refused."""
-
-    def __init__(self) -> None:
-        self.connections = 0
-        self.refusing = 0  # _Overloaded connections still draining
-
-
-class _Counted(asyncio.Protocol):
-    """aiohttp's protocol for one connection, counted in ``_Open`` until it is lost."""
-
-    def __init__(self, inner: asyncio.Protocol, open_: _Open) -> None:
-        self._inner = inner
-        self._open = open_
-        open_.connections += 1
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._inner.connection_made(transport)
-
-    def data_received(self, data: bytes) -> None:
-        self._inner.data_received(data)
-
-    def eof_received(self) -> bool | None:
-        return self._inner.eof_received()
-
-    def pause_writing(self) -> None:
-        self._inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self._inner.resume_writing()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._open.connections -= 1
-        self._inner.connection_lost(exc)
-
-
-class _Overloaded(asyncio.Protocol):
-    """A connection past the cap: a 503, before aiohttp spends anything on it. Closing with the
-    client's request unread would send a reset that can overtake the 503, so the answer goes out
-    with a FIN and what the client sent is read and dropped for up to REFUSE_LINGER_S; past
-    REFUSE_DRAINING such connections at once, the rest are closed without the wait."""
-
-    def __init__(self, open_: _Open) -> None:
-        self._open = open_
-        self._transport: asyncio.Transport | None = None
-        self._timer: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        t = self._transport = cast(asyncio.Transport, transport)
-        t.write(TOO_MANY_CONNECTIONS)
-        if self._open.refusing >= REFUSE_DRAINING or not t.can_write_eof():
-            t.close()
-            return
-        self._open.refusing += 1
-        t.write_eof()
-        self._timer = asyncio.get_running_loop().call_later(REFUSE_LINGER_S, t.close)
-
-    def data_received(self, data: bytes) -> None:
-        pass  # the request of a refused connection: dropped
-
-    def eof_received(self) -> bool:
-        return False  # the client is done too: close
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._open.refusing -= 1
-
-
-async def _serve(router: Router, host: str, port: int, max_connections: int = DEFAULT_MAX_CONNECTIONS) -> int:
-    # keepalive_timeout: an idle client connection is closed after this, not aiohttp's hour.
-    runner = web.AppRunner(router.app(), access_log=None, handle_signals=False, keepalive_timeout=KEEPALIVE_S)
-    await runner.setup()
-    handlers = runner.server
-    assert handlers is not None
-    open_ = _Open()
-
-    def protocol() -> asyncio.Protocol:
-        # aiohttp has no connection limit: without one, a client holding connections open (a
-        # request line trickled a byte at a time) takes every file descriptor.
-        if open_.connections >= max_connections:
-            router.metrics.refused_connections.inc()
-            return _Overloaded(open_)
-        return _Counted(handlers(), open_)
-
-    server: asyncio.Server | None = None
-    try:  # cleanup closes the router's client session too, also when the bind fails
-        server = await asyncio.get_running_loop().create_server(protocol, host, port, backlog=1024, reuse_address=True)
-        sockets = getattr(server, "sockets", None) or []
-        bound = sockets[0].getsockname()[:2] if sockets else (host, port)
-        print(f"LISTENING {bound[0]}:{bound[1]} affinity={'on' if router.state.config.affinity else 'off'}", flush=True)
-        if router._resolver is None:  # warned once listening: a failed start stays one line
-            print("paramrouter: warning: no cluster given (--cluster, PARAMS_CLUSTER or PARAMS_CONFIG): tags are resolved from "
-                  "what workers report", file=sys.stderr, flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-    finally:
-        if server is not None:
-            server.close()  # no new connections; cleanup then ends the open ones
-        await runner.cleanup()
-    return 0
 
 
 def router_from_env(flag: str | None) -> str | None:

@@ -6,7 +6,6 @@ or under a ``[server]`` table; command-line flags (paramserver CLI) override it.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import json
 import logging
 import stat
@@ -19,24 +18,11 @@ from paramserver.server.errors import ConfigError
 from paramserver.wire.address import host_of, split_host_port
 from paramserver.wire.ring import replication_and_quorum
 
+from paramserver.wire.exposure import is_loopback_host
 from paramserver.wire.limits import DEFAULT_GET_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES, MiB
 
 
 SECRET_KEYS = ("admin_token", "read_token", "cluster_secret")  # each may come from a file: "<key>_file"
-
-
-def is_loopback_host(host: str) -> bool:
-    """True only for an address no other machine can reach: 127.0.0.0/8, ::1 or "localhost".
-
-    A wildcard ("0.0.0.0", "::", "") or any other name counts as reachable from the network.
-    """
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def read_secret_file(key: str, path: str | Path) -> str:

@@ -315,7 +315,7 @@ def test_open_connections_are_capped_with_a_503_and_come_back(cluster: Cluster, 
     """aiohttp has no connection limit: request lines trickled byte by byte held a file descriptor each, for good."""
     import socket
 
-    from worker.router import connection_cap
+    from worker.router_listen import connection_cap
 
     assert connection_cap(4096, fd_limit=1 << 20) == 4096 and connection_cap(4096, fd_limit=1024) == 512
     router = start_router(cluster, tmp_path, procs, "--max-connections", "4")
