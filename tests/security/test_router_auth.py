@@ -300,8 +300,8 @@ def test_deeply_nested_json_is_a_one_line_400_on_the_router_and_the_worker(
     w = worker(cluster, tmp_path, procs, "w-nest", "--admin-token-file", str(tokens["admin"]))
     nested = b"[" * 200_000 + b"]" * 200_000
     admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-    cases = [(r, "/heartbeat", {"X-Pdparams-Instance": secrets.token_hex(32)}), (r, "/leave", {"X-Pdparams-Instance": secrets.token_hex(32)}),
-             (r, "/prewarm", admin), (w, "/infer", {}), (w, "/prewarm", admin)]
+    instance = {"X-Pdparams-Instance": secrets.token_hex(32)}
+    cases = [(r, "/heartbeat", instance), (r, "/leave", instance), (r, "/prewarm", admin), (w, "/infer", {}), (w, "/prewarm", admin)]
     for target, path, headers in cases:
         host, port = target.address.rsplit(":", 1)
         conn = http.client.HTTPConnection(host, int(port), timeout=30)
