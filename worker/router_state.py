@@ -12,6 +12,11 @@ worker whose request failed is left out until it sends a heartbeat after the fai
 missing ``lease_s`` of heartbeats (three beats) is dropped. ``affinity=False`` picks uniformly at
 random among the workers that can answer (the baseline of ``bench/bench_fleet.py``).
 
+Identity: a worker id is bound to the instance secret of its first beat while its lease lasts (a
+beat or leave with another secret is refused), and a worker is routed to only once its URL proved
+it is that worker (``identity_proof``, checked by the router's I/O; ``verified``). Workers whose
+check failed make room first when the table is full.
+
 The state is soft: a restarted router rebuilds it from heartbeats within one beat, and several
 routers can run side by side (each counts only its own requests in flight, plus what the workers
 report).
@@ -263,7 +268,11 @@ class RouterState:
         entry = self._workers.get(beat.worker_id)
         if entry is None:
             if len(self._workers) >= MAX_WORKERS:
-                return Beat.FULL
+                # URLs that failed their check make room first: made-up workers cannot fill the table
+                unproven = next((wid for wid, w in self._workers.items() if not w.verified and not w.verifying), None)
+                if unproven is None:
+                    return Beat.FULL
+                del self._workers[unproven]
             check = self.config.verify_urls
             self._workers[beat.worker_id] = _Worker(beat, now, secret=secret, verified=not check, verifying=check)
             return Beat.VERIFY if check else Beat.ACCEPTED

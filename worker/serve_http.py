@@ -433,7 +433,14 @@ def _handler(server: App, config: ServeConfig) -> type[BaseHTTPRequestHandler]:
             why = refusal(self.headers.get(AUTH_HEADER), server.admin_token, "POST /prewarm",
                           "the admin token (paramworker serve --admin-token-file; paramrouter sends its own)")
             if why is not None:
-                self._discard_body()
+                try:  # a small body is read (the connection goes on); a larger one is not: it is closed
+                    small = 0 <= int(self.headers.get("Content-Length") or 0) <= 4096
+                except ValueError:
+                    small = False
+                if small:
+                    self._discard_body()
+                else:
+                    self.close_connection = True
                 self._json(401, {"error": why})
                 return
             try:

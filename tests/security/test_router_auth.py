@@ -177,6 +177,12 @@ def test_a_forged_beat_and_leave_with_the_read_token_are_refused_and_requests_st
         assert status == 401, body
         status, body = post(r, "/heartbeat", forged_beat("w-real", attacker.url), **auth)
         assert status == 401, body
+        # another worker's credential (the worker token) without w-real's instance secret: 409
+        other = {"Authorization": f"Bearer {WORKER_TOKEN}", "X-Pdparams-Instance": secrets.token_hex(32)}
+        status, body = post(r, "/leave", {"worker_id": "w-real"}, **other)
+        assert status == 409 and "another instance secret" in body["error"], body
+        status, body = post(r, "/heartbeat", forged_beat("w-real", attacker.url), **other)
+        assert status == 409, body
         answers = infer_ten(r)
         assert all(s == 200 and wid == "w-real" and out != "X" for s, wid, out in answers), answers
         assert attacker.hits == 0 and routable(r) == ["w-real"]

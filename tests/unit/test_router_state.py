@@ -240,3 +240,18 @@ def test_identity_proofs_bind_the_secret_the_worker_id_and_the_nonce() -> None:
     assert check_proof(good, S1, "w1", "m" * 32) is not None
     assert "answered as worker 'w1'" in str(check_proof(good, S1, "w2", "n" * 32))
     assert check_proof([], S1, "w1", "n") is not None and check_proof({"worker_id": "w1"}, S1, "w1", "n") is not None
+
+
+def test_workers_whose_url_failed_its_check_make_room_in_a_full_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    import worker.router_state as rs
+
+    monkeypatch.setattr(rs, "MAX_WORKERS", 2)
+    clock = Clock()
+    s = RouterState(clock, RouterConfig(), random.Random(1))
+    assert s.heartbeat(beat("fake", "a:prod", (A1,)), S2) is rs.Beat.VERIFY
+    assert s.heartbeat(beat("w1", "a:prod", (A1,)), S1) is rs.Beat.VERIFY
+    assert s.heartbeat(beat("w2", "a:prod", (A1,)), S1) is rs.Beat.FULL  # both checks under way
+    s.verified("fake", S2, "http://fake:1", ok=False)
+    s.verified("w1", S1, "http://w1:1", ok=True)
+    assert s.heartbeat(beat("w2", "a:prod", (A1,)), S1) is rs.Beat.VERIFY
+    assert s.url_of("fake") is None and s.url_of("w1") == "http://w1:1"
