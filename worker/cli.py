@@ -126,6 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--other-versions", type=int_in(0, 64, "--other-versions"), default=0, metavar="N",
                     help="load up to N versions besides the one followed, on demand, for requests a router sends for them "
                          "(least recently used dropped first); 0: such requests are answered 421 (default 0)")
+    cred = serve.add_argument_group("credentials of the HTTP port (files, never values on the command line)")
+    cred.add_argument("--admin-token-file", default=None, metavar="FILE",
+                      help="the admin token POST /prewarm must carry (paramctl prewarm and paramrouter send it); env "
+                           "PARAMS_ADMIN_TOKEN or the client config's admin_token_file; default: none, pre-warm is refused")
+    cred.add_argument("--worker-token-file", default=None, metavar="FILE",
+                      help="the worker token sent with every beat and leave to the --router (paramrouter "
+                           "--worker-token-file with the same file); env PARAMS_WORKER_TOKEN; default: none")
+    cred.add_argument("--insecure", action="store_true",
+                      help="listen off loopback without --admin-token-file (a warning at start)")
     serve.add_argument("--no-cold-start", action="store_true",
                        help="answer only once the first version is fully loaded (default: answer at once; each layer "
                             "waits for its own weights, /healthz says loading with progress; not with --hf)")
@@ -233,6 +242,26 @@ def cmd_load(args: argparse.Namespace, settings: ClientSettings) -> int:
     return 0
 
 
+def _credentials(args: argparse.Namespace, settings: ClientSettings) -> tuple[str | None, str | None]:
+    """(admin token, worker token) of ``serve``, after the safe-default check of --listen (off
+    loopback: the admin token, or --insecure with a warning)."""
+    from paramserver.wire.errors import ConfigError as WireConfigError
+    from paramserver.wire.exposure import Listener, check_listeners
+    from worker.router_auth import ADMIN_TOKEN_ENV, WORKER_TOKEN_ENV, token_from
+
+    admin = token_from(args.admin_token_file, "--admin-token-file", ADMIN_TOKEN_ENV, fallback=settings.admin_token)
+    worker = token_from(args.worker_token_file, "--worker-token-file", WORKER_TOKEN_ENV)
+    try:
+        warnings = check_listeners([Listener("the worker's HTTP port", "--listen", args.listen, "admin token",
+                                             admin is not None, "make the worker fetch any version (POST /prewarm)",
+                                             "--admin-token-file FILE")], insecure=args.insecure)
+    except WireConfigError as exc:
+        raise ConfigError(str(exc)) from None  # exit 2, one line
+    for warning in warnings:
+        print(f"paramworker: warning: {warning}", file=sys.stderr, flush=True)
+    return admin, worker
+
+
 def cmd_serve(args: argparse.Namespace, settings: ClientSettings) -> int:
     from worker.hf import HFServing
     from worker.serve import ModelServer, load_factory
@@ -243,11 +272,12 @@ def cmd_serve(args: argparse.Namespace, settings: ClientSettings) -> int:
     factory = load_factory(args.factory) if hf is None else None
     if hf is not None:
         hf.check()  # transformers installed and the class known, before touching the cluster
+    admin_token, worker_token = _credentials(args, settings)
     serve_config = serve_config_from_args(args)
     client, cache, prefetch = _setup(args, settings)
     server = ModelServer(client, args.model, factory, args.device, cache, prefetch, heat_report_s=args.heat_report_s,
                          serve=serve_config, factory_name=args.factory or "", hf=hf, other_versions=args.other_versions,
-                         cold_start=not args.no_cold_start)
+                         cold_start=not args.no_cold_start, admin_token=admin_token)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -257,7 +287,7 @@ def cmd_serve(args: argparse.Namespace, settings: ClientSettings) -> int:
             advertise = args.advertise or address
             if advertise.startswith(("0.0.0.0:", "[::]:", ":::")):
                 raise ConfigError(f"--listen {args.listen} binds every address: give --advertise HOST:PORT for the routers")
-            server.register(args.router, advertise, args.worker_id, token=settings.token_for(write=False))
+            server.register(args.router, advertise, args.worker_id, token=worker_token)
         _module, loaded = server.snapshot()
         state = "" if server.wait_loaded(0) else " (loading: answering while the weights arrive)"
         print(f"LISTENING {address} serving {loaded.info.model} v{loaded.info.number}{state}", flush=True)

@@ -8,7 +8,10 @@ A small asyncio HTTP service (aiohttp). The choice is ``worker.router_state`` (p
 this module is the thin HTTP layer around it:
 
 - ``POST /heartbeat``: a worker's beat (its lease: every second; three missed and it is dropped);
-  ``POST /leave``: a worker stopping says so at once.
+  ``POST /leave``: a worker stopping says so at once. Both carry the worker token (``--worker-token-file``,
+  401 without it when configured) and the worker's instance secret: the id is bound to the first
+  secret heard for it while its lease lasts (another: 409), and a new URL is routed to only once it
+  answers ``GET /identity`` as that worker (``worker.router_auth``).
 - ``POST /infer/MODEL:TAG`` (or ``MODEL@N``, ``MODEL``): the tag is resolved through the cluster
   (cached 1 s), or from what workers report when the cluster cannot be reached; the request goes
   to the chosen worker with a deadline (``X-Pdparams-Timeout-S`` header or ``?timeout_s=``,
@@ -16,7 +19,7 @@ this module is the thin HTTP layer around it:
   version is retried once on another. Errors are one-line JSON ``{"error": ...}``: 404 unknown
   model, tag or version (checked with the cluster when --cluster is given), 503 with
   ``Retry-After`` when no worker can answer, 504 past the deadline.
-- ``POST /prewarm`` ``{"ref": "MODEL:TAG", "workers": N | null}``: asks N workers (null: all) to
+- ``POST /prewarm`` ``{"ref": "MODEL:TAG", "workers": N | null}``, with the admin token: asks N workers (null: all) to
   fetch that version into their cache tiers without swapping; ``GET /warm/MODEL:TAG``: how much of
   the version each worker caches (``paramctl prewarm --wait`` and ``paramctl tag --when-warm`` read it).
 - ``GET /workers``: the table; ``GET /metrics``: Prometheus text; ``GET /healthz``.
@@ -45,15 +48,19 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from paramserver.wire.address import split_host_port
-from paramserver.wire.auth import AUTH_HEADER, bearer_token, tokens_match
+from paramserver.wire.auth import AUTH_HEADER
+from paramserver.wire.errors import ConfigError as WireConfigError
+from paramserver.wire.exposure import Listener, check_listeners
 from paramserver.client.config import CLUSTER_ENV, CONFIG_ENV, ClientSettings, add_client_arguments, settings_from_args
 from paramserver.wire.cli_args import OneLineParser, float_in, int_in
 from paramserver.client.errors import ClientError, NotFound
 from paramserver.client.refs import BadModelRef, ModelRef
+from worker.errors import ConfigError
+from worker.router_auth import ADMIN_TOKEN_ENV, WORKER_TOKEN_ENV, check_identity, refusal, token_from
 from worker.router_listen import DEFAULT_MAX_CONNECTIONS, connection_cap, serve
 from worker.router_state import (
-    DEADLINE_HEADER, EXACT_HEADER, MISDIRECTED, WANT_HEADER, Heartbeat, HeartbeatError, RefCache, RouterConfig, RouterState,
-    VersionKey,
+    DEADLINE_HEADER, EXACT_HEADER, INSTANCE_HEADER, MAX_SECRET_CHARS, MIN_SECRET_CHARS, MISDIRECTED, WANT_HEADER, Beat,
+    Heartbeat, HeartbeatError, RefCache, RouterConfig, RouterState, VersionKey,
 )  # fmt: skip
 
 MAX_BODY = 64 << 20
@@ -107,11 +114,14 @@ class Router:
     """The HTTP layer: parse, resolve, ask ``RouterState``, forward with a deadline, count."""
 
     def __init__(self, options: RouterOptions, resolver: Callable[[ModelRef], Any] | None = None,
-                 beat_token: str | None = None) -> None:
-        """``beat_token``: the token a heartbeat or a leave must carry (the cluster's read token, which
-        workers read with); None takes them from anyone (a router without a cluster, on loopback)."""
+                 worker_token: str | None = None, admin_token: str | None = None) -> None:
+        """``worker_token``: what a heartbeat or a leave must carry (None: taken from anyone who reaches
+        the port, which off loopback needs --insecure); ``admin_token``: what a pre-warm must carry,
+        and what the router sends the workers with it (None: pre-warm is refused)."""
         self.options = options
-        self._beat_token = beat_token
+        self._worker_token = worker_token
+        self._admin_token = admin_token
+        self._checks: dict[str, asyncio.Task[None]] = {}  # worker id -> the check of its URL under way
         self.state = RouterState(time.monotonic, options.state, random.Random())
         self.refs = RefCache(time.monotonic, options.resolve_ttl_s)
         self.metrics = RouterMetrics()
@@ -151,6 +161,8 @@ class Router:
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
+            if exc.status == 413:  # aiohttp's own text is a sentence with a line of numbers; keep one line
+                return error(413, f"the body is over {MAX_BODY} bytes")
             return error(exc.status, exc.reason if exc.status != 404 else
                          f"no endpoint {request.method} {request.path}; use POST /infer/MODEL:TAG, GET /workers or GET /metrics")
         except Exception as exc:  # noqa: BLE001 - one failed request must not take the router down; one line, no traceback
@@ -158,40 +170,71 @@ class Router:
 
     # ------------------------------------------------------------ workers
 
-    def _refused_beat(self, request: web.Request) -> web.Response | None:
-        """401 unless the request carries the beat token: a beat names the URL the router forwards
-        requests to, and a leave takes a worker out, so neither may come from a client."""
-        if self._beat_token is None:
-            return None
-        given = request.headers.get(AUTH_HEADER)
-        if tokens_match(bearer_token(given), self._beat_token):
-            return None
-        problem = "no token was sent" if not given else "the token sent is wrong"
-        return error(401, f"{request.path} needs the cluster's read token as 'Authorization: Bearer <token>' "
-                          f"(paramworker serve sends the one it reads with); {problem}")
+    def _refused_beat(self, request: web.Request) -> web.Response | str:
+        """The instance secret the beat or leave carries, or its refusal: 401 without the worker token
+        (when one is configured; the cluster's read token is not enough, every reader holds it), 400
+        without a secret. A beat names the URL requests go to and a leave takes a worker out."""
+        if self._worker_token is not None:
+            why = refusal(request.headers.get(AUTH_HEADER), self._worker_token, request.path,
+                          "the worker token (--worker-token-file on paramrouter and paramworker serve)")
+            if why is not None:
+                return error(401, why)
+        secret = request.headers.get(INSTANCE_HEADER, "")
+        if not MIN_SECRET_CHARS <= len(secret) <= MAX_SECRET_CHARS:
+            return error(400, f"{request.path} needs the worker's instance secret in {INSTANCE_HEADER} "
+                              f"({MIN_SECRET_CHARS}..{MAX_SECRET_CHARS} characters; paramworker serve sends it)")
+        return secret
 
     async def heartbeat(self, request: web.Request) -> web.Response:
-        refused = self._refused_beat(request)
-        if refused is not None:
-            return refused
+        secret = self._refused_beat(request)
+        if isinstance(secret, web.Response):
+            return secret
         try:
             beat = Heartbeat.from_json(await _json(request))
         except (ValueError, HeartbeatError) as exc:
             return error(400, f"bad heartbeat: {exc}")
-        if not self.state.heartbeat(beat):
+        outcome = self.state.heartbeat(beat, secret)
+        if outcome is Beat.FULL:
             return error(503, "the router's table is full", {"Retry-After": "1"})
+        if outcome is Beat.CONFLICT:
+            return error(409, f"worker {beat.worker_id!r} is registered by another process (another instance secret); "
+                              f"its id is free once its lease ({self.state.config.lease_s:g} s) runs out or it leaves")
+        if outcome is Beat.VERIFY:
+            self._check_url(beat.worker_id, secret, beat.url)
         return web.json_response({"ok": True, "lease_s": self.state.config.lease_s})
 
+    def _check_url(self, wid: str, secret: str, url: str) -> None:
+        """Ask ``url`` to prove it is ``wid`` (in the background; routed to only once it has)."""
+        old = self._checks.get(wid)
+        if old is not None and not old.done():
+            old.cancel()
+
+        async def check() -> None:
+            why: str | None = "the check was cut short"
+            try:
+                assert self._session is not None
+                why = await check_identity(self._session, url, wid, secret)
+            finally:
+                self.state.verified(wid, secret, url, why is None)
+                if why is not None:
+                    print(f"paramrouter: warning: worker {wid!r} is not routed to: {url} does not answer as it ({why})",
+                          file=sys.stderr, flush=True)
+                if self._checks.get(wid) is task:
+                    del self._checks[wid]
+
+        task = self._checks[wid] = asyncio.ensure_future(check())
+
     async def leave(self, request: web.Request) -> web.Response:
-        refused = self._refused_beat(request)
-        if refused is not None:
-            return refused
+        secret = self._refused_beat(request)
+        if isinstance(secret, web.Response):
+            return secret
         try:
             body = await _json(request)
             worker_id = body["worker_id"]
         except (ValueError, KeyError, TypeError):
             return error(400, 'send {"worker_id": ID}')
-        self.state.leave(str(worker_id))
+        if not self.state.leave(str(worker_id), secret):
+            return error(409, f"worker {str(worker_id)[:200]!r} registered with another instance secret: only it can leave")
         return web.json_response({"ok": True})
 
     async def workers(self, _request: web.Request) -> web.Response:
@@ -334,6 +377,10 @@ class Router:
     # ------------------------------------------------------------ pre-warm
 
     async def prewarm(self, request: web.Request) -> web.Response:
+        why = refusal(request.headers.get(AUTH_HEADER), self._admin_token, "POST /prewarm",
+                      "the admin token (--admin-token-file on paramrouter; paramctl prewarm sends it)")
+        if why is not None:
+            return error(401, why)
         try:
             body = await _json(request)
             ref_text = body["ref"]
@@ -357,6 +404,7 @@ class Router:
             assert self._session is not None and url is not None
             try:
                 async with self._session.post(f"{url}/prewarm", json={"model": key.model, "version": key.version},
+                                              headers={AUTH_HEADER: f"Bearer {self._admin_token}"},
                                               timeout=aiohttp.ClientTimeout(total=10)) as r:
                     data = await r.read()
                     if r.status >= 300:
@@ -389,6 +437,8 @@ async def _json(request: web.Request) -> Any:
         return await asyncio.wait_for(request.json(), BODY_TIMEOUT_S)
     except (TimeoutError, asyncio.TimeoutError):
         raise web.HTTPRequestTimeout(reason=f"the request body did not arrive within {BODY_TIMEOUT_S:g} s") from None
+    except RecursionError:  # json's recursion on deeply nested arrays: a bad request, not a 500
+        raise ValueError("the body nests too deeply") from None
 
 
 def _error_text(data: bytes) -> str:
@@ -396,7 +446,7 @@ def _error_text(data: bytes) -> str:
         parsed = json.loads(data)
         if isinstance(parsed, dict) and "error" in parsed:
             return str(parsed["error"])[:300]
-    except ValueError:
+    except (ValueError, RecursionError):
         pass
     return data[:300].decode(errors="replace")
 
@@ -421,6 +471,17 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {DEFAULT_MAX_CONNECTIONS})")
     p.add_argument("--no-affinity", action="store_true",
                    help="choose a random worker among those that can answer (the baseline affinity is measured against)")
+    auth = p.add_argument_group("credentials of this port (files, never values on the command line)")
+    auth.add_argument("--worker-token-file", default=None, metavar="FILE",
+                      help=f"the worker token: heartbeats and leaves must carry it (paramworker serve --worker-token-file "
+                           f"with the same file); env {WORKER_TOKEN_ENV}; default: none, beats are taken from anyone who "
+                           "reaches the port (loopback only, unless --insecure)")
+    auth.add_argument("--admin-token-file", default=None, metavar="FILE",
+                      help=f"the admin token: POST /prewarm must carry it, and the router sends it to the workers; env "
+                           f"{ADMIN_TOKEN_ENV} or the client config's admin_token_file; default: none, pre-warm is refused")
+    auth.add_argument("--insecure", action="store_true",
+                      help="listen off loopback without --worker-token-file and --admin-token-file (a warning at start): "
+                           "anyone who reaches the port can register workers and get requests sent to them")
     add_client_arguments(p, write=False, cluster_default="none: tags are then resolved from what the workers report, "
                                                         "with a warning")
     return p
@@ -434,27 +495,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"paramrouter: error: --listen {args.listen!r} must be HOST:PORT", file=sys.stderr)
         return 2
     resolver: Callable[[ModelRef], Any] | None = None
-    beat_token: str | None = None
     client = None
+    settings: ClientSettings | None = None
     try:
         if args.cluster or os.environ.get(CLUSTER_ENV) or args.config_file or os.environ.get(CONFIG_ENV):
-            settings: ClientSettings = settings_from_args(args, write=False)
+            settings = settings_from_args(args, write=False)
+        worker_token = token_from(args.worker_token_file, "--worker-token-file", WORKER_TOKEN_ENV)
+        admin_token = token_from(args.admin_token_file, "--admin-token-file", ADMIN_TOKEN_ENV,
+                                 fallback=settings.admin_token if settings is not None else None)
+        warnings = check_listeners([Listener(
+            "the router's HTTP port", "--listen", args.listen, "worker token and admin token",
+            worker_token is not None and admin_token is not None,
+            "register a worker and have requests (bodies included) sent to it, or make workers fetch any version",
+            "--worker-token-file FILE and --admin-token-file FILE")], insecure=args.insecure)
+        if settings is not None:
             from paramserver.client.session import ClusterClient, SessionConfig
 
             client = ClusterClient(settings.cluster, token=settings.token_for(write=False),
                                    config=SessionConfig(call_timeout_s=RESOLVE_TIMEOUT_S), settings=settings)
             resolver = client.resolve_ref
-            beat_token = settings.token_for(write=False)
-    except ClientError as exc:
+    except (ClientError, ConfigError, WireConfigError) as exc:
         print(f"paramrouter: error: {exc}", file=sys.stderr)
         return 2
     options = RouterOptions(args.listen, args.request_timeout_s, args.resolve_ttl_s,
                             RouterConfig(lease_s=args.lease_s, spill_queue=args.spill_queue, affinity=not args.no_affinity))
-    router = Router(options, resolver, beat_token)
+    router = Router(options, resolver, worker_token, admin_token)
+    if resolver is None:
+        warnings.append("no cluster given (--cluster, PARAMS_CLUSTER or PARAMS_CONFIG): tags are resolved from what "
+                        "workers report")
+    if worker_token is None:
+        warnings.append(f"no --worker-token-file ({WORKER_TOKEN_ENV}): any process that reaches the port can register a "
+                        "worker")
     try:
-        warning = None if resolver is not None else (
-            "paramrouter: warning: no cluster given (--cluster, PARAMS_CLUSTER or PARAMS_CONFIG): tags are resolved from "
-            "what workers report")
+        warning = "\n".join(f"paramrouter: warning: {w}" for w in warnings) or None
         return asyncio.run(serve(router.app(), host or "127.0.0.1", port_no, connection_cap(args.max_connections),
                                  on_refused=router.metrics.refused_connections.inc,
                                  banner=f" affinity={'on' if options.state.affinity else 'off'}", warning=warning))

@@ -1,8 +1,10 @@
 """A serving worker's link to its routers (``paramworker serve --router URL``, ``worker.router``).
 
 Every second, one thread per router (a dead one never delays the others) posts what the worker
-holds and has cached (``worker.router_state.Heartbeat``); on stop it says ``/leave``. Beats carry
-the cluster's read token: routers take them only from its holders.
+holds and has cached (``worker.router_state.Heartbeat``); on stop it says ``/leave``. Beats and
+leaves carry the worker token (``--worker-token-file``; not the cluster's read token, which every
+reader holds) and this process's instance secret, made at start: a router binds the worker id to
+it, and asks ``GET /identity?nonce=N`` (``identity``) before it routes to the URL a beat names.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from paramserver.wire.auth import token_metadata
 from worker.admission import Admission
 from worker.errors import ConfigError
 from worker.model_lifecycle import ModelLifecycle
-from worker.router_state import HEARTBEAT_S
+from worker.router_auth import new_instance_secret
+from worker.router_state import HEARTBEAT_S, INSTANCE_HEADER, identity_proof
 
 
 class RouterLink:
@@ -42,6 +45,7 @@ class RouterLink:
         self.router_error: str | None = None
         self.beats_sent = 0
         self._token: str | None = None
+        self._secret = new_instance_secret()
 
     def _cached(self, model: str, version: int, manifest: Manifest) -> dict[str, Any]:
         # Every second, for every model held: from the manifest's columns, with one lock
@@ -89,8 +93,8 @@ class RouterLink:
                 "device_free_bytes": free}
 
     def _post(self, url: str, path: str, body: dict[str, Any], timeout: float) -> None:
-        # Routers take beats only from holders of the cluster's read token.
-        headers = {"Content-Type": "application/json", **dict(token_metadata(self._token))}
+        # The worker token says "a worker of this deployment", the instance secret "this worker".
+        headers = {"Content-Type": "application/json", INSTANCE_HEADER: self._secret, **dict(token_metadata(self._token))}
         request = urllib.request.Request(f"{url.rstrip('/')}{path}", data=json.dumps(body).encode(), method="POST",
                                          headers=headers)
         with urllib.request.urlopen(request, timeout=timeout) as r:
@@ -111,7 +115,7 @@ class RouterLink:
 
     def register(self, routers: Sequence[str], advertise: str, worker_id: str | None = None, token: str | None = None) -> None:
         """Beat to every router in ``routers`` each second from now on (``advertise``: HOST:PORT they reach us at;
-        ``token``: the read token the routers check beats against)."""
+        ``token``: the worker token the routers check beats against, None when they have none)."""
         for url in routers:
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"--router {url!r} must be http://HOST:PORT")
@@ -129,6 +133,13 @@ class RouterLink:
                 self._post(url, "/leave", {"worker_id": self.worker_id}, timeout=1.0)
             except (OSError, urllib.error.URLError, ValueError):
                 pass  # the router drops us when the lease runs out
+
+    def identity(self, nonce: str) -> dict[str, Any] | None:
+        """``GET /identity?nonce=N``: this worker's id and its proof of the instance secret its beats carry
+        (None before it registered with a router: nobody can ask it to vouch for a URL yet)."""
+        if not self.worker_id:
+            return None
+        return {"worker_id": self.worker_id, "proof": identity_proof(self._secret, self.worker_id, nonce)}
 
     def health(self) -> dict[str, Any] | None:
         """``/healthz``'s ``router`` field (None: no router)."""

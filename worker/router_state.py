@@ -12,12 +12,20 @@ worker whose request failed is left out until it sends a heartbeat after the fai
 missing ``lease_s`` of heartbeats (three beats) is dropped. ``affinity=False`` picks uniformly at
 random among the workers that can answer (the baseline of ``bench/bench_fleet.py``).
 
+Identity: a worker id is bound to the instance secret of its first beat while its lease lasts (a
+beat or leave with another secret is refused), and a worker is routed to only once its URL proved
+it is that worker (``identity_proof``, checked by the router's I/O; ``verified``). Workers whose
+check failed make room first when the table is full.
+
 The state is soft: a restarted router rebuilds it from heartbeats within one beat, and several
 routers can run side by side (each counts only its own requests in flight, plus what the workers
 report).
 """
 from __future__ import annotations
 
+import enum
+import hashlib
+import hmac
 import random
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -31,6 +39,12 @@ WANT_HEADER = "X-Pdparams-Want"
 EXACT_HEADER = "X-Pdparams-Exact"
 DEADLINE_HEADER = "X-Pdparams-Timeout-S"
 MISDIRECTED = 421  # a worker's answer when it neither holds the version nor loads others on demand
+
+# A worker's instance secret (made at its start, sent with each beat and leave): the router binds
+# the worker id to the first secret it hears for it, for as long as that worker's lease lasts.
+INSTANCE_HEADER = "X-Pdparams-Instance"
+MIN_SECRET_CHARS, MAX_SECRET_CHARS = 32, 256
+VERIFY_RETRY_S = 5.0  # a worker whose URL did not answer as it is asked again after this
 
 HEARTBEAT_S = 1.0
 LEASE_BEATS = 3
@@ -160,10 +174,43 @@ class Heartbeat:
                    device_free_bytes=free, any_model=any_model)
 
 
+def identity_proof(secret: str, worker_id: str, nonce: str) -> str:
+    """What a worker answers ``GET /identity?nonce=N`` with: HMAC-SHA256 under its instance secret
+    of its id and the router's nonce (the id is in it: a worker's proof never vouches for another)."""
+    message = b"pdparams-identity\0" + worker_id.encode() + b"\0" + nonce.encode()
+    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+
+
+def check_proof(answer: object, secret: str, worker_id: str, nonce: str) -> str | None:
+    """None when ``answer`` (the parsed JSON of ``GET /identity``) proves ``worker_id`` holds
+    ``secret``; otherwise why not, in a few words."""
+    if not isinstance(answer, dict):
+        return "it did not answer a JSON object"
+    if answer.get("worker_id") != worker_id:
+        return f"it answered as worker {str(answer.get('worker_id'))[:80]!r}"
+    proof = answer.get("proof")
+    if not isinstance(proof, str) or not hmac.compare_digest(proof, identity_proof(secret, worker_id, nonce)):
+        return "its proof does not match the secret the beats carry"
+    return None
+
+
+class Beat(enum.Enum):
+    """What the table made of one heartbeat."""
+
+    ACCEPTED = "accepted"
+    VERIFY = "verify"  # recorded; check its URL answers as that worker before routing there
+    CONFLICT = "conflict"  # the id is held, within its lease, by a worker with another instance secret
+    FULL = "full"  # the table is full
+
+
 @dataclass
 class _Worker:
     beat: Heartbeat
     seen_at: float
+    secret: str = ""  # the instance secret its first beat carried
+    verified: bool = True  # its URL answered as it (routed to only then)
+    verifying: bool = False  # a check of its URL is under way
+    retry_at: float = 0.0  # a failed check is tried again from then
     inflight: int = 0  # this router's requests there now
     failed_at: float | None = None  # left out until a heartbeat newer than this
 
@@ -184,12 +231,16 @@ class RouterConfig:
     lease_s: float = HEARTBEAT_S * LEASE_BEATS
     spill_queue: int = 8  # a holder whose queue (waiting + running) reaches this is passed over if another can take it
     affinity: bool = True
+    verify_urls: bool = True  # route to a worker only once its URL answered as it (False: on its beat's word)
+    verify_retry_s: float = VERIFY_RETRY_S
 
     def validate(self) -> RouterConfig:
         if not 0 < self.lease_s <= 3600:
             raise ValueError(f"lease_s must be in (0, 3600], got {self.lease_s}")
         if not 1 <= self.spill_queue <= 100_000:
             raise ValueError(f"spill_queue must be 1..100000, got {self.spill_queue}")
+        if not 0 < self.verify_retry_s <= 3600:
+            raise ValueError(f"verify_retry_s must be in (0, 3600], got {self.verify_retry_s}")
         return self
 
 
@@ -207,23 +258,56 @@ class RouterState:
 
     # ------------------------------------------------------------ events
 
-    def heartbeat(self, beat: Heartbeat) -> bool:
-        """Record a beat (a new worker registers with its first); False when the table is full."""
+    def heartbeat(self, beat: Heartbeat, secret: str = "") -> Beat:
+        """Record a beat carrying the worker's instance secret. A new worker registers with its first
+        (``VERIFY``: check its URL, then ``verified``); a live worker's id is bound to its secret, so a
+        beat for it with another secret is a ``CONFLICT`` until its lease runs out (then the id is
+        free: a restarted worker comes back). A changed URL is checked again."""
         now = self.clock()
         self.expire()
         entry = self._workers.get(beat.worker_id)
         if entry is None:
             if len(self._workers) >= MAX_WORKERS:
-                return False
-            self._workers[beat.worker_id] = _Worker(beat, now)
-            return True
+                # URLs that failed their check make room first: made-up workers cannot fill the table
+                unproven = next((wid for wid, w in self._workers.items() if not w.verified and not w.verifying), None)
+                if unproven is None:
+                    return Beat.FULL
+                del self._workers[unproven]
+            check = self.config.verify_urls
+            self._workers[beat.worker_id] = _Worker(beat, now, secret=secret, verified=not check, verifying=check)
+            return Beat.VERIFY if check else Beat.ACCEPTED
+        if not hmac.compare_digest(entry.secret.encode(), secret.encode()):
+            return Beat.CONFLICT
+        if beat.url != entry.beat.url and self.config.verify_urls:
+            entry.verified, entry.verifying, entry.retry_at = False, False, 0.0
         entry.beat, entry.seen_at = beat, now
         if entry.failed_at is not None and now > entry.failed_at:
             entry.failed_at = None
-        return True
+        if not entry.verified and not entry.verifying and now >= entry.retry_at:
+            entry.verifying = True
+            return Beat.VERIFY
+        return Beat.ACCEPTED
 
-    def leave(self, worker_id: str) -> None:
-        self._workers.pop(worker_id, None)
+    def verified(self, worker_id: str, secret: str, url: str, ok: bool) -> None:
+        """The outcome of checking that ``url`` answers as ``worker_id`` holding ``secret``; ignored when
+        the entry changed meanwhile. A failure is checked again on a beat ``verify_retry_s`` later."""
+        entry = self._workers.get(worker_id)
+        if entry is None or entry.secret != secret or entry.beat.url != url:
+            return
+        entry.verifying = False
+        entry.verified = ok
+        if not ok:
+            entry.retry_at = self.clock() + self.config.verify_retry_s
+
+    def leave(self, worker_id: str, secret: str = "") -> bool:
+        """Drop a worker at its word; False (nothing done) when ``secret`` is not the one it registered with."""
+        entry = self._workers.get(worker_id)
+        if entry is None:
+            return True
+        if not hmac.compare_digest(entry.secret.encode(), secret.encode()):
+            return False
+        del self._workers[worker_id]
+        return True
 
     def started(self, worker_id: str) -> None:
         entry = self._workers.get(worker_id)
@@ -252,7 +336,7 @@ class RouterState:
     def _live(self, exclude: Iterable[str] = ()) -> list[_Worker]:
         self.expire()
         skip = set(exclude)
-        return [w for wid, w in sorted(self._workers.items()) if wid not in skip and w.failed_at is None]
+        return [w for wid, w in sorted(self._workers.items()) if wid not in skip and w.failed_at is None and w.verified]
 
     @staticmethod
     def _load(w: _Worker) -> int:
@@ -335,12 +419,13 @@ class RouterState:
         now = self.clock()
         rows = []
         for w in self._live():
-            rows.append({**w.beat.to_json(), "age_s": round(now - w.seen_at, 3), "inflight_here": w.inflight})
-        suspects = [wid for wid, w in sorted(self._workers.items()) if w.failed_at is not None]
-        for wid in suspects:
-            w = self._workers[wid]
             rows.append({**w.beat.to_json(), "age_s": round(now - w.seen_at, 3), "inflight_here": w.inflight,
-                         "failed": True})
+                         "verified": True})
+        for _wid, w in sorted(self._workers.items()):
+            if w.failed_at is None and w.verified:
+                continue
+            rows.append({**w.beat.to_json(), "age_s": round(now - w.seen_at, 3), "inflight_here": w.inflight,
+                         "verified": w.verified, **({"failed": True} if w.failed_at is not None else {})})
         return rows
 
     def __len__(self) -> int:
@@ -371,5 +456,6 @@ class RefCache:
         self._entries[ref] = (self.clock(), version)
 
 
-__all__ = ["DEADLINE_HEADER", "EXACT_HEADER", "HEARTBEAT_S", "LEASE_BEATS", "MISDIRECTED", "WANT_HEADER", "Cached", "Decision",
-           "Heartbeat", "HeartbeatError", "RefCache", "RouterConfig", "RouterState", "VersionKey"]
+__all__ = ["DEADLINE_HEADER", "EXACT_HEADER", "HEARTBEAT_S", "INSTANCE_HEADER", "LEASE_BEATS", "MAX_SECRET_CHARS",
+           "MIN_SECRET_CHARS", "MISDIRECTED", "WANT_HEADER", "Beat", "Cached", "Decision", "Heartbeat", "HeartbeatError",
+           "RefCache", "RouterConfig", "RouterState", "VersionKey", "check_proof", "identity_proof"]

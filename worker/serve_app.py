@@ -37,14 +37,17 @@ class ModelServer:
     ``factory_name`` is part of every result key (two factories over the same weights are two
     models); ``store`` overrides the Redis store the config names (tests pass an in-memory one).
     ``hf`` instead of a factory serves a transformers model built from each version's config.json.
+    ``admin_token``: what ``POST /prewarm`` must carry (None: pre-warm is refused).
     """
 
     def __init__(self, client: ClusterClient, ref: str, factory: Callable[[], torch.nn.Module] | None,
                  device: str | torch.device | None = "cpu", cache: TieredCache | None = None,
                  config: PrefetchConfig = PrefetchConfig(), heat_report_s: float = 60.0,
                  serve: ServeConfig = DEFAULT_SERVE, factory_name: str = "", store: ResultStore | None = None,
-                 hf: HFServing | None = None, other_versions: int = 0, cold_start: bool = True) -> None:
+                 hf: HFServing | None = None, other_versions: int = 0, cold_start: bool = True,
+                 admin_token: str | None = None) -> None:
         self.serve_config = serve.validate()
+        self._admin_token = admin_token
         self.metrics = ServeMetrics()
         # One stop for the whole worker: it ends following the tag and beating to routers at once.
         self._stop = threading.Event()
@@ -95,8 +98,16 @@ class ModelServer:
     def heartbeat(self) -> dict[str, Any]:
         return self.link.heartbeat()
 
+    @property
+    def admin_token(self) -> str | None:
+        return self._admin_token
+
+    def identity(self, nonce: str) -> dict[str, Any] | None:
+        return self.link.identity(nonce)
+
     def register(self, routers: Sequence[str], advertise: str, worker_id: str | None = None, token: str | None = None) -> None:
-        """Beat to every router in ``routers`` each second from now on (``worker.router_link``)."""
+        """Beat to every router in ``routers`` each second from now on (``worker.router_link``); ``token``:
+        the worker token the routers check beats against."""
         self.link.register(routers, advertise, worker_id, token)
 
     def handle_infer(self, raw: bytes | bytearray, want: str | None = None, exact: bool = False) -> tuple[int, bytes, dict[str, str]]:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from socket import socket
 from typing import Any, Protocol, TypeVar, cast
+from urllib.parse import parse_qs, urlsplit
 
 from worker.admission import Admission, AdmissionConfig, ByteBudget, Refuser
 from worker.config import MAX_BODY_BYTES
@@ -32,7 +33,9 @@ from worker.errors import BadRequest, ConfigError, Misdirected, Shed, UnknownVer
 from worker.loader import LoadedModel
 from worker.result_cache import ResultCacheConfig, canonical_json
 from worker.result_service import Answer
+from worker.router_auth import refusal
 from worker.router_state import EXACT_HEADER, MISDIRECTED, WANT_HEADER
+from paramserver.wire.auth import AUTH_HEADER
 from worker.serve_metrics import CONTENT_TYPE, ServeMetrics
 
 MAX_BODY = MAX_BODY_BYTES  # the default of ServeConfig.max_body_bytes
@@ -180,6 +183,13 @@ class App(Protocol):
 
     def prewarm(self, model: str, version: int) -> _ToJson: ...
 
+    @property
+    def admin_token(self) -> str | None:
+        """What ``POST /prewarm`` must carry (None: pre-warm is refused)."""
+
+    def identity(self, nonce: str) -> dict[str, Any] | None:
+        """``GET /identity``'s answer (None: not registered with a router)."""
+
 
 class HTTPFront(ThreadingHTTPServer):
     """One thread per connection, at most ``max_connections``: beyond, a 503 is written at once."""
@@ -303,6 +313,14 @@ def _handler(server: App, config: ServeConfig) -> type[BaseHTTPRequestHandler]:
             self.send_header("Content-Length", str(len(data)))
             for k, v in (headers or {}).items():
                 self.send_header(k, v)
+            if not any(k.lower() == "connection" for k in headers or {}):
+                # HTTP/1.0 closes after each answer unless both sides say keep-alive: http.server keeps
+                # the connection when the client asked, but without saying so a 1.0 client (ab -k) waits
+                # for a close that never comes. A connection about to close says so in any version.
+                if self.close_connection:
+                    self.send_header("Connection", "close")
+                elif self.request_version == "HTTP/1.0":
+                    self.send_header("Connection", "keep-alive")
             self.end_headers()
             self.wfile.write(data)
 
@@ -340,7 +358,9 @@ def _handler(server: App, config: ServeConfig) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0].rstrip("/")
-            if path in ("/healthz", ""):
+            if path == "/identity":
+                self._identity()
+            elif path in ("/healthz", ""):
                 self._json(200, server.health())
             elif path == "/metrics":
                 self._send(200, server.metrics.render(), content_type=CONTENT_TYPE)
@@ -398,7 +418,31 @@ def _handler(server: App, config: ServeConfig) -> type[BaseHTTPRequestHandler]:
                                                      f"({budget.capacity} bytes); retry after {retry} s"}),
                        {"Retry-After": str(retry), "Connection": "close"})
 
+        def _identity(self) -> None:
+            nonce = parse_qs(urlsplit(self.path).query).get("nonce", [""])[0]
+            if not 16 <= len(nonce) <= 128:
+                self._json(400, {"error": "send GET /identity?nonce=N (16 to 128 characters)"})
+                return
+            answer = server.identity(nonce)
+            if answer is None:
+                self._json(404, {"error": "this worker is not registered with a router (paramworker serve --router URL)"})
+                return
+            self._json(200, answer)
+
         def _prewarm(self) -> None:
+            why = refusal(self.headers.get(AUTH_HEADER), server.admin_token, "POST /prewarm",
+                          "the admin token (paramworker serve --admin-token-file; paramrouter sends its own)")
+            if why is not None:
+                try:  # a small body is read (the connection goes on); a larger one is not: it is closed
+                    small = 0 <= int(self.headers.get("Content-Length") or 0) <= 4096
+                except ValueError:
+                    small = False
+                if small:
+                    self._discard_body()
+                else:
+                    self.close_connection = True
+                self._json(401, {"error": why})
+                return
             try:
                 length = int(self.headers.get("Content-Length") or 0)
             except ValueError:
@@ -412,7 +456,7 @@ def _handler(server: App, config: ServeConfig) -> type[BaseHTTPRequestHandler]:
                 model, version = body["model"], body["version"]
                 if not isinstance(model, str) or isinstance(version, bool) or not isinstance(version, int) or version < 1:
                     raise TypeError
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 self._json(400, {"error": 'send {"model": NAME, "version": N} (N >= 1)'})
                 return
             try:

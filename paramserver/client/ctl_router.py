@@ -1,4 +1,8 @@
-"""``paramctl prewarm`` and ``tag --when-warm``: the calls to the router the workers register with."""
+"""``paramctl prewarm`` and ``tag --when-warm``: the calls to the router the workers register with.
+
+A pre-warm makes workers fetch a version, so the router takes it only with the admin token: the
+one paramctl writes with (``--token``/``--token-file``, ``PARAMS_ADMIN_TOKEN`` or the client
+config's ``admin_token_file``), sent as ``Authorization: Bearer``."""
 from __future__ import annotations
 
 import argparse
@@ -13,14 +17,16 @@ from typing import Any
 from rich.console import Console
 
 from paramserver.client.cluster_view import ClusterOptions
+from paramserver.client.config import ClientSettings, settings_from_args
 from paramserver.client.errors import RouterFailure, UsageError
-from paramserver.client.exit_codes import BAD_ARGUMENTS, NOT_FOUND, OTHER, PRECONDITION, UNAVAILABLE
+from paramserver.client.exit_codes import AUTH, BAD_ARGUMENTS, NOT_FOUND, OTHER, PRECONDITION, UNAVAILABLE
 from paramserver.client.refs import ModelRef
 
 
 ROUTER_ENV = "PARAMS_ROUTER"
 # The router's HTTP status -> paramctl's exit code (the shared table's meanings)
-_ROUTER_CODES = {400: BAD_ARGUMENTS, 404: NOT_FOUND, 409: PRECONDITION, 503: UNAVAILABLE, 504: UNAVAILABLE}
+_ROUTER_CODES = {400: BAD_ARGUMENTS, 401: AUTH, 404: NOT_FOUND, 409: PRECONDITION, 503: UNAVAILABLE,
+                 504: UNAVAILABLE}
 
 
 def router_url(args: argparse.Namespace) -> str:
@@ -32,11 +38,14 @@ def router_url(args: argparse.Namespace) -> str:
     return url
 
 
-def router_call(url: str, path: str, body: dict[str, Any] | None = None, timeout: float = 15.0) -> dict[str, Any]:
-    """One JSON call to the router; its refusals and its absence become RouterFailure with an exit code."""
+def router_call(url: str, path: str, body: dict[str, Any] | None = None, timeout: float = 15.0,
+                token: str | None = None) -> dict[str, Any]:
+    """One JSON call to the router (``token``: sent as a bearer token); its refusals and its absence
+    become RouterFailure with an exit code."""
     data = json.dumps(body).encode() if body is not None else None
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
     request = urllib.request.Request(f"{url}{path}", data=data, method="POST" if body is not None else "GET",
-                                     headers={"Content-Type": "application/json"})
+                                     headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as r:
             answer: dict[str, Any] = json.loads(r.read())
@@ -71,10 +80,16 @@ def wait_warm(url: str, ref: str, need: int, timeout_s: float, workers: set[str]
         time.sleep(poll_s)
 
 
+def admin_token(args: argparse.Namespace, opts: ClusterOptions) -> str | None:
+    """The admin token paramctl writes with (``--token`` counts as it here, as for ``tag``)."""
+    settings = settings_from_args(args, write=True, defaults=ClientSettings(cluster=opts.seeds))
+    return settings.token_for(write=True)
+
+
 def cmd_prewarm(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> int:
     url = router_url(args)
     ref = str(ModelRef.parse(args.ref))
-    answer = router_call(url, "/prewarm", {"ref": ref, "workers": args.workers})
+    answer = router_call(url, "/prewarm", {"ref": ref, "workers": args.workers}, token=admin_token(args, opts))
     model, version, asked = answer["model"], answer["version"], answer["workers"]
     accepted = {w["worker_id"] for w in asked if w["accepted"]}
     for w in asked:

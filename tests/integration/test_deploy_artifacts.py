@@ -130,7 +130,8 @@ def _ports(container: dict[str, Any]) -> dict[str, int]:
 def _write_secrets(folder: Path) -> dict[str, Path]:
     folder.mkdir(parents=True, exist_ok=True)
     files = {}
-    for name, value in (("cluster.secret", "s" * 32), ("admin.token", "admin-token-123"), ("read.token", "read-token-123")):
+    for name, value in (("cluster.secret", "s" * 32), ("admin.token", "admin-token-123"), ("read.token", "read-token-123"),
+                        ("worker.token", "worker-token-123"), ("prewarm.token", "prewarm-token-123")):
         path = folder / name
         path.write_text(value + "\n")
         path.chmod(0o600)
@@ -293,9 +294,12 @@ def test_worker_deployment_matches_the_worker_cli(k8s: dict[tuple[str, str], dic
     # the Redis URL from a Secret, optional
     (redis,) = [e for e in container["env"] if e["name"] == "PARAMS_RESULT_CACHE_REDIS"]
     assert redis["valueFrom"]["secretKeyRef"]["optional"] is True
-    # only the read token, and the client config names it by its mounted path
+    # the read token (never the admin token), and the client config names it by its mounted path; the
+    # worker token (beats) and the pre-warm token (its HTTP port off loopback needs one) as files
     token_volume = volumes["token"]["secret"]
-    assert token_volume["items"] == [{"key": "read.token", "path": "read.token"}]
+    assert token_volume["items"] == [{"key": k, "path": k} for k in ("read.token", "worker.token", "prewarm.token")]
+    assert Path(args.worker_token_file) == Path(mounts["token"]) / "worker.token"
+    assert Path(args.admin_token_file) == Path(mounts["token"]) / "prewarm.token"
     config_path = Path(args.config_file)
     assert config_path.parent == Path(mounts["client-config"]) and config_path.name in k8s[("ConfigMap", "paramworker-config")]["data"]
     toml_text = k8s[("ConfigMap", "paramworker-config")]["data"][config_path.name]
@@ -363,12 +367,16 @@ def test_router_statefulset_matches_the_router_cli(k8s: dict[tuple[str, str], di
     ports = _ports(container)
     assert args.listen == f"0.0.0.0:{ports['http']}"
     assert args.token is None and args.token_file is not None, "the read token as a file, never in args"
-    # the read token only, from the servers' Secret, at the path --token-file names
+    # the read token (never the admin token), from the servers' Secret, at the path --token-file names;
+    # the worker token beats must carry and the pre-warm token (off loopback the router needs both)
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     token = volumes["token"]["secret"]
-    assert token["secretName"] == "paramserver-secrets" and token["items"] == [{"key": "read.token", "path": "read.token"}]
+    assert token["secretName"] == "paramserver-secrets"
+    assert token["items"] == [{"key": k, "path": k} for k in ("read.token", "worker.token", "prewarm.token")]
     assert Path(args.token_file) == Path(mounts["token"]) / "read.token"
+    assert Path(args.worker_token_file) == Path(mounts["token"]) / "worker.token"
+    assert Path(args.admin_token_file) == Path(mounts["token"]) / "prewarm.token"
     # --cluster: the servers' stable gRPC addresses; the token file is read as the router reads it
     secrets = _write_secrets(tmp_path / "secrets")
     args.token_file = str(secrets["read.token"])
@@ -665,6 +673,8 @@ def test_worker_unit_runs_the_cli_with_its_env_file_and_client_config(tmp_path: 
     assert any(Path(args.monotonic_file).is_relative_to(p) for p in writable)
     credentials = dict(v.split(":", 1) for v in values(unit, "LoadCredential"))
     assert Path(args.config_file).name in credentials
+    # the worker token and the pre-warm token (its --listen is not loopback) as credentials too
+    assert Path(args.worker_token_file).name in credentials and Path(args.admin_token_file).name in credentials
     # the client config, as the credentials folder holds it: its relative read_token_file is the credential
     folder = tmp_path / "credentials"
     folder.mkdir()

@@ -122,7 +122,7 @@ def wait_for(predicate: Any, timeout: float, what: str) -> Any:
 
 def registered(router: Proc, n: int) -> bool:
     _, table = request(router.address, "GET", "/workers")
-    return len([w for w in table["workers"] if w["loaded"] and not w.get("failed")]) >= n
+    return len([w for w in table["workers"] if w["loaded"] and not w.get("failed") and w.get("verified", True)]) >= n
 
 
 # ------------------------------------------------------------------ worker killed mid-request
@@ -201,9 +201,9 @@ def metric(text: str, name: str) -> float:
 # ------------------------------------------------------------------ deploy: pre-warm, then tag --when-warm
 
 
-def paramctl(cluster: Cluster, router: Proc, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+def paramctl(cluster: Cluster, router: Proc, *args: str, timeout: float = 60.0, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "paramserver.client.ctl", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env=clean_env(PARAMS_CLUSTER=cluster.seed, PARAMS_ROUTER=router.url))
+                          timeout=timeout, env=clean_env(PARAMS_CLUSTER=cluster.seed, PARAMS_ROUTER=router.url, **env))
 
 
 @pytest.mark.timeout(90)
@@ -211,8 +211,11 @@ def test_prewarm_then_tag_when_warm_swaps_both_serving_workers_with_zero_network
         cluster: Cluster, tmp_path: Path, procs: list[Proc]) -> None:
     v1 = cluster.push(slow_net_weights(2), "dep", tag="prod").version.number
     v2 = cluster.push(slow_net_weights(3), "dep", parent=v1).version.number
-    router = start_router(cluster, tmp_path, procs)
-    workers = [start_worker(cluster, tmp_path, procs, "dep:prod", router, f"d{i}") for i in (1, 2)]
+    admin = tmp_path / "admin.token"  # pre-warm needs the admin token on the router and on the workers
+    admin.write_text("admin-token-1\n")
+    router = start_router(cluster, tmp_path, procs, "--admin-token-file", str(admin))
+    workers = [start_worker(cluster, tmp_path, procs, "dep:prod", router, f"d{i}", 0.02, "--admin-token-file", str(admin))
+               for i in (1, 2)]
     wait_for(lambda: registered(router, 2), 20, "two workers registered")
     for w in workers:
         assert request(w.address, "GET", "/healthz")[1]["version"] == v1
@@ -226,7 +229,10 @@ def test_prewarm_then_tag_when_warm_swaps_both_serving_workers_with_zero_network
     time.sleep(0.5)
     assert all(request(w.address, "GET", "/healthz")[1]["version"] == v1 for w in workers)
 
-    warmed = paramctl(cluster, router, "prewarm", f"dep@{v2}", "--workers", "2", "--wait", "--warm-timeout-s", "30")
+    refused = paramctl(cluster, router, "prewarm", f"dep@{v2}", "--workers", "2")
+    assert refused.returncode == 5 and "admin token" in refused.stderr, refused.stderr
+    warmed = paramctl(cluster, router, "prewarm", f"dep@{v2}", "--workers", "2", "--wait", "--warm-timeout-s", "30",
+                      PARAMS_ADMIN_TOKEN="admin-token-1")
     assert warmed.returncode == 0, warmed.stdout + warmed.stderr
     assert "fully cached on 2 workers" in warmed.stdout
     _, warm = request(router.address, "GET", f"/warm/dep@{v2}")
@@ -255,7 +261,9 @@ def test_prewarm_then_tag_when_warm_swaps_both_serving_workers_with_zero_network
 
 @pytest.mark.timeout(60)
 def test_router_errors_are_one_line_json(cluster: Cluster, tmp_path: Path, procs: list[Proc]) -> None:
-    router = start_router(cluster, tmp_path, procs)
+    admin = tmp_path / "admin.token"
+    admin.write_text("admin-token-2\n")
+    router = start_router(cluster, tmp_path, procs, "--admin-token-file", str(admin))
     status, body = request(router.address, "POST", "/infer/nosuchmodel:prod", {"input": [[1.0]]})
     assert status == 404 and "\n" not in body["error"]
     status, body = request(router.address, "POST", "/infer/bad::ref", {"input": [[1.0]]})
@@ -271,26 +279,26 @@ def test_router_errors_are_one_line_json(cluster: Cluster, tmp_path: Path, procs
     for method, path, payload in (("POST", f"/infer/exact@{v1 + 98}", {"input": [[1.0]]}),
                                   ("POST", "/prewarm", {"ref": f"exact@{v1 + 98}", "workers": None}),
                                   ("GET", f"/warm/exact@{v1 + 98}", None)):
-        status, body = request(router.address, method, path, payload)
+        status, body = request(router.address, method, path, payload, headers={"Authorization": "Bearer admin-token-2"})
         assert status == 404 and f"{v1 + 98}" in body["error"], (path, status, body)
 
 
-def test_beats_need_the_read_token_when_the_router_has_one(cluster: Cluster, tmp_path: Path, procs: list[Proc]) -> None:
+def test_beats_need_the_worker_token_when_the_router_has_one(cluster: Cluster, tmp_path: Path, procs: list[Proc]) -> None:
     """Anyone who reached the router could beat for a made-up worker (every request then went to a
-    URL of their choosing, bodies included) or make real workers leave: beats and leaves now carry
-    the read token the router was given, which paramworker sends."""
-    token = tmp_path / "read.token"
-    token.write_text("beat-token-1\n")
+    URL of their choosing, bodies included) or make real workers leave: beats and leaves carry the
+    worker token the router was given (not the cluster's read token, which readers hold too), which
+    paramworker sends."""
+    token = tmp_path / "worker.token"
+    token.write_text("worker-token-1\n")
     cluster.push(slow_net_weights(5), "beat", tag="prod")
-    router = start_router(cluster, tmp_path, procs, "--token-file", str(token))
+    router = start_router(cluster, tmp_path, procs, "--worker-token-file", str(token))
     for path, headers, problem in (("/heartbeat", {}, "no token was sent"),
                                    ("/heartbeat", {"Authorization": "Bearer wrong"}, "the token sent is wrong"),
                                    ("/leave", {}, "no token was sent")):
         status, body = request(router.address, "POST", path, {"worker_id": "evil"}, headers=headers)
-        assert status == 401 and "read token" in body["error"] and problem in body["error"], (path, status, body)
-    start_worker(cluster, tmp_path, procs, "beat:prod", router, "w-beat", 0.02, "--token-file", str(token))
-    wait_for(lambda: [w for w in request(router.address, "GET", "/workers")[1]["workers"] if w["worker_id"] == "w-beat"],
-             90, "the worker registered with its token")
+        assert status == 401 and "worker token" in body["error"] and problem in body["error"], (path, status, body)
+    start_worker(cluster, tmp_path, procs, "beat:prod", router, "w-beat", 0.02, "--worker-token-file", str(token))
+    wait_for(lambda: registered(router, 1), 90, "the worker registered with its token")
     assert [w["worker_id"] for w in request(router.address, "GET", "/workers")[1]["workers"]] == ["w-beat"]
 
 

@@ -25,7 +25,7 @@ def beat(wid: str, serves: str, loaded: tuple[VersionKey, ...], queue: int = 0, 
 
 
 def state(clock: Clock, **config: object) -> RouterState:
-    return RouterState(clock, RouterConfig(**config), random.Random(1))  # type: ignore[arg-type]
+    return RouterState(clock, RouterConfig(**{"verify_urls": False, **config}), random.Random(1))  # type: ignore[arg-type]
 
 
 def test_holder_with_the_shortest_queue_is_chosen() -> None:
@@ -178,3 +178,80 @@ def test_heartbeat_parsing_round_trips_and_refuses_bad_fields() -> None:
                 {**b.to_json(), "loaded": "a@1"}, [1, 2]):
         with pytest.raises(HeartbeatError):
             Heartbeat.from_json(bad)
+
+
+# ------------------------------------------------------------------ identity: instance secrets and URL checks
+
+S1, S2 = "a" * 64, "b" * 64
+
+
+def test_a_worker_id_is_bound_to_its_first_secret_while_its_lease_lasts() -> None:
+    from worker.router_state import Beat
+
+    clock = Clock()
+    s = state(clock)
+    assert s.heartbeat(beat("w1", "a:prod", (A1,)), S1) is Beat.ACCEPTED
+    # another process naming w1 (another URL too): refused, and the table keeps the real one
+    forged = Heartbeat("w1", "http://attacker:1", "a:prod", (A1,))
+    assert s.heartbeat(forged, S2) is Beat.CONFLICT
+    assert s.url_of("w1") == "http://w1:1"
+    assert not s.leave("w1", S2) and s.choose(A1).worker_id == "w1"
+    # once w1's lease ran out, its id is free: a restarted worker (a new secret) comes back
+    clock.now += 3.5
+    assert s.heartbeat(beat("w1", "a:prod", (A1,)), S2) is Beat.ACCEPTED
+    assert not s.leave("w1", S1) and s.leave("w1", S2) and len(s) == 0
+
+
+def test_a_new_url_is_routed_to_only_once_it_answered_as_the_worker() -> None:
+    from worker.router_state import Beat
+
+    clock = Clock()
+    s = RouterState(clock, RouterConfig(verify_retry_s=5.0), random.Random(1))
+    assert s.heartbeat(beat("w1", "a:prod", (A1,)), S1) is Beat.VERIFY
+    assert s.choose(A1).worker_id is None and s.prewarm_targets(A1, None) == []
+    assert s.heartbeat(beat("w1", "a:prod", (A1,)), S1) is Beat.ACCEPTED  # the check is under way: not asked twice
+    assert [r["verified"] for r in s.table()] == [False]
+    s.verified("w1", S1, "http://w1:1", ok=False)
+    clock.now += 1.0
+    assert s.heartbeat(beat("w1", "a:prod", (A1,)), S1) is Beat.ACCEPTED  # retried only after verify_retry_s
+    clock.now += 1.0
+    s.heartbeat(beat("w1", "a:prod", (A1,)), S1)
+    clock.now += 1.0
+    s.heartbeat(beat("w1", "a:prod", (A1,)), S1)
+    clock.now += 2.5
+    assert s.heartbeat(beat("w1", "a:prod", (A1,)), S1) is Beat.VERIFY
+    s.verified("w1", S2, "http://w1:1", ok=True)  # not the secret it registered with: ignored
+    assert s.choose(A1).worker_id is None
+    s.verified("w1", S1, "http://w1:1", ok=True)
+    assert s.choose(A1).worker_id == "w1" and [r["verified"] for r in s.table()] == [True]
+    # a changed URL is checked again before anything goes there
+    assert s.heartbeat(Heartbeat("w1", "http://elsewhere:2", "a:prod", (A1,)), S1) is Beat.VERIFY
+    assert s.choose(A1).worker_id is None
+    s.verified("w1", S1, "http://w1:1", ok=True)  # the old URL's answer does not vouch for the new one
+    assert s.choose(A1).worker_id is None
+
+
+def test_identity_proofs_bind_the_secret_the_worker_id_and_the_nonce() -> None:
+    from worker.router_state import check_proof, identity_proof
+
+    good = {"worker_id": "w1", "proof": identity_proof(S1, "w1", "n" * 32)}
+    assert check_proof(good, S1, "w1", "n" * 32) is None
+    assert check_proof(good, S2, "w1", "n" * 32) is not None
+    assert check_proof(good, S1, "w1", "m" * 32) is not None
+    assert "answered as worker 'w1'" in str(check_proof(good, S1, "w2", "n" * 32))
+    assert check_proof([], S1, "w1", "n") is not None and check_proof({"worker_id": "w1"}, S1, "w1", "n") is not None
+
+
+def test_workers_whose_url_failed_its_check_make_room_in_a_full_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    import worker.router_state as rs
+
+    monkeypatch.setattr(rs, "MAX_WORKERS", 2)
+    clock = Clock()
+    s = RouterState(clock, RouterConfig(), random.Random(1))
+    assert s.heartbeat(beat("fake", "a:prod", (A1,)), S2) is rs.Beat.VERIFY
+    assert s.heartbeat(beat("w1", "a:prod", (A1,)), S1) is rs.Beat.VERIFY
+    assert s.heartbeat(beat("w2", "a:prod", (A1,)), S1) is rs.Beat.FULL  # both checks under way
+    s.verified("fake", S2, "http://fake:1", ok=False)
+    s.verified("w1", S1, "http://w1:1", ok=True)
+    assert s.heartbeat(beat("w2", "a:prod", (A1,)), S1) is rs.Beat.VERIFY
+    assert s.url_of("fake") is None and s.url_of("w1") == "http://w1:1"
