@@ -252,7 +252,9 @@ def main() -> int:
             w.wait_ready(60)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
-            if all(len(json.loads(get(a, "/workers"))["workers"]) == len(PLACEMENT) for a in routers.values()):
+            # A router routes to a worker once its URL has answered as it ("verified"), not at its first beat.
+            if all(sum(1 for w in json.loads(get(a, "/workers"))["workers"] if w.get("verified")) == len(PLACEMENT)
+                   for a in routers.values()):
                 break
             time.sleep(0.2)
         else:
