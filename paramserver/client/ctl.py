@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser(
         "prewarm", formatter_class=fmt, epilog=EPILOG,
-        help="ask workers, through the router, to fetch a version into their cache tiers without swapping to it",
+        help="ask workers, through the router, to fetch a version into their cache tiers without swapping to it "
+             "(needs the router's admin token: --token, $PARAMS_ADMIN_TOKEN or the config's admin_token_file)",
     )  # fmt: skip
     sp.add_argument("ref", metavar="MODEL:TAG", help="MODEL:TAG, MODEL@VERSION or MODEL (resolved by the router)")
     who = sp.add_mutually_exclusive_group()
