@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from chunking.hashing import content_id
 from deploy.local import LocalCluster
-from paramserver.client.channel import open_channel
+from paramserver.client.channel import channel_credentials, token_interceptor
 from paramserver.client.rpc import ParamServerClient, make_chunk
 from paramserver.wire.proto import SERVICE_NAME, pb
 from tests.conftest import local_cluster
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.integration
 
 ADMIN, READ = "read-slots-admin-token", "read-slots-read-token"
 STALLED = 11  # the read slots of a server with the default 16 gRPC workers
-FILLER = 128  # 256 KiB chunks per server: 32 MiB a stream, far past any flow-control window
+FILLER = 64  # 256 KiB chunks per server: 16 MiB a stream, far past the attacker's flow-control window
 CLIENT_ENVS = ("PARAMS_CLUSTER", "PARAMS_ADMIN_TOKEN", "PARAMS_READ_TOKEN", "PARAMS_TLS_CA", "PARAMS_TLS_CERT", "PARAMS_TLS_KEY",
                "PARAMS_VERIFY", "PARAMS_CONFIG")
 
@@ -76,8 +76,14 @@ class Stalled:
             self.ids[slot.grpc] = ids
         for slot in cluster.slots:
             for _ in range(per_server):
-                ch = open_channel(slot.grpc, token=READ, tls_ca=settings.tls_ca, tls_cert=settings.tls_cert,
-                                  tls_key=settings.tls_key)
+                # The attacker's own channel options: HTTP/2 windows that do not grow (no BDP probe), so a
+                # stream stops for good once the first 64 KiB window is full.
+                options = [("grpc.http2.bdp_probe", 0), ("grpc.max_receive_message_length", 64 << 20)]
+                if settings.tls_ca is not None:
+                    creds = channel_credentials(settings.tls_ca, READ, settings.tls_cert, settings.tls_key)
+                    ch = grpc.secure_channel(slot.grpc, creds, options=options)
+                else:
+                    ch = grpc.intercept_channel(grpc.insecure_channel(slot.grpc, options=options), token_interceptor(READ))
                 get = ch.unary_stream(f"/{SERVICE_NAME}/GetChunks", request_serializer=pb.GetChunksRequest.SerializeToString,
                                       response_deserializer=lambda b: b)
                 call = get(pb.GetChunksRequest(ids=self.ids[slot.grpc]), timeout=300)
@@ -130,7 +136,6 @@ def pull_while_stalled(cluster: LocalCluster, tmp_path: Path, *pull_flags: str) 
         took = time.monotonic() - t0
         assert pulled.returncode == 0, f"exit {pulled.returncode} after {took:.1f}s: {pulled.stderr}"
         assert bit_exact(load_file(str(out)), want)
-        print(f"pull took {took:.1f}s")
         # More streams of the same client: each is served at once, a stalled one cut for it (before
         # issue 41, RESOURCE_EXHAUSTED until the idle timeout), and the server says so.
         more = Stalled(cluster, per_server=3, filler=False)

@@ -28,7 +28,7 @@ def test_default_share_leaves_slots_to_others() -> None:
     assert StreamLimits(per_client=3).cap(11) == 3 and StreamLimits(per_client=30).cap(11) == 11
     for bad in ({"per_client": 0}, {"stale_s": 0}, {"wait_s": -1}):
         with pytest.raises(ConfigError):
-            StreamLimits(**bad).validate()  # type: ignore[arg-type]
+            StreamLimits(**bad).validate()
     assert StreamLimits.from_extra({"read_streams_per_client": 4, "read_stream_stale_s": 1}).per_client == 4
     with pytest.raises(ConfigError):
         StreamLimits.from_extra({"read_streams_per_client": "4"})
