@@ -90,7 +90,7 @@ class ResultCacheConfig:
                               "with; make one with python3 -c 'import os; print(os.urandom(32).hex())' > FILE; "
                               "chmod 600 FILE")
         if self.l2_key is not None and len(self.l2_key) < MIN_KEY_BYTES:
-            raise ConfigError(f"the result cache key is {len(self.l2_key)} bytes, fewer than {MIN_KEY_BYTES}; write a longer "
+            raise ConfigError(f"--result-cache-key-file: the key is {len(self.l2_key)} bytes, fewer than {MIN_KEY_BYTES}; write a longer "
                               "random one, e.g. python3 -c 'import os; print(os.urandom(32).hex())'")
         for name in ("redis_timeout_s", "lease_s", "lease_wait_s"):
             value = getattr(self, name)
