@@ -61,13 +61,13 @@ def bit_exact(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 class Stalled:
     """``STALLED`` GetChunks streams per server, each on its own connection, each reading one message."""
 
-    ids: dict[str, list[str]] = {}  # the filler chunks' ids by server
-
-    def __init__(self, cluster: LocalCluster, per_server: int = STALLED, filler: bool = True) -> None:
+    def __init__(self, cluster: LocalCluster, per_server: int = STALLED, ids: dict[str, list[str]] | None = None) -> None:
+        """``ids``: the filler chunks to ask for, by server (None: put new ones on every server first)."""
         settings = cluster.client_settings()
         self.channels: list[grpc.Channel] = []
         self.calls: list[Any] = []
-        for slot in cluster.slots if filler else ():
+        self.ids: dict[str, list[str]] = dict(ids or {})
+        for slot in cluster.slots if ids is None else ():
             blobs = [os.urandom(256 << 10) for _ in range(FILLER)]
             ids = [content_id(b) for b in blobs]
             with ParamServerClient(settings.client_config(slot.grpc, write=True)) as admin:
@@ -138,7 +138,7 @@ def pull_while_stalled(cluster: LocalCluster, tmp_path: Path, *pull_flags: str) 
         assert bit_exact(load_file(str(out)), want)
         # More streams of the same client: each is served at once, a stalled one cut for it (before
         # issue 41, RESOURCE_EXHAUSTED until the idle timeout), and the server says so.
-        more = Stalled(cluster, per_server=3, filler=False)
+        more = Stalled(cluster, per_server=3, ids=stalled.ids)
         try:
             assert more.first == 3 * len(cluster.slots)
         finally:
@@ -157,3 +157,54 @@ def test_a_pull_succeeds_while_11_stalled_read_streams_per_server_hold_a_tls_clu
 def test_a_no_bulk_pull_succeeds_while_11_stalled_read_streams_hold_a_plaintext_server(plain_cluster: LocalCluster,
                                                                                         tmp_path: Path) -> None:
     pull_while_stalled(plain_cluster, tmp_path, "--no-bulk")
+
+
+def test_one_client_holds_its_share_and_another_client_still_gets_a_stream(tmp_path: Path) -> None:
+    """In-process, with the client address mapped (``ChunkService.source_of``, what a connection gate
+    in front of gRPC sets): client A's stalled streams take its share only, at once; client B, from
+    another address, is served at once too, before anything counts as stalled."""
+    from paramserver.server.config import ServerConfig
+    from paramserver.server.service import start_server
+    from paramserver.wire.auth import token_metadata
+
+    running = start_server(ServerConfig(server_id="ps1", data_dir=tmp_path, listen="127.0.0.1:0", fsync=False, workers=8,
+                                        admin_token=ADMIN, read_token=READ))
+    chunks = running.servicer.chunks
+    # 8 workers: 7 stream slots, 1 of them for admin-token calls; a client's share of the other 6 is 5
+    blobs = [os.urandom(256 << 10) for _ in range(FILLER)]
+    ids = [content_id(b) for b in blobs]
+    channels: list[grpc.Channel] = []
+    try:
+        with ParamServerClient(running.address, token=ADMIN) as admin:
+            for k in range(0, FILLER, 16):
+                admin.put_chunks([make_chunk(cid, b) for cid, b in zip(ids[k:k + 16], blobs[k:k + 16])])
+        sources = iter(["10.0.0.1"] * 6 + ["10.0.0.2"] * 10)  # in the order the streams arrive (opened one at a time)
+        chunks.source_of = lambda _peer: next(sources)
+
+        def open_stream() -> Any:
+            ch = grpc.insecure_channel(running.address, options=[("grpc.http2.bdp_probe", 0),
+                                                                 ("grpc.max_receive_message_length", 64 << 20)])
+            channels.append(ch)
+            get = ch.unary_stream(f"/{SERVICE_NAME}/GetChunks", request_serializer=pb.GetChunksRequest.SerializeToString,
+                                  response_deserializer=lambda b: b)
+            return get(pb.GetChunksRequest(ids=ids), metadata=token_metadata(READ), timeout=60)
+
+        held = []
+        for _ in range(5):
+            call = open_stream()
+            next(call)  # served, one message read, then stalled
+            held.append(call)
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as info:
+            next(open_stream())  # A's sixth: past its share, and none of its streams is stalled long enough yet
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "to this client" in (info.value.details() or "")
+        assert time.monotonic() - t0 < 2.0
+        t0 = time.monotonic()
+        b = open_stream()
+        assert len(next(b)) > 0 and time.monotonic() - t0 < 2.0  # B: the slot A could not take
+        for call in (*held, b):
+            call.cancel()
+    finally:
+        for ch in channels:
+            ch.close()
+        running.stop(0)
