@@ -195,7 +195,7 @@ class StreamSlots:
         with self._cond:
             if self.policy.release(key):
                 self._handles.pop(key, None)
-                self._cond.notify()
+                self._cond.notify_all()  # a waiter over its share cannot use every freed slot
 
     def held(self) -> int:
         with self._cond:
