@@ -176,6 +176,13 @@ def worker_env(cluster_config: Path, forward_ms: float) -> dict[str, str]:
     env["PARAMS_CONFIG"] = str(cluster_config)
     env["PYTHONPATH"] = os.pathsep.join([str(BENCH), str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env[FORWARD_MS_ENV] = repr(forward_ms)
+    # The L2 key the workers sharing Redis authenticate its entries with (a file only they can read).
+    key_file = cluster_config.parent / "result-cache.key"
+    if not key_file.exists():
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, os.urandom(32).hex().encode())
+        os.close(fd)
+    env["PARAMS_RESULT_CACHE_KEY_FILE"] = str(key_file)
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("OMP_NUM_THREADS", "1")  # the MLP is tiny; one intra-op thread per worker on a small machine
     return env

@@ -144,8 +144,16 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("--result-cache-ttl", type=float_in(0, 30 * 86400, "--result-cache-ttl"), default=300.0, metavar="S",
                     help="seconds a cached result lives, plus up to 10%% random jitter (default 300)")
     rc.add_argument("--result-cache-redis", default=None, metavar="URL",
-                    help="redis://HOST:PORT/DB shared by workers (L2, leases for single-flight across workers); "
-                         "env PARAMS_RESULT_CACHE_REDIS; a URL with a password only through the environment (default: none)")
+                    help="redis://HOST:PORT/DB shared by workers (L2, leases for single-flight across workers), or "
+                         "rediss:// for TLS (a private CA: ?ssl_ca_certs=FILE); env PARAMS_RESULT_CACHE_REDIS; a URL with a "
+                         "password only through the environment; needs --result-cache-key-file (default: none)")
+    rc.add_argument("--result-cache-key-file", default=None, metavar="FILE",
+                    help="the key L2 entries are authenticated with (HMAC-SHA256), the same for every worker sharing the "
+                         "Redis and never given to Redis: a file of at least 32 random characters, not readable by other "
+                         "users; required with --result-cache-redis; env PARAMS_RESULT_CACHE_KEY_FILE")
+    rc.add_argument("--result-cache-redis-password-file", default=None, metavar="FILE",
+                    help="Redis AUTH password, read from FILE (use rediss:// so it travels encrypted); env "
+                         "PARAMS_RESULT_CACHE_REDIS_PASSWORD_FILE (default: none)")
     rc.add_argument("--max-concurrency", type=int_in(1, 1024, "--max-concurrency"), default=1,
                     help="forward passes at once (default 1)")
     rc.add_argument("--max-queue", type=int_in(0, 100000, "--max-queue"), default=64,
@@ -166,6 +174,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _secret_file(path: str, flag: str) -> str:
+    """A secret's text from ``path``: it must exist, be non-empty and not be readable by other users."""
+    try:
+        mode = os.stat(path).st_mode
+        with open(path, encoding="utf-8") as f:
+            text = f.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
+        raise ConfigError(f"{flag} {path}: cannot read it ({why})") from None
+    if mode & 0o007:
+        raise ConfigError(f"{flag} {path} is readable or writable by other users (mode {mode & 0o777:04o}); chmod 600 {path}")
+    if not text:
+        raise ConfigError(f"{flag} {path} is empty; write the secret into it")
+    return text
+
+
 def serve_config_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> ServeConfig:
     """The serve flags as a validated ServeConfig (Redis URL: flag, else PARAMS_RESULT_CACHE_REDIS)."""
     from worker.admission import AdmissionConfig
@@ -177,12 +201,24 @@ def serve_config_from_args(args: argparse.Namespace, environ: Mapping[str, str] 
         raise ConfigError("--result-cache-redis: a URL with a password would be visible to every local user in the "
                           "process list; put it in PARAMS_RESULT_CACHE_REDIS instead")
     url = url or environ.get("PARAMS_RESULT_CACHE_REDIS") or None
+    key: bytes | None = None
+    password: str | None = None
+    if url is not None:  # the secrets are read only when L2 is on
+        key_file = args.result_cache_key_file or environ.get("PARAMS_RESULT_CACHE_KEY_FILE") or None
+        if key_file is not None:  # none: ResultCacheConfig.validate refuses L2 without a key, after checking the URL
+            key = _secret_file(key_file, "--result-cache-key-file").encode()
+        password_file = args.result_cache_redis_password_file or environ.get("PARAMS_RESULT_CACHE_REDIS_PASSWORD_FILE") or None
+        if password_file is not None:
+            if "@" in url.partition("://")[2].partition("/")[0]:
+                raise ConfigError("--result-cache-redis-password-file and a password in the Redis URL: give the password once")
+            password = _secret_file(password_file, "--result-cache-redis-password-file")
     max_body = args.max_body_bytes or MAX_BODY_BYTES
     if args.body_budget_bytes is not None and args.body_budget_bytes < max_body:
         raise ConfigError(f"--body-budget-bytes {args.body_budget_bytes} is below --max-body-bytes ({max_body}): "
                           "one largest body must fit; raise it or leave it out (4x --max-body-bytes)")
     return ServeConfig(
-        result_cache=ResultCacheConfig(l1_bytes=args.result_cache_mb * MIB, ttl_s=args.result_cache_ttl, redis_url=url),
+        result_cache=ResultCacheConfig(l1_bytes=args.result_cache_mb * MIB, ttl_s=args.result_cache_ttl, redis_url=url,
+                                       l2_key=key, redis_password=password),
         admission=AdmissionConfig(max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                                   queue_timeout_s=args.queue_timeout_s),
         max_connections=args.max_connections,

@@ -25,7 +25,8 @@ def open_result_store(config: ResultCacheConfig, max_connections: int) -> Result
     if config.redis_url is None:
         return None
     try:
-        return RedisResultStore(config.redis_url, timeout_s=config.redis_timeout_s, max_connections=max_connections)
+        return RedisResultStore(config.redis_url, timeout_s=config.redis_timeout_s, max_connections=max_connections,
+                                password=config.redis_password)
     except (ValueError, TypeError) as exc:  # redis-py's word for a malformed URL
         raise ConfigError(f"--result-cache-redis: {exc}; give redis://HOST:PORT/DB") from None
 

@@ -6,6 +6,10 @@
   parameters that change the output (dtype, device type, the module factory) as canonical JSON.
 - **Entry** (:class:`CachedResult`): status, the result's JSON bytes, how long computing it took
   (XFetch's delta) and when it expires (wall clock, so workers sharing Redis agree).
+- **Seal** (:class:`EntrySeal`): what goes to L2 carries an HMAC-SHA256 under a key the workers
+  of a deployment share and Redis never sees, over the entry and the key it is stored under. A
+  Redis (or anyone who can write to it) cannot make a worker serve a value it did not compute, nor
+  move a real entry to another request's key: such an entry is a miss.
 - **L1** (:class:`ResultL1`): in-process, bounded in bytes, LRU-2 admission (``worker.lru_k``):
   a key seen once is evicted before any key seen twice, so a scan of one-off requests cannot
   flush the hot set. L1 holds the entries themselves; only L2 holds their encoded bytes.
@@ -18,6 +22,7 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import math
 import random
@@ -35,6 +40,9 @@ MIB = 1 << 20
 KEY_DOMAIN = b"pdparams-result-v1\n"
 _ENTRY = struct.Struct("!4sHdd")  # magic, HTTP status, delta seconds, expires at (unix seconds)
 _MAGIC = b"PDR1"
+_SEALED = b"PDA1"  # an L2 value: this, the HMAC-SHA256 tag, then the entry
+MAC_DOMAIN = b"pdparams-result-mac-v1\n"
+MIN_KEY_BYTES = 32
 
 T = TypeVar("T")
 
@@ -54,6 +62,10 @@ class ResultCacheConfig:
     lease_wait_s: float = 5.0  # how long others wait for that result before computing themselves
     xfetch_beta: float = 1.0
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    # Secrets, never in a repr: the key L2 entries are authenticated with (required with L2), and
+    # the Redis AUTH password (else none, or the one in a URL given through the environment).
+    l2_key: bytes | None = field(default=None, repr=False)
+    redis_password: str | None = field(default=None, repr=False)
 
     @property
     def enabled(self) -> bool:
@@ -72,6 +84,14 @@ class ResultCacheConfig:
             raise ConfigError(f"max_entry_bytes must be 1 B..512 MiB, got {self.max_entry_bytes}")
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"--result-cache-redis {self.redis_url!r} must be a redis://HOST:PORT/DB (or rediss://, unix://) URL")
+        if self.redis_url is not None and self.l2_key is None:
+            raise ConfigError("--result-cache-redis needs --result-cache-key-file FILE (or PARAMS_RESULT_CACHE_KEY_FILE): the "
+                              "key the deployment's workers share, and Redis never sees, that L2 entries are authenticated "
+                              "with; make one with python3 -c 'import os; print(os.urandom(32).hex())' > FILE; "
+                              "chmod 600 FILE")
+        if self.l2_key is not None and len(self.l2_key) < MIN_KEY_BYTES:
+            raise ConfigError(f"--result-cache-key-file: the key is {len(self.l2_key)} bytes, fewer than {MIN_KEY_BYTES}; write a longer "
+                              "random one, e.g. python3 -c 'import os; print(os.urandom(32).hex())'")
         for name in ("redis_timeout_s", "lease_s", "lease_wait_s"):
             value = getattr(self, name)
             if not 0 < value <= 600:
@@ -122,6 +142,34 @@ class CachedResult:
 
     def ttl_ms(self, now: float) -> int:
         return max(1, int((self.expires_at - now) * 1000))
+
+
+class EntrySeal:
+    """Authenticates L2 values: ``seal`` prefixes an HMAC-SHA256 tag over the cache key and the
+    encoded entry; ``open`` returns the entry only when the tag matches (constant-time compare)."""
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) < MIN_KEY_BYTES:
+            raise ConfigError(f"the result cache key must be at least {MIN_KEY_BYTES} bytes, got {len(key)}")
+        self._key = key
+
+    def __repr__(self) -> str:
+        return "EntrySeal(<key>)"
+
+    def _tag(self, cache_key: str, entry: bytes) -> bytes:
+        # The key is bound in, so a real entry copied under another request's key does not verify.
+        return hmac.new(self._key, MAC_DOMAIN + cache_key.encode() + b"\n" + entry, hashlib.sha256).digest()
+
+    def seal(self, cache_key: str, entry: bytes) -> bytes:
+        return _SEALED + self._tag(cache_key, entry) + entry
+
+    def open(self, cache_key: str, data: bytes) -> bytes | None:
+        """The entry, or None when ``data`` is not a value sealed under this key for ``cache_key``."""
+        head = len(_SEALED) + hashlib.sha256().digest_size
+        if len(data) < head or not data.startswith(_SEALED):
+            return None
+        entry = bytes(data[head:])
+        return entry if hmac.compare_digest(data[len(_SEALED):head], self._tag(cache_key, entry)) else None
 
 
 def xfetch_due(entry: CachedResult, now: float, beta: float, rand: Callable[[], float] = random.random) -> bool:
@@ -213,4 +261,5 @@ class SingleFlight(Generic[T]):
             flight.done.set()
 
 
-__all__ = ["CachedResult", "ResultCacheConfig", "ResultL1", "SingleFlight", "canonical_json", "result_key", "xfetch_due"]
+__all__ = ["CachedResult", "EntrySeal", "MIN_KEY_BYTES", "ResultCacheConfig", "ResultL1", "SingleFlight", "canonical_json",
+           "result_key", "xfetch_due"]

@@ -12,14 +12,21 @@ computes; otherwise, in order:
    is written to L1 and L2. 200 answers live ``ttl_s`` plus jitter; 400 answers (deterministic
    request errors) ``negative_ttl_s``; errors (exceptions) are never cached.
 
+What goes to L2 is sealed (``worker.result_cache.EntrySeal``: an HMAC under the deployment's key,
+which Redis never sees); a value read back whose seal does not verify (forged, moved to another
+key, written by a worker with another key, or from before sealing) is a miss, counted in
+``pdparams_result_cache_l2_rejected_total`` and logged at most every 10 s, never served.
+
 Redis is behind a circuit breaker: a failed or slow call counts against it and is treated as a
 miss, so a dead Redis costs computation, never a failed request. An early refresh whose compute
 is shed answers with the still-valid entry.
 """
 from __future__ import annotations
 
+import logging
 import random
 import secrets
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,11 +34,14 @@ from typing import TypeVar
 
 from worker.admission import Admission, Shed
 from worker.breaker import CircuitBreaker
-from worker.result_cache import CachedResult, ResultCacheConfig, ResultL1, SingleFlight, xfetch_due
+from worker.errors import ConfigError
+from worker.result_cache import CachedResult, EntrySeal, ResultCacheConfig, ResultL1, SingleFlight, xfetch_due
 from worker.result_store import ResultStore
 from worker.serve_metrics import ServeMetrics
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+REJECT_LOG_EVERY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,13 @@ class ResultService:
         self.admission = admission
         self.metrics = metrics
         self.store = store
+        if store is not None and config.l2_key is None:
+            raise ConfigError("an L2 result store needs the result cache key (--result-cache-key-file): entries are "
+                              "authenticated with it")
+        self.seal = EntrySeal(config.l2_key) if store is not None and config.l2_key is not None else None
+        self._reject_lock = threading.Lock()
+        self._reject_logged_at = -REJECT_LOG_EVERY_S
+        self._reject_unlogged = 0
         self.breaker = CircuitBreaker(config.breaker, monotonic, on_change=metrics.breaker_changed)
         self.l1 = ResultL1(config.l1_bytes, clock) if config.l1_bytes > 0 else None
         self.flights: SingleFlight[Answer] = SingleFlight()
@@ -152,7 +169,9 @@ class ResultService:
                 entry = CachedResult(got.status, got.body, took, self._clock() + ttl)
                 if self.l1 is not None:
                     self.l1.put(key, entry)
-                self._l2(lambda s: s.set(key, entry.encode(), entry.ttl_ms(self._clock())), None)
+                if self.seal is not None:
+                    value = self.seal.seal(key, entry.encode())
+                    self._l2(lambda s: s.set(key, value, entry.ttl_ms(self._clock())), None)
         return Answer(got.status, got.body, "computed")
 
     def _ttl_for(self, status: int) -> float:
@@ -166,14 +185,31 @@ class ResultService:
 
     def _l2_get(self, key: str) -> Answer | None:
         data = self._l2(lambda s: s.get(key), None)
-        if data is None:
+        if data is None or self.seal is None:
             return None
-        entry = CachedResult.decode(data)
+        opened = self.seal.open(key, data)
+        if opened is None:
+            self._rejected(key)
+            return None
+        entry = CachedResult.decode(opened)
         if entry is None or entry.expires_at <= self._clock():
             return None
         if self.l1 is not None:
             self.l1.put(key, entry)
         return Answer(entry.status, entry.body, "hit_l2")
+
+    def _rejected(self, key: str) -> None:
+        """A value under ``key`` whose seal does not verify: counted, and logged at most every 10 s."""
+        self.metrics.l2_rejected.inc()
+        now = time.monotonic()
+        with self._reject_lock:
+            if now - self._reject_logged_at < REJECT_LOG_EVERY_S:
+                self._reject_unlogged += 1
+                return
+            self._reject_logged_at, skipped, self._reject_unlogged = now, self._reject_unlogged, 0
+        log.warning("result cache: an L2 entry failed its authentication and was not served (forged or altered in "
+                    "Redis, or written by a worker with another --result-cache-key-file) key=%s not_logged_since_last=%d",
+                    key[:16], skipped)
 
     def _l2(self, call: Callable[[ResultStore], T], failed: T) -> T:
         """``call(store)`` when the breaker allows it; ``failed`` when it does not, or the call fails."""

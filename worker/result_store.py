@@ -4,6 +4,10 @@
 same semantics in a dict with an injected clock, for tests of the cache logic without sockets.
 Errors are not handled here: the caller wraps every call in its circuit breaker.
 
+Values are stored as given: the caller seals them (``worker.result_cache.EntrySeal``), since
+whoever can write to this Redis can write any value. ``rediss://`` URLs talk TLS (a private CA:
+``?ssl_ca_certs=/path/ca.pem``); the AUTH password comes from a file, never the command line.
+
 A lease is ``SET lease:KEY TOKEN NX PX ms``; it is released only by its holder (a compare-and-
 delete script), so a worker whose lease expired cannot delete the next holder's.
 """
@@ -34,12 +38,14 @@ class ResultStore(Protocol):
 class RedisResultStore:
     """Thread-safe (redis-py's connection pool). ``timeout_s`` bounds connecting and every reply."""
 
-    def __init__(self, url: str, timeout_s: float = 0.5, max_connections: int = 128) -> None:
+    def __init__(self, url: str, timeout_s: float = 0.5, max_connections: int = 128, password: str | None = None) -> None:
         import redis
 
+        # ``password``: Redis AUTH (read from a file by the CLI); with rediss:// it travels over TLS.
+        extra: dict[str, Any] = {} if password is None else {"password": password}
         self._pool = redis.ConnectionPool.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, max_connections=max_connections,
-            retry_on_timeout=False, health_check_interval=0,
+            retry_on_timeout=False, health_check_interval=0, **extra,
         )
         self._redis = redis.Redis(connection_pool=self._pool)
         self._release = self._redis.register_script(_RELEASE)

@@ -27,6 +27,9 @@ class ServeMetrics:
         self.cache_bytes = Gauge("pdparams_result_cache_bytes", "Bytes held by the result cache (L1: this process)",
                                  ["level"], registry=r)
         self.l2_errors = Counter("pdparams_result_cache_l2_errors", "Redis calls that failed or were too slow", registry=r)
+        self.l2_rejected = Counter("pdparams_result_cache_l2_rejected",
+                                   "L2 entries not served: their authentication (HMAC under the workers' key) failed",
+                                   registry=r)
         self.breaker_open = Gauge("pdparams_result_cache_breaker_open", "1 while the Redis circuit breaker is open or half-open",
                                   registry=r)
         self.breaker_transitions = Counter("pdparams_result_cache_breaker_transitions",

@@ -21,6 +21,9 @@ No client can make this server stop serving others (DESIGN invariant 6):
   client takes no message for as long, is ended DEADLINE_EXCEEDED by one watchdog thread
   (cancelling the call wakes a handler blocked on the request iterator or on a send),
   freeing its thread and its slot.
+- One client identity (token class, mutual-TLS certificate, source address) holds at most its
+  share of the slots, and a read stream whose client has taken nothing for a couple of seconds
+  is cut at once when another stream needs its slot (``paramserver.server.stream_slots``).
 - GetChunks answers each distinct id once, keeps every reply message (chunks and
   per-chunk errors together) near the coalescing target, and answers at most
   ``max_call_bytes`` of chunk data per call.
@@ -34,7 +37,8 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping, Sequence
+from dataclasses import field
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import grpc
 import numpy as np
@@ -49,6 +53,8 @@ from paramserver.wire.proto import pb
 from paramserver.server.repair import RepairQueue
 from paramserver.server.rpc_errors import abort_with, invalid
 from paramserver.server.store import ChunkStore
+from paramserver.server import stream_slots
+from paramserver.server.stream_slots import Slot, StreamLimits, StreamSlots, Taken, cert_identity, source_of_peer
 from paramserver.wire.chunk_record import ChunkRecord
 from paramserver.wire.getchunks import ReplyBuilder
 
@@ -92,15 +98,17 @@ class RateLimitedLog:
         return True
 
 
-CONFIG_KEYS = ("max_write_streams", "write_stream_idle_s")  # a server config's keys for stream limits
+CONFIG_KEYS = ("max_write_streams", "write_stream_idle_s", *stream_slots.CONFIG_KEYS)  # a server config's stream limits
 
 
 @dataclass(frozen=True)
 class WriteLimits:
-    """Write-stream limits. ``max_streams`` None: half the gRPC worker pool (at least 1)."""
+    """Stream limits. ``max_streams`` None: half the gRPC worker pool (at least 1); ``reads``: the
+    per-client share and the stalled-reader cut of the slots every stream needs."""
 
     max_streams: int | None = None
     idle_s: float = 30.0  # a write stream with no message for this long is ended DEADLINE_EXCEEDED
+    reads: StreamLimits = field(default_factory=StreamLimits)
 
     def streams_for(self, workers: int) -> int:
         return self.max_streams if self.max_streams is not None else max(1, workers // 2)
@@ -122,7 +130,7 @@ class WriteLimits:
                 not isinstance(idle, int | float) or isinstance(idle, bool):
             raise ConfigError(f"max_write_streams must be an integer and write_stream_idle_s a number of seconds, got "
                               f"{streams!r} and {idle!r}")
-        return cls(streams, float(idle))
+        return cls(streams, float(idle), StreamLimits.from_extra(extra))
 
 
 def stream_reserve(workers: int) -> int:
@@ -238,6 +246,7 @@ class ChunkService:
         write_limits: WriteLimits = WriteLimits(),
         max_call_bytes: int = DEFAULT_MAX_CALL_BYTES,
         hot: HotChunks | None = None,
+        source_of: Callable[[str], str | None] = source_of_peer,
     ) -> None:
         self.store = store
         self.hot = hot  # hot chunks: reads are counted, hot copies admitted (None: off)
@@ -253,7 +262,14 @@ class ChunkService:
         # Read-token clients holding every stream slot starved the cluster's own reads: a peer's
         # repair and re-replication (the admin token). Some slots only admin-token calls may take.
         self.admin_streams = self.max_streams // 4
-        self._stream_slots = threading.BoundedSemaphore(self.max_streams - self.admin_streams)
+        # Read-token clients that stopped reading held the rest for the idle timeout: each client
+        # identity gets a share, and a stalled reader is cut for a stream that needs its slot. A
+        # stream waiting for a slot holds a thread too: the waiters leave one of the reserve.
+        self._stream_slots = StreamSlots(self.max_streams - self.admin_streams, write_limits.reads,
+                                         max_waiters=max(0, stream_reserve(workers) - 1))
+        # The client's address in ``context.peer()``; a connection gate in front of grpc maps its own
+        # peer back to the client's (None: unknown, all such clients share one identity).
+        self.source_of = source_of
         self._admin_stream_slots = threading.BoundedSemaphore(self.admin_streams or 1)
         self.watchdog = StreamWatchdog(write_limits.idle_s, server_id)
         self.max_call_bytes = max_call_bytes
@@ -273,22 +289,55 @@ class ChunkService:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"server {self.server_id} is serving {limit} {serving}, its limit; {retry}")
 
-    def _stream_slot(self, context: grpc.ServicerContext, what: str, *, reserved: bool = False) -> threading.BoundedSemaphore:
+    def identity(self, context: grpc.ServicerContext, admin: bool) -> str:
+        """Who holds a stream slot: the token class, the client certificate and the source address."""
+        token = "admin" if admin else ("read" if self.auth.read_token else "open")
+        return f"{token} cert={cert_identity(context) or '-'} from={self.source_of(context.peer()) or '?'}"
+
+    def _stream_slot(self, context: grpc.ServicerContext, what: str, *, read: bool = False, reserved: bool = False) -> Slot:
         """Take one of the slots every stream needs (``reserved``: or, when they are taken, one kept
-        for admin-token calls), or end the call RESOURCE_EXHAUSTED. Returns the pool to release to."""
-        if self._stream_slots.acquire(blocking=False):
-            return self._stream_slots
-        if (reserved and self.admin_streams and has_admin_token(context.invocation_metadata(), self.auth)
-                and self._admin_stream_slots.acquire(blocking=False)):
-            return self._admin_stream_slots
-        self._take_slot(self._stream_slots, self.max_streams - self.admin_streams, context, f"{what} stream",
-                        "stream_limit", "streams", "retry in a moment or read from another replica")
-        return self._stream_slots
+        for admin-token calls), or end the call RESOURCE_EXHAUSTED. A client holding its share waits
+        or is refused; a stalled reader is cut to make room (paramserver.server.stream_slots)."""
+        metadata = context.invocation_metadata()
+        # Calls with the admin token are trusted with writes: not held to a client's share.
+        admin = self.auth.admin_token is not None and has_admin_token(metadata, self.auth)
+        identity = self.identity(context, admin)
+        pool = self._stream_slots
+        reserve = reserved and self.admin_streams > 0 and has_admin_token(metadata, self.auth)
+        got = pool.take(identity, context, read=read, capped=not admin, wait_s=0.0 if reserve else None)
+        if isinstance(got, str) and reserve:
+            if self._admin_stream_slots.acquire(blocking=False):
+                return Slot(self._admin_stream_slots)
+            got = pool.take(identity, context, read=read, capped=not admin)
+        if isinstance(got, Taken):
+            if got.victim is not None:
+                self._cut(got.victim, what)
+            return Slot(pool, got.key)
+        limit, serving = pool.slots, "streams"
+        if got == "client_limit":
+            limit, serving = pool.per_client, "streams to this client (its share of the server's streams)"
+        self._refusals.warning(got, "%s stream refused: server=%s peer=%s reason=%s limit=%d",
+                               what, self.server_id, context.peer(), got, limit)
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"server {self.server_id} is serving {limit} {serving}, its limit; read the streams already open "
+                      "as they arrive or close them, retry in a moment, or read from another replica")
+        raise AssertionError("abort returns by raising")  # pragma: no cover
+
+    def _cut(self, victim: object, what: str) -> None:
+        """End a stalled reader whose slot went to another stream (the watchdog's way: its thread wakes)."""
+        context = victim if isinstance(victim, grpc.ServicerContext) else None
+        stale = self._stream_slots.policy.limits.stale_s
+        self._refusals.warning("stalled_cut", "stalled read stream cut for a %s stream: server=%s peer=%s stale_s=%g",
+                               what, self.server_id, context.peer() if context else "?", stale)
+        if context is not None:
+            _end_call(context, grpc.StatusCode.DEADLINE_EXCEEDED,
+                      f"server {self.server_id}: the client took no message of its GetChunks stream for over {stale:g} s "
+                      "while another stream waited for its slot; read a stream as it arrives, or cancel it")
 
     def PutChunks(self, request_iterator: Iterable[pb.PutChunksRequest], context: grpc.ServicerContext) -> pb.PutChunksReply:
         self._take_slot(self._write_slots, self.max_write_streams, context, "write stream", "write_limit", "PutChunks streams")
         try:
-            slots = self._stream_slot(context, "PutChunks", reserved=True)  # re-replication pushes with the admin token
+            slot = self._stream_slot(context, "PutChunks", reserved=True)  # re-replication pushes with the admin token
         except BaseException:
             self._write_slots.release()
             raise
@@ -303,7 +352,7 @@ class ChunkService:
             finally:
                 self.watchdog.release(watch)
         finally:
-            slots.release()
+            slot.release()
             self._write_slots.release()
         if reply is None or watch.expired:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -347,17 +396,20 @@ class ChunkService:
         """
         if len(request.ids) > MAX_IDS_PER_CALL:
             invalid(context, f"GetChunks asks for {len(request.ids)} chunks; split the request into calls of at most {MAX_IDS_PER_CALL}")
-        slots = self._stream_slot(context, "GetChunks", reserved=True)
+        slot = self._stream_slot(context, "GetChunks", read=True, reserved=True)
         watch = self.watchdog.watch(context, "read")
         watch.touch(busy=True)  # reading from the store is work, not idleness
+        slot.touch(busy=True)
         try:
             for message in self._get(request, context):
                 watch.touch(busy=False)  # from here until the client takes it, the watchdog's clock runs
+                slot.touch(busy=False)  # and the stalled-reader clock (cut sooner, when others wait)
                 yield message
                 watch.touch(busy=True)
+                slot.touch(busy=True)
         finally:
             self.watchdog.release(watch)
-            slots.release()
+            slot.release()
 
     def _get(self, request: pb.GetChunksRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         ids = list(dict.fromkeys(request.ids))

@@ -294,6 +294,11 @@ def test_worker_deployment_matches_the_worker_cli(k8s: dict[tuple[str, str], dic
     # the Redis URL from a Secret, optional
     (redis,) = [e for e in container["env"] if e["name"] == "PARAMS_RESULT_CACHE_REDIS"]
     assert redis["valueFrom"]["secretKeyRef"]["optional"] is True
+    # with it, the workers' shared L2 key from the same Secret, as a file (issue 41)
+    key = Path(args.result_cache_key_file)
+    (key_volume,) = [volumes[m["name"]]["secret"] for m in container["volumeMounts"] if m["mountPath"] == str(key.parent)]
+    assert key_volume["secretName"] == redis["valueFrom"]["secretKeyRef"]["name"] and key_volume["optional"] is True
+    assert key_volume["items"] == [{"key": "result-cache.key", "path": key.name}]
     # the read token (never the admin token), and the client config names it by its mounted path; the
     # worker token (beats) and the pre-warm token (its HTTP port off loopback needs one) as files
     token_volume = volumes["token"]["secret"]
@@ -675,6 +680,10 @@ def test_worker_unit_runs_the_cli_with_its_env_file_and_client_config(tmp_path: 
     assert Path(args.config_file).name in credentials
     # the worker token and the pre-warm token (its --listen is not loopback) as credentials too
     assert Path(args.worker_token_file).name in credentials and Path(args.admin_token_file).name in credentials
+    # the workers' shared L2 key (issue 41): a credential, empty by default (read only once Redis is set)
+    key = Path(args.result_cache_key_file)
+    assert str(key.parent) == "/run/credentials/paramworker.service" and key.name in credentials
+    assert f"{key.name}:unset" in values(unit, "SetCredential")  # too short to be a key: refused if Redis is set
     # the client config, as the credentials folder holds it: its relative read_token_file is the credential
     folder = tmp_path / "credentials"
     folder.mkdir()

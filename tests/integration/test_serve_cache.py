@@ -9,9 +9,11 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -59,9 +61,28 @@ def expected(state: dict[str, torch.Tensor], x: Sequence[Sequence[float]]) -> li
         return out
 
 
+def shared_key_file() -> str:
+    """One L2 key file (0600) for every worker these tests start: workers sharing a Redis share it."""
+    global _KEY_FILE
+    if _KEY_FILE is None:
+        folder = tempfile.mkdtemp(prefix="pdparams-result-key-")
+        _KEY_FILE = os.path.join(folder, "result-cache.key")
+        fd = os.open(_KEY_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, secrets.token_urlsafe(32).encode())
+        os.close(fd)
+    return _KEY_FILE
+
+
+_KEY_FILE: str | None = None
+
+
 class Worker:
-    def __init__(self, cluster: Cluster, ref: str, *args: str, forward_s: float = 0.02) -> None:
+    def __init__(self, cluster: Cluster, ref: str, *args: str, forward_s: float = 0.02, shared_key: bool = True) -> None:
+        """``shared_key``: with --result-cache-redis, the workers' shared L2 key (PARAMS_RESULT_CACHE_KEY_FILE)."""
         env = {**os.environ, "PDPARAMS_TEST_FORWARD_S": str(forward_s)}
+        env.pop("PARAMS_RESULT_CACHE_KEY_FILE", None)
+        if shared_key:
+            env["PARAMS_RESULT_CACHE_KEY_FILE"] = shared_key_file()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "worker", "serve", "--model", ref, "--factory", "tests.integration.serve_models:slow_net",
              "--cluster", cluster.seed, "--listen", "127.0.0.1:0", "--poll-s", "0.2", "--device", "cpu", "--cache-mb", "16",

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -62,3 +63,23 @@ def test_paramworker_serve_refuses_bad_cache_settings_in_one_line(args: tuple[st
     assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
     assert "Traceback" not in proc.stderr and why in proc.stderr, proc.stderr
     assert "secret" not in proc.stderr  # a password in the URL is never echoed
+
+
+def test_paramworker_serve_refuses_a_missing_or_open_result_cache_key_in_one_line(tmp_path: Path) -> None:
+    """L2 needs the workers' shared key (issue 41): from a file other users cannot read."""
+    key = tmp_path / "key"
+    key.write_text("k" * 43)
+    key.chmod(0o600)
+    loose = tmp_path / "loose"
+    loose.write_text("k" * 43)
+    loose.chmod(0o644)
+    redis = ("--result-cache-redis", "redis://h:6379/0")
+    for args, why in (((*SERVE, *redis), "needs --result-cache-key-file"),
+                      ((*SERVE, *redis, "--result-cache-key-file", str(loose)), "chmod 600"),
+                      ((*SERVE, *redis, "--result-cache-key-file", str(tmp_path / "none")), "--result-cache-key-file"),
+                      ((*SERVE, "--result-cache-redis", "redis://h:notaport/0", "--result-cache-key-file", str(key)),
+                       "give redis://HOST:PORT/DB")):
+        proc = run("worker.cli", *args)
+        assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+        assert "Traceback" not in proc.stderr and why in proc.stderr, proc.stderr
+        assert len([line for line in proc.stderr.splitlines() if line.strip()]) == 1, proc.stderr

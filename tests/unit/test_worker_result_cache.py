@@ -189,10 +189,13 @@ def test_configs_refuse_nonsense() -> None:
 # ------------------------------------------------------------------ the request path
 
 
+KEY = b"k" * 32  # the workers' shared L2 key
+
+
 def service(store: MemoryResultStore | None, clock: Clock, *, l1: bool = True, rand: float = 0.5,
             admission: Admission | None = None, monotonic: Clock | None = None, **config: object) -> ResultService:
     cfg = ResultCacheConfig(l1_bytes=(1 << 20) if l1 else 0, redis_url="redis://unused" if store else None,
-                            lease_wait_s=2.0, **config)  # type: ignore[arg-type]
+                            lease_wait_s=2.0, l2_key=KEY if store else None, **config)  # type: ignore[arg-type]
     return ResultService(cfg, admission or Admission(AdmissionConfig(max_concurrency=8)), ServeMetrics(), store,
                          clock=clock, rand=lambda: rand, monotonic=monotonic or time.monotonic)
 
