@@ -1,0 +1,225 @@
+"""Connection floods: connections that only connect (or only send a handshake) cannot lock clients out.
+
+Issue 41: 4,200 TCP connections to a server's ``--listen`` port, each sending only the HTTP/2 preface
+and an empty SETTINGS frame (no token needed), held gRPC's whole connection quota, and every new
+client got UNAVAILABLE for about a minute. Now the gRPC port's gate (paramserver.server.grpc_gate)
+caps connections per source address and in total, evicting connections that have not made a call
+first; the HTTP fronts of the worker and the router do the same with connections that have not
+sent a complete request.
+
+Real processes (a ``deploy.local`` cluster, ``paramctl``, ``paramrouter``), real gRPC, 127.0.0.0/8
+only; every flood is bounded in count and time.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import selectors
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from deploy.local import LocalCluster, LocalClusterConfig
+from paramserver.client.rpc import ClientConfig, ParamServerClient
+
+pytestmark = pytest.mark.integration
+
+ADMIN, READ = "flood-admin-token-0123", "flood-read-token-0123"
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # + an empty SETTINGS frame
+FLOOD = 4_200  # the issue's count: past gRPC's own total cap of 4,096
+FLOOD_SECONDS = 90.0  # a flood never outlives this
+CLIENT_ENVS = ("PARAMS_CLUSTER", "PARAMS_ADMIN_TOKEN", "PARAMS_READ_TOKEN", "PARAMS_TLS_CA", "PARAMS_TLS_CERT", "PARAMS_TLS_KEY",
+               "PARAMS_VERIFY", "PARAMS_CONFIG")
+
+
+def _room_for(n: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = n + 1024
+    if soft < want:
+        if hard != resource.RLIM_INFINITY and hard < want:
+            pytest.skip(f"the flood needs {want} open files; the hard limit is {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
+class Flood:
+    """Holds up to ``count`` connections from ``source`` to ``port``, each sent ``hello`` and then
+    nothing; the ones the server closes are opened again (an attacker keeps the pressure on), at most
+    ``rate`` a second, until stopped or ``FLOOD_SECONDS`` are up."""
+
+    def __init__(self, port: int, count: int, hello: bytes, source: str = "127.0.0.1", rate: int = 3000) -> None:
+        self.port, self.count, self.hello, self.source, self.rate = port, count, hello, source, rate
+        self.opened = 0
+        self.failed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="flood", daemon=True)
+
+    def __enter__(self) -> Flood:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def wait_opened(self, n: int, timeout: float = 60.0) -> None:
+        end = time.monotonic() + timeout
+        while self.opened < n and time.monotonic() < end:
+            time.sleep(0.1)
+        assert self.opened >= n, f"the flood opened only {self.opened} connections"
+
+    def _open(self) -> socket.socket | None:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            s.bind((self.source, 0))
+            s.settimeout(2.0)
+            s.connect(("127.0.0.1", self.port))
+            s.sendall(self.hello)
+            s.setblocking(False)
+        except OSError:
+            s.close()
+            self.failed += 1
+            return None
+        self.opened += 1
+        return s
+
+    def _run(self) -> None:
+        held = selectors.DefaultSelector()
+        end = time.monotonic() + FLOOD_SECONDS
+        try:
+            while not self._stop.is_set() and time.monotonic() < end:
+                started = time.monotonic()
+                for key, _ in held.select(0):  # readable: the server's bytes, or its close
+                    s = key.fileobj
+                    assert isinstance(s, socket.socket)
+                    try:
+                        if s.recv(65536):
+                            continue
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        pass
+                    held.unregister(s)
+                    s.close()
+                batch = min(self.count - len(held.get_map()), self.rate // 10)
+                for _ in range(batch):
+                    s = self._open()
+                    if s is not None:
+                        held.register(s, selectors.EVENT_READ)
+                self._stop.wait(max(0.0, 0.1 - (time.monotonic() - started)))
+        finally:
+            for key in list(held.get_map().values()):
+                key.fileobj.close()  # type: ignore[union-attr]
+            held.close()
+
+
+class Forwarder:
+    """A local port that relays to ``target`` from ``source``: a gRPC client from another address
+    (grpcio cannot bind a client's source address)."""
+
+    def __init__(self, target: tuple[str, int], source: str) -> None:
+        self.target, self.source = target, source
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            out = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            out.bind((self.source, 0))
+            out.connect(self.target)
+            for a, b in ((conn, out), (out, conn)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+            b.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def _env(cluster: LocalCluster) -> dict[str, str]:
+    out = {k: v for k, v in os.environ.items() if k not in CLIENT_ENVS}
+    out["PARAMS_CONFIG"] = str(cluster.client_config_path)
+    return out
+
+
+def _paramctl(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "paramserver.client.ctl", *args], env=_env(cluster),
+                          capture_output=True, text=True, timeout=120)
+
+
+def _first_call_seconds(address: str) -> float:
+    """Seconds a new client takes from its channel's creation to its first answer."""
+    t0 = time.monotonic()
+    with ParamServerClient(ClientConfig(address, token=READ, timeout_s=10)) as client:
+        assert client.server_status().server_id
+    return time.monotonic() - t0
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    c = LocalCluster(LocalClusterConfig(root=tmp_path_factory.mktemp("flood"), servers=1, replication=1, admin_token=ADMIN,
+                                        read_token=READ, extra_args=("--no-fsync",)))
+    try:
+        c.up(wait=90)
+        yield c
+    finally:
+        c.down()
+
+
+def test_a_preface_flood_from_one_address_locks_no_client_out(cluster: LocalCluster, tmp_path: Path) -> None:
+    _room_for(FLOOD + 512)
+    slot = cluster.slots[0]
+    host, _, port_text = slot.grpc.rpartition(":")
+    port = int(port_text)
+    g = torch.Generator().manual_seed(41)
+    model = tmp_path / "m.safetensors"
+    save_file({"w": torch.randn(512, 512, generator=g), "b": torch.randn(512, generator=g)}, str(model))
+    base_fds = _fds(slot.pid)
+    forwarder = Forwarder((host, port), "127.0.0.2")
+    try:
+        with Flood(port, FLOOD, PREFACE) as flood:
+            flood.wait_opened(FLOOD)
+            time.sleep(1.0)  # the server has taken them all in
+            # A new client from the flood's own address, and one from another, get an answer at once.
+            same = _first_call_seconds(slot.grpc)
+            other = _first_call_seconds(forwarder.address)
+            assert same < 2.0 and other < 2.0, (same, other)
+            # A client pushes and pulls (bit-exact) while the flood goes on.
+            pushed = _paramctl(cluster, "push", str(model), "--model", "flooded", "--tag", "prod", "--no-progress")
+            assert pushed.returncode == 0, pushed.stderr
+            out = tmp_path / "pulled.safetensors"
+            pulled = _paramctl(cluster, "pull", "flooded:prod", "--out", str(out), "--no-bulk", "--no-progress")
+            assert pulled.returncode == 0, pulled.stderr
+            back, want = load_file(str(out)), load_file(str(model))
+            assert set(back) == set(want) and all(torch.equal(back[k], want[k]) for k in want)
+            # The flood holds at most its source's share of the server's descriptors, not one each.
+            held = _fds(slot.pid) - base_fds
+            assert held < 3 * 256 + 200, f"the flood holds {held} of the server's file descriptors"
+            assert _first_call_seconds(slot.grpc) < 2.0
+            assert flood.opened > FLOOD, "the server closed none of the flood's connections"
+    finally:
+        forwarder.close()
+    assert _first_call_seconds(slot.grpc) < 2.0
