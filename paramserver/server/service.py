@@ -388,8 +388,8 @@ def start_server(
         futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix=f"grpc-{config.server_id}"),
         interceptors=[TokenAuthInterceptor(auth)],
         # gRPC's own cap stays as a backstop behind the gate; the slack covers evicted connections
-        # that gRPC has not finished closing when their places are taken again.
-        options=server_options(config.max_message_bytes, max_connections=limits.total + limits.per_source),
+        # that gRPC has not finished closing when their places are taken again (a burst of them).
+        options=server_options(config.max_message_bytes, max_connections=2 * limits.total + 64),
         maximum_concurrent_rpcs=config.workers * 8,
     )
     register_servicer(servicer, server)
