@@ -282,7 +282,7 @@ class GrpcGate:
                     # After the relays: a client admitted a moment ago has its first bytes read
                     # before a burst of newcomers can push it out.
                     self._accept()
-        except Exception:  # noqa: BLE001 - logged; the port is then closed rather than left half-alive
+        except Exception:  # logged; the port is then closed rather than left half-alive
             log.exception("the gRPC gate on port %d failed", self.port)
         finally:
             for pair in list(self._pairs):

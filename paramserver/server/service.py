@@ -418,5 +418,6 @@ def start_server(
     return RunningServer(server, gate.port, f"{host}:{gate.port}", servicer, health_servicer, gate)
 
 
-__all__ = ["CONFIG_KEYS", "DEFAULT_MAX_CONNECTIONS", "DEFAULT_MAX_CONNECTIONS_PER_SOURCE", "connection_limits", "MAX_HEAT_ENTRIES_PER_CALL", "MAX_HEAT_REQUEST_BYTES", "ParamServerServicer",
-           "RunningServer", "get_call_bytes", "max_connections", "register_servicer", "start_server"]
+__all__ = ["CONFIG_KEYS", "DEFAULT_MAX_CONNECTIONS", "DEFAULT_MAX_CONNECTIONS_PER_SOURCE", "MAX_HEAT_ENTRIES_PER_CALL",
+           "MAX_HEAT_REQUEST_BYTES", "ParamServerServicer", "RunningServer", "connection_limits", "get_call_bytes",
+           "max_connections", "register_servicer", "start_server"]
