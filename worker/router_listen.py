@@ -71,10 +71,10 @@ class _Gated(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         source = str(peer[0]) if isinstance(peer, (tuple, list)) and peer else str(peer)
         decision = self._open.table.offer(self, source)
-        for victim in decision.evict:  # it sent no request yet: closed, its place is the newcomer's
+        for victim in decision.evict:  # it sent no request yet: answered 503, its place is the newcomer's
+            self._on_refused()
             self._on_evicted()
-            if victim.transport is not None:
-                victim.transport.abort()
+            victim.evict()
         if not decision.admit:
             self._on_refused()
             self._refused = _Overloaded(self._open)
@@ -83,8 +83,16 @@ class _Gated(asyncio.Protocol):
         self._inner = self._make_inner()
         self._inner.connection_made(transport)
 
+    def evict(self) -> None:
+        """Answer the connection a 503 with a FIN, not a reset (a request it sent may be in flight):
+        ``_Overloaded`` takes it over; aiohttp's protocol is told only when the connection ends."""
+        if self._inner is None or self._refused is not None or self.transport is None:
+            return
+        self._refused = _Overloaded(self._open)
+        self._refused.connection_made(self.transport)
+
     def data_received(self, data: bytes) -> None:
-        if self._inner is None:
+        if self._inner is None or self._refused is not None:
             return  # a refused connection's request: dropped
         if self._tail is not None:
             if b"\r\n\r\n" in self._tail + data:
@@ -95,9 +103,9 @@ class _Gated(asyncio.Protocol):
         self._inner.data_received(data)
 
     def eof_received(self) -> bool | None:
-        if self._inner is None:
-            return False if self._refused is None else self._refused.eof_received()
-        return self._inner.eof_received()
+        if self._refused is not None:
+            return self._refused.eof_received()
+        return False if self._inner is None else self._inner.eof_received()
 
     def pause_writing(self) -> None:
         if self._inner is not None:
@@ -111,7 +119,7 @@ class _Gated(asyncio.Protocol):
         self._open.table.remove(self)
         if self._refused is not None:
             self._refused.connection_lost(exc)
-        elif self._inner is not None:
+        if self._inner is not None:
             self._inner.connection_lost(exc)
 
 

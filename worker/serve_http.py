@@ -25,11 +25,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from socket import SHUT_RDWR, socket
+from socket import MSG_DONTWAIT, SHUT_RDWR, socket
 from typing import Any, Protocol, TypeVar, cast
 
 from paramserver.wire.conn_limits import ConnectionLimits, ConnectionTable
-from worker.admission import Admission, AdmissionConfig, ByteBudget, Refuser
+from worker.admission import TOO_MANY_CONNECTIONS, Admission, AdmissionConfig, ByteBudget, Refuser
 from worker.config import MAX_BODY_BYTES
 from worker.errors import BadRequest, ConfigError, Misdirected, Shed, UnknownVersion, WorkerError
 from worker.loader import LoadedModel
@@ -211,11 +211,12 @@ class HTTPFront(ThreadingHTTPServer):
         source = str(client_address[0]) if isinstance(client_address, tuple) else str(client_address)
         with self._count_lock:
             decision = self._table.offer(request, source)
-        for victim in decision.evict:  # its thread's read ends at once and the thread cleans up
+        for victim in decision.evict:  # answered 503; its thread's read ends at once and the thread closes it
             self.evicted += 1
-            log.info("HTTP connection closed for a newcomer: source=%s reason=%s (it had sent no request)",
-                     source, decision.reason)
+            log.debug("HTTP connection closed for a newcomer: source=%s reason=%s (it had sent no request)",
+                      source, decision.reason)
             try:
+                victim.send(TOO_MANY_CONNECTIONS, MSG_DONTWAIT)
                 victim.shutdown(SHUT_RDWR)
             except OSError:
                 pass

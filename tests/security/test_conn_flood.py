@@ -12,6 +12,7 @@ only; every flood is bounded in count and time.
 """
 from __future__ import annotations
 
+import http.client
 import os
 import resource
 import selectors
@@ -223,3 +224,110 @@ def test_a_preface_flood_from_one_address_locks_no_client_out(cluster: LocalClus
     finally:
         forwarder.close()
     assert _first_call_seconds(slot.grpc) < 2.0
+
+
+# ---------------------------------------------------------------- HTTP: the router and the worker's front
+
+
+def _get_healthz(address: str, source: str) -> tuple[int, float]:
+    host, port = address.rsplit(":", 1)
+    t0 = time.monotonic()
+    conn = http.client.HTTPConnection(host, int(port), timeout=10, source_address=(source, 0))
+    try:
+        conn.request("GET", "/healthz")
+        response = conn.getresponse()
+        response.read()
+        return response.status, time.monotonic() - t0
+    finally:
+        conn.close()
+
+
+def test_an_http_flood_from_one_address_locks_no_client_out_of_the_router(tmp_path: Path) -> None:
+    """2,000 connections that send a request line and then nothing, against a router capped at 1,024:
+    before, every new client was answered 503 for as long as the flood lasted."""
+    _room_for(2_000 + 512)
+    env = {k: v for k, v in os.environ.items() if k not in CLIENT_ENVS + ("PARAMS_ROUTER",)}
+    proc = subprocess.Popen([sys.executable, "-m", "worker.router", "--listen", "127.0.0.1:0", "--max-connections", "1024"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("LISTENING"), line + proc.stdout.read()[-2000:]
+        address = line.split()[1]
+        port = int(address.rsplit(":", 1)[1])
+        with Flood(port, 2_000, b"GET /healthz HTTP/1.1\r\n") as flood:
+            flood.wait_opened(2_000)
+            time.sleep(1.0)
+            for source in ("127.0.0.1", "127.0.0.2", "127.0.0.1"):
+                status, took = _get_healthz(address, source)
+                assert status == 200 and took < 2.0, (source, status, took)
+            assert flood.opened > 2_000, "the router closed none of the flood's connections"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _status_line(s: socket.socket) -> bytes:
+    """The status line of one whole answer read from ``s`` (headers, then Content-Length bytes)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(4096)
+        assert chunk, data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(h.split(b":")[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        body += s.recv(4096)
+    return head.split(b"\r\n")[0]
+
+
+def test_an_http_flood_locks_no_client_out_of_the_worker_front() -> None:
+    """The worker's HTTP front (worker.serve_http.HTTPFront, one thread per connection): connections
+    that never send a whole request give way to a client; ones that did are kept, and past them a
+    newcomer gets a 503."""
+    from http.server import BaseHTTPRequestHandler
+
+    from worker.serve_http import HTTPFront
+
+    class Hello(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    front = HTTPFront(("127.0.0.1", 0), Hello, max_connections=32, per_source=16)
+    threading.Thread(target=front.serve_forever, daemon=True).start()
+    address = f"127.0.0.1:{front.server_address[1]}"
+    try:
+        with Flood(front.server_address[1], 200, b"GET /healthz HTTP/1.1\r\n") as flood:
+            flood.wait_opened(200)
+            time.sleep(0.5)
+            for source in ("127.0.0.1", "127.0.0.2"):
+                status, took = _get_healthz(address, source)
+                assert status == 200 and took < 2.0, (source, status, took)
+            assert front.open_connections() <= 32 and front.evicted > 100
+        # Connections that made a request are kept: 16 from one address fill its share, and the
+        # next from that address is answered 503 (not one of the 16 cut).
+        kept = [socket.create_connection(("127.0.0.1", front.server_address[1]), timeout=5) for _ in range(16)]
+        try:
+            for s in kept:
+                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert _status_line(s) == b"HTTP/1.1 200 OK"
+            with socket.create_connection(("127.0.0.1", front.server_address[1]), timeout=5) as extra:
+                extra.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert _status_line(extra).startswith(b"HTTP/1.1 503")
+            for s in kept:
+                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert _status_line(s) == b"HTTP/1.1 200 OK"
+        finally:
+            for s in kept:
+                s.close()
+    finally:
+        front.shutdown()
+        front.server_close()

@@ -117,3 +117,55 @@ def test_remove_is_idempotent_and_frees_the_slot() -> None:
     assert t.offer("a1", "A").admit
     with pytest.raises(ValueError):
         t.offer("a1", "A")
+
+
+# ---------------------------------------------------------------- what the gRPC gate calls useful
+
+from paramserver.server.grpc_gate import PREFACE, TLS_USEFUL_BYTES, FirstCall  # noqa: E402
+
+
+def frame(kind: int, payload: bytes = b"", stream: int = 0) -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, 0]) + stream.to_bytes(4, "big") + payload
+
+
+def test_a_call_is_useful_a_preface_and_settings_are_not() -> None:
+    flood = FirstCall()
+    assert not flood.feed(PREFACE + frame(4))  # the 33 bytes
+    assert not flood.feed(frame(4) + frame(6, b"12345678") + frame(8, b"\0\0\0\1"))  # an ack, a ping, a window update
+    client = FirstCall()
+    first = PREFACE + frame(4, b"\0\4\0\0\0\0") + frame(8, b"\0\1\0\0")
+    assert not client.feed(first)
+    headers = frame(1, b"x" * 200, stream=1)
+    assert client.feed(headers[:5]) is False and client.feed(headers[5:]) is True
+    assert client.feed(b"anything") is True
+
+
+def test_bytes_split_anywhere_are_read_the_same() -> None:
+    data = PREFACE + frame(4, b"\0" * 12) + frame(0, b"d" * 30_000, stream=1) + frame(1, b"h", 3)
+    # a DATA frame's payload is skipped, not read: its size does not count as headers
+    for step in (1, 7, 9, 4096, len(data)):
+        sniff = FirstCall()
+        results = [sniff.feed(data[i:i + step]) for i in range(0, len(data), step)]
+        first = results.index(True)  # the piece holding the last byte of the HEADERS frame's header
+        assert first == (len(data) - 2) // step and all(results[first:]), step
+
+
+def test_tls_is_useful_after_enough_application_data() -> None:
+    def record(kind: int, n: int) -> bytes:
+        return bytes([kind, 3, 3]) + n.to_bytes(2, "big") + b"\0" * n
+
+    sniff = FirstCall()
+    assert not sniff.feed(record(0x16, 1400))  # a ClientHello, however large
+    assert not sniff.feed(record(0x14, 1) + record(0x17, 53) + record(0x17, 55))  # Finished, preface + SETTINGS
+    assert sniff.feed(record(0x17, TLS_USEFUL_BYTES))
+
+
+def test_not_http2_is_never_useful() -> None:
+    sniff = FirstCall()
+    assert not sniff.feed(b"GET / HTTP/1.1\r\n\r\n")
+    assert not sniff.feed(frame(1, b"h", 1))
+    big = FirstCall()
+    assert not big.feed(PREFACE)
+    for _ in range(100):  # pings only, past the inspection limit: it stays not useful
+        big.feed(frame(6, b"12345678") * 100)
+    assert not big.feed(frame(1, b"h", 1))
