@@ -147,8 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="open HTTP connections (one thread each); at the cap the oldest one that has sent no request "
                          "is closed for a newcomer, else a 503 at once (default 512)")
     rc.add_argument("--max-connections-per-source", type=int_in(1, 100000, "--max-connections-per-source"), default=256,
-                    metavar="N", help="open HTTP connections one client address may hold, at most --max-connections; "
-                                      "beyond, as at --max-connections (default 256; a router's address counts as one)")
+                    metavar="N", help="open HTTP connections that have sent a request one client address may hold "
+                                      "(at most --max-connections); beyond, 503 (default 256; a router counts as one address)")
     rc.add_argument("--request-read-timeout-s", type=float_in(0, 3600, "--request-read-timeout-s"), default=10.0, metavar="S",
                     help="a request's line, headers and body must arrive within S seconds of its first byte, "
                          "else the connection is closed (default 10)")

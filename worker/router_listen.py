@@ -1,10 +1,11 @@
 """The router's listening socket: accepting client connections, the connection caps, and the
 serve loop around the aiohttp app (``worker.router.Router``).
 
-aiohttp has no connection limit of its own; this module counts connections from accept to close,
-per client address and in total (``paramserver.wire.conn_limits``). At a cap the oldest connection
-that has not sent a complete request yet is closed for the newcomer; when every one there has, the
-newcomer is answered a 503 before aiohttp spends anything on it.
+aiohttp has no connection limit of its own; this module counts connections from accept to close
+(``paramserver.wire.conn_limits``): at the total cap a connection that has not sent a complete
+request yet is answered 503 and closed for the newcomer, and when every one has, the newcomer is
+answered a 503 before aiohttp spends anything on it; one client address holds at most
+``per_source`` connections that have sent a request (past that, 503).
 """
 from __future__ import annotations
 
@@ -88,6 +89,7 @@ class _Gated(asyncio.Protocol):
         ``_Overloaded`` takes it over; aiohttp's protocol is told only when the connection ends."""
         if self._inner is None or self._refused is not None or self.transport is None:
             return
+        self._open.table.remove(self)
         self._refused = _Overloaded(self._open)
         self._refused.connection_made(self.transport)
 
@@ -97,7 +99,10 @@ class _Gated(asyncio.Protocol):
         if self._tail is not None:
             if b"\r\n\r\n" in self._tail + data:
                 self._tail = None
-                self._open.table.useful(self)
+                if not self._open.table.useful(self):  # its address holds its share of requesting connections
+                    self._on_refused()
+                    self.evict()
+                    return
             else:
                 self._tail = (self._tail + data)[-3:]
         self._inner.data_received(data)
@@ -160,9 +165,10 @@ async def serve(app: web.Application, host: str, port: int, max_connections: int
                 on_refused: Callable[[], None] = lambda: None, banner: str = "", warning: str | None = None,
                 per_source: int = DEFAULT_MAX_CONNECTIONS_PER_SOURCE, on_evicted: Callable[[], None] = lambda: None) -> int:
     """Serve ``app`` on HOST:PORT until SIGTERM or SIGINT: at most ``max_connections`` client
-    connections, ``per_source`` of them from one address (paramserver.wire.conn_limits). ``on_refused``:
-    called for each connection refused at a cap; ``on_evicted``: for each one closed for a newcomer
-    (it had sent no request); ``banner``: after ``LISTENING host:port``; ``warning``: printed once listening."""
+    connections, and ``per_source`` that have sent a request from one address (paramserver.wire.conn_limits).
+    ``on_refused``: called for each connection answered 503 at a cap (evicted ones too); ``on_evicted``:
+    for each one closed for a newcomer (it had sent no request); ``banner``: after ``LISTENING
+    host:port``; ``warning``: printed once listening."""
     # keepalive_timeout: an idle client connection is closed after this, not aiohttp's hour.
     runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=KEEPALIVE_S)
     await runner.setup()

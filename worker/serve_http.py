@@ -188,10 +188,10 @@ class App(Protocol):
 
 
 class HTTPFront(ThreadingHTTPServer):
-    """One thread per connection, at most ``max_connections`` in all and ``per_source`` from one client
-    address (``paramserver.wire.conn_limits``). At a cap, the oldest connection that has not sent a
-    complete request line and headers yet is closed for the newcomer; when every connection there
-    has, the newcomer gets a 503 at once."""
+    """One thread per connection, at most ``max_connections`` (``paramserver.wire.conn_limits``): at
+    the cap a connection that has not sent a complete request line and headers yet is closed for the
+    newcomer (answered 503), and when every one has, the newcomer gets a 503 at once. One client
+    address holds at most ``per_source`` connections that have sent a request: past that, 503."""
 
     daemon_threads = True
     request_queue_size = 1024
@@ -233,10 +233,14 @@ class HTTPFront(ThreadingHTTPServer):
             with self._count_lock:
                 self._table.remove(request)
 
-    def mark_useful(self, request: socket) -> None:
-        """``request`` has sent a complete request line and headers: never closed for a newcomer."""
+    def mark_useful(self, request: socket) -> bool:
+        """``request`` has sent a complete request line and headers: never closed for a newcomer.
+        False: its address already holds ``per_source`` such connections; the caller answers 503."""
         with self._count_lock:
-            self._table.useful(request)
+            if self._table.useful(request):
+                return True
+        self.refused += 1
+        return False
 
     def open_connections(self) -> int:
         with self._count_lock:
@@ -257,8 +261,10 @@ def _marking_useful(handler: type[BaseHTTPRequestHandler]) -> type[BaseHTTPReque
     class Marking(handler):  # type: ignore[valid-type, misc]
         def parse_request(self) -> bool:
             ok = bool(super().parse_request())
-            if ok and isinstance(self.server, HTTPFront):
-                self.server.mark_useful(self.connection)
+            if ok and isinstance(self.server, HTTPFront) and not self.server.mark_useful(self.connection):
+                self.close_connection = True  # the request (and its body) is not read
+                self.wfile.write(TOO_MANY_CONNECTIONS)
+                return False
             return ok
 
     Marking.__name__ = Marking.__qualname__ = handler.__name__

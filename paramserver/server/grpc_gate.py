@@ -250,7 +250,7 @@ class GrpcGate:
 
     def stats(self) -> dict[str, int]:
         return {"open": len(self.table), "idle": self.table.idle_count(), "refused": self.table.refused,
-                "evicted": self.table.evicted}
+                "evicted": self.table.evicted, "limit": self.limits.total, "limit_per_source": self.limits.per_source}
 
     # ------------------------------------------------------------ the loop
 
@@ -271,13 +271,7 @@ class GrpcGate:
                     elif key.fileobj is self._wake_r:
                         self._drain_wake()
                     else:
-                        side: _Side = key.data
-                        if side.pair.closed:
-                            continue
-                        if mask & selectors.EVENT_WRITE:
-                            self._flush(side)
-                        if mask & selectors.EVENT_READ and not side.pair.closed:
-                            self._read(side)
+                        self._relay(key.data, mask)
                 if accept and self._listening:
                     # After the relays: a client admitted a moment ago has its first bytes read
                     # before a burst of newcomers can push it out.
@@ -289,6 +283,18 @@ class GrpcGate:
                 self._close(pair)
             self._selector.close()
             self._listener.close()
+
+    def _relay(self, side: _Side, mask: int) -> None:
+        if side.pair.closed:
+            return
+        try:
+            if mask & selectors.EVENT_WRITE:
+                self._flush(side)
+            if mask & selectors.EVENT_READ and not side.pair.closed:
+                self._read(side)
+        except Exception:  # one connection's failure ends that connection, not the port
+            log.exception("gRPC gate: relaying a connection from %s failed; it is closed", side.pair.source)
+            self._close(side.pair)
 
     def _listen(self, on: bool) -> None:
         if on != self._listening:
@@ -405,7 +411,13 @@ class GrpcGate:
         data = self._view[:n]
         if side is pair.client and pair.sniff is not None and pair.sniff.feed(data):
             pair.sniff = None
-            self.table.useful(pair)
+            if not self.table.useful(pair):  # its address already holds its share of calling connections
+                self._on_refused("per_source")
+                self._refusals.warning("refused_per_source", "gRPC connection refused: source=%s port=%d reason=per_source "
+                                       "limit_per_source=%d (connections that made calls)", pair.source, self.port,
+                                       self.limits.per_source)
+                self._close(pair)
+                return
         try:
             sent = target.sock.send(data)
         except (BlockingIOError, InterruptedError):

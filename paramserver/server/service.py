@@ -125,6 +125,8 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
         self.repair_queue = repair_queue
         self.cluster_id = cluster_id
         self.placement = placement
+        # The gRPC gate's connection counts (open, idle, refused, evicted), for ServerStatus.
+        self.connections: Callable[[], Mapping[str, int]] | None = None
 
     # data plane
     def PutChunks(self, request_iterator: Iterable[pb.PutChunksRequest], context: grpc.ServicerContext) -> pb.PutChunksReply:
@@ -164,6 +166,8 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
         reply.extra[CLUSTER_ID_KEY] = self.cluster_id
         if self.placement is not None:
             reply.extra.update(self.placement())
+        if self.connections is not None:
+            reply.extra.update({f"grpc_connections_{k}": str(v) for k, v in self.connections().items()})
         if self.chunks.hot is not None:
             h = self.chunks.hot.stats()
             reply.extra.update({"hot_chunks": str(h.hot_chunks), "hot_advertised": str(h.advertised),
@@ -323,8 +327,9 @@ def max_connections(extra: Any, fd_limit: int | None = None) -> int:
 
 def connection_limits(extra: Any, fd_limit: int | None = None) -> ConnectionLimits:
     """The gRPC port's connection limits: the config file's extra keys ``max_connections`` (total,
-    default 4096) and ``max_connections_per_source`` (one client address, default 256), the total at
-    most half the open-file limit's worth of gated connections (three descriptors each)."""
+    default 4096) and ``max_connections_per_source`` (connections that made calls, from one client
+    address; default 256), the total at most half the open-file limit's worth of gated connections
+    (three descriptors each)."""
     if fd_limit is None:
         fd_limit = _fd_limit()
     per_source = _positive(extra, "max_connections_per_source", DEFAULT_MAX_CONNECTIONS_PER_SOURCE)
@@ -412,6 +417,7 @@ def start_server(
         raise OSError(f"cannot listen on {gate.backend_path} (the gRPC server behind {config.listen})")
     server.start()
     gate.start()
+    servicer.connections = gate.stats
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     host = config.listen.rpartition(":")[0]

@@ -216,11 +216,16 @@ def test_a_preface_flood_from_one_address_locks_no_client_out(cluster: LocalClus
             assert pulled.returncode == 0, pulled.stderr
             back, want = load_file(str(out)), load_file(str(model))
             assert set(back) == set(want) and all(torch.equal(back[k], want[k]) for k in want)
-            # The flood holds at most its source's share of the server's descriptors, not one each.
-            held = _fds(slot.pid) - base_fds
-            assert held < 3 * 256 + 200, f"the flood holds {held} of the server's file descriptors"
             assert _first_call_seconds(slot.grpc) < 2.0
             assert flood.opened > FLOOD, "the server closed none of the flood's connections"
+            with ParamServerClient(ClientConfig(slot.grpc, token=READ, timeout_s=10)) as client:
+                extra = client.server_status().extra
+            limit = int(extra["grpc_connections_limit"])
+            assert limit < FLOOD and int(extra["grpc_connections_open"]) <= limit, dict(extra)
+            assert int(extra["grpc_connections_evicted"]) >= FLOOD - limit, dict(extra)
+            # The flood holds at most the descriptors budgeted for connections (three each through the gate).
+            held = _fds(slot.pid) - base_fds
+            assert held < 3 * limit + 200, f"the flood holds {held} of the server's file descriptors (limit {limit})"
     finally:
         forwarder.close()
     assert _first_call_seconds(slot.grpc) < 2.0

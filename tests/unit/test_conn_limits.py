@@ -32,56 +32,53 @@ def test_limits_validate_and_cap() -> None:
 def test_admits_below_the_caps() -> None:
     t, _ = table(2, 10)
     assert t.offer("a1", "A").admit and t.offer("a2", "A").admit and t.offer("b1", "B").admit
-    assert len(t) == 3 and t.count("A") == 2 and t.idle_count() == 3
+    assert t.offer("a3", "A").admit  # idle connections count against the total only
+    assert len(t) == 4 and t.count("A") == 3 and t.idle_count() == 4
 
 
-def test_per_source_cap_evicts_the_oldest_idle_of_that_source() -> None:
-    t, clock = table(3, 100)
-    for i in range(3):
-        t.offer(f"a{i}", "A")
+def test_the_total_cap_evicts_the_oldest_idle_of_the_largest_idle_holder() -> None:
+    t, clock = table(10, 5)
+    for key, source in (("b0", "B"), ("a0", "A"), ("a1", "A"), ("a2", "A"), ("c0", "C")):
+        assert t.offer(key, source).admit
         clock.now += 1
-    t.offer("b0", "B")  # older idle connections of other sources are not touched
-    t.useful("a0")
-    decision = t.offer("a3", "A")
-    assert decision.admit and decision.evict == ("a1",) and decision.reason == "per_source"
-    assert "a1" not in t and t.count("A") == 3 and t.evicted == 1
-    assert t.offer("a4", "A").evict == ("a2",)
-    assert t.offer("a5", "A").evict == ("a3",)  # the newest are evicted last
+    decision = t.offer("d0", "D")
+    assert decision.admit and decision.evict == ("a0",) and decision.reason == "total"  # A holds the most, b0 is older
+    assert t.offer("d1", "D").evict == ("a1",)
+    # A and D now hold 1 and 2 idle ones; B and C 1 each: D's oldest goes
+    assert t.offer("e0", "E").evict == ("d0",)
+    assert "b0" in t and "c0" in t and t.evicted == 3 and len(t) == 5
 
 
 def test_useful_connections_are_never_evicted() -> None:
+    t, _ = table(10, 3)
+    for key in ("a0", "a1", "b0"):
+        t.offer(key, key[0].upper())
+        assert t.useful(key)
+    decision = t.offer("c0", "C")
+    assert not decision.admit and decision.reason == "total" and decision.evict == ()
+    assert t.refused == 1 and len(t) == 3 and "c0" not in t
+
+
+def test_a_source_holds_at_most_per_source_useful_connections() -> None:
     t, _ = table(2, 100)
-    t.offer("a0", "A")
-    t.offer("a1", "A")
-    t.useful("a0")
-    t.useful("a1")
-    decision = t.offer("a2", "A")
-    assert not decision.admit and decision.reason == "per_source" and decision.evict == ()
-    assert t.refused == 1 and "a0" in t and "a1" in t and "a2" not in t
+    for key in ("a0", "a1", "a2"):
+        assert t.offer(key, "A").admit
+    assert t.useful("a0") and t.useful("a1")
+    assert t.useful("a1")  # a repeat changes nothing
+    assert not t.useful("a2")  # its source's useful share is full: refused at its first call
+    assert "a2" not in t and t.refused == 1
+    refused = t.offer("a3", "A")
+    assert not refused.admit and refused.reason == "per_source"
     assert t.offer("b0", "B").admit  # another source still gets in
-
-
-def test_total_cap_evicts_the_oldest_idle_from_anyone() -> None:
-    t, _ = table(10, 4)
-    t.offer("a0", "A")
-    t.offer("b0", "B")
-    t.offer("a1", "A")
-    t.offer("c0", "C")
-    t.useful("a0")
-    decision = t.offer("d0", "D")
-    assert decision.admit and decision.evict == ("b0",) and decision.reason == "total"
-    for key in ("a1", "c0", "d0"):
-        t.useful(key)
-    refused = t.offer("e0", "E")
-    assert not refused.admit and refused.reason == "total"
-    assert len(t) == 4
+    t.remove("a0")
+    assert t.offer("a4", "A").admit and t.useful("a4")
 
 
 def test_a_flood_from_one_source_cannot_lock_out_a_client() -> None:
     """The issue's attack in small: a source opens connections that never send anything useful,
     forever; a client from the same source and one from another are admitted between them, and
-    survive as long as they become useful before being the oldest idle ones."""
-    t, clock = table(8, 16)
+    survive: the same-source one for ``total`` newer arrivals, the other for good."""
+    t, clock = table(8, 64)
     flood = 0
 
     def attack(n: int) -> None:
@@ -91,15 +88,17 @@ def test_a_flood_from_one_source_cannot_lock_out_a_client() -> None:
             flood += 1
             clock.now += 0.001
 
-    attack(100)
-    assert t.count("10.0.0.1") == 8
+    attack(1000)
+    assert t.count("10.0.0.1") == 64
     assert t.offer("same", "10.0.0.1").admit
     assert t.offer("other", "10.0.0.2").admit
-    t.useful("same")
-    t.useful("other")
+    attack(62)  # the same-source client has this many newer arrivals' time to make its first call
+    assert "same" in t and "other" in t
+    assert t.useful("same")
     attack(1000)
-    assert "same" in t and "other" in t and t.count("10.0.0.1") == 8
-    assert t.evicted == 1100 - 7  # every flood connection but the 7 left beside "same"
+    assert "same" in t and "other" in t  # the other one never made a call: the flood gives way first
+    assert t.useful("other")
+    assert t.evicted == 2062 - 62
 
 
 def test_remove_is_idempotent_and_frees_the_slot() -> None:
@@ -107,16 +106,45 @@ def test_remove_is_idempotent_and_frees_the_slot() -> None:
     t.offer("a0", "A")
     clock.now += 5
     assert t.age("a0") == 5
-    t.useful("a0")
-    assert t.is_useful("a0") and t.source_of("a0") == "A"
+    assert t.useful("a0")
+    assert t.is_useful("a0") and t.source_of("a0") == "A" and t.useful_count("A") == 1
     assert not t.offer("a1", "A").admit
     t.remove("a0")
     t.remove("a0")
-    t.useful("a0")  # a late mark for a closed connection is ignored
-    assert len(t) == 0 and t.count("A") == 0 and t.idle_count() == 0
+    assert t.useful("a0")  # a late mark for a closed connection is ignored
+    assert len(t) == 0 and t.count("A") == 0 and t.idle_count() == 0 and t.useful_count("A") == 0
     assert t.offer("a1", "A").admit
     with pytest.raises(ValueError):
         t.offer("a1", "A")
+
+
+def test_the_largest_holder_is_tracked_through_every_change() -> None:
+    """The O(1) buckets agree with a brute-force count after a random sequence of operations."""
+    import random
+
+    rng = random.Random(41)
+    t, _ = table(3, 20)
+    keys: list[str] = []
+    for i in range(5000):
+        op = rng.random()
+        if op < 0.5:
+            key, source = f"k{i}", f"s{rng.randrange(6)}"
+            decision = t.offer(key, source)
+            if decision.admit:
+                keys.append(key)
+        elif op < 0.7 and keys:
+            t.useful(rng.choice(keys))
+        elif keys:
+            t.remove(keys.pop(rng.randrange(len(keys))))
+        keys = [k for k in keys if k in t]
+        idle: dict[str, int] = {}
+        for k in keys:
+            if not t.is_useful(k):
+                source = t.source_of(k)
+                assert source is not None
+                idle[source] = idle.get(source, 0) + 1
+        assert t._most_idle == max(idle.values(), default=0)
+        assert t.idle_count() == sum(idle.values()) and len(t) == len(keys) <= 20
 
 
 # ---------------------------------------------------------------- what the gRPC gate calls useful
