@@ -455,8 +455,10 @@ class GrpcGate:
             pass
 
     def _maybe_done(self, pair: _Pair) -> None:
-        a, b = pair.client, pair.backend
-        if not a.reading and not b.reading and a.out is None and b.out is None:
+        """Closed once gRPC has ended the connection and the client has been sent all it said (HTTP/2
+        has no use for a half-open connection; a client gone without a FIN, which the server's
+        keepalive found dead, would otherwise hold its place), or once both sides have ended."""
+        if not pair.backend.reading and pair.client.out is None:
             self._close(pair)
 
     def _close(self, pair: _Pair) -> None:

@@ -102,3 +102,27 @@ def test_limits_at_accept_and_the_peer_mapping(gate: tuple[GrpcGate, list[str]])
         assert stats["evicted"] == 1 and stats["open"] == 3 and stats["idle"] == 2
     for s in idle:
         s.close()
+
+
+def test_a_connection_the_server_ended_is_closed_even_if_the_client_never_does(tmp_path: Path) -> None:
+    """gRPC closes a connection (its keepalive found the client dead, a handshake timeout): the gate
+    closes the client's side too, rather than waiting for a FIN that a vanished client never sends."""
+    backend = tmp_path / "b"
+    backend.mkdir(mode=0o700)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(backend / SOCKET_NAME))
+    listener.listen(4)
+    g = GrpcGate("127.0.0.1:0", str(backend), ConnectionLimits()).start()
+    try:
+        with socket.create_connection(("127.0.0.1", g.port), timeout=5) as c:
+            server_side, _ = listener.accept()
+            server_side.sendall(b"bye")
+            server_side.close()  # the server ends it; the client says nothing and never closes
+            assert c.recv(16) == b"bye" and _closed(c)
+            deadline = time.monotonic() + 5
+            while g.stats()["open"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert g.stats()["open"] == 0
+    finally:
+        g.stop()
+        listener.close()
