@@ -161,7 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("--queue-timeout-s", type=float_in(0, 3600, "--queue-timeout-s"), default=10.0,
                     help="longest wait for a forward slot before a 503 (default 10)")
     rc.add_argument("--max-connections", type=int_in(1, 100000, "--max-connections"), default=512,
-                    help="open HTTP connections (one thread each); beyond, 503 at once (default 512)")
+                    help="open HTTP connections (one thread each); at the cap the oldest one that has sent no request "
+                         "is closed for a newcomer, else a 503 at once (default 512)")
+    rc.add_argument("--max-connections-per-source", type=int_in(1, 100000, "--max-connections-per-source"), default=256,
+                    metavar="N", help="open HTTP connections that have sent a request one client address may hold "
+                                      "(at most --max-connections); beyond, 503 (default 256; a router counts as one address)")
     rc.add_argument("--request-read-timeout-s", type=float_in(0, 3600, "--request-read-timeout-s"), default=10.0, metavar="S",
                     help="a request's line, headers and body must arrive within S seconds of its first byte, "
                          "else the connection is closed (default 10)")
@@ -222,6 +226,7 @@ def serve_config_from_args(args: argparse.Namespace, environ: Mapping[str, str] 
         admission=AdmissionConfig(max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                                   queue_timeout_s=args.queue_timeout_s),
         max_connections=args.max_connections,
+        max_connections_per_source=args.max_connections_per_source,
         request_read_timeout_s=args.request_read_timeout_s,
         max_body_bytes=max_body,
         body_budget_bytes=args.body_budget_bytes or 0,

@@ -1,8 +1,11 @@
-"""The router's listening socket: accepting client connections, the connection cap, and the
+"""The router's listening socket: accepting client connections, the connection caps, and the
 serve loop around the aiohttp app (``worker.router.Router``).
 
 aiohttp has no connection limit of its own; this module counts connections from accept to close
-and answers those past the cap with a 503 before aiohttp spends anything on them.
+(``paramserver.wire.conn_limits``): at the total cap a connection that has not sent a complete
+request yet is answered 503 and closed for the newcomer, and when every one has, the newcomer is
+answered a 503 before aiohttp spends anything on it; one client address holds at most
+``per_source`` connections that have sent a request (past that, 503).
 """
 from __future__ import annotations
 
@@ -15,9 +18,12 @@ from typing import cast
 
 from aiohttp import web
 
+from paramserver.wire.conn_limits import ConnectionLimits, ConnectionTable
 from worker.admission import TOO_MANY_CONNECTIONS
 
 DEFAULT_MAX_CONNECTIONS = 4096
+# Per client address: room for many users behind one NAT or proxy, not for one address to take all.
+DEFAULT_MAX_CONNECTIONS_PER_SOURCE = 1024
 KEEPALIVE_S = 30.0  # an idle client connection is closed after this
 REFUSE_LINGER_S = 1.0  # how long a refused connection is read from, so that its 503 is not reset
 REFUSE_DRAINING = 256  # refused connections read from at once; beyond, closed at once
@@ -33,40 +39,93 @@ def connection_cap(wanted: int, fd_limit: int | None = None) -> int:
 
 
 class _Open:
-    """Client connections from accept to close. aiohttp adds one to its own count only when the
-    loop gets round to ``connection_made``: a burst accepted in one go was never refused."""
+    """Client connections from accept to close, in the connection-limit table (per source address and
+    in total). aiohttp adds one to its own count only when the loop gets round to a connection: the
+    table is asked in ``connection_made``, one connection after another, so a burst is counted exactly."""
 
-    def __init__(self) -> None:
-        self.connections = 0
+    def __init__(self, limits: ConnectionLimits) -> None:
+        self.table: ConnectionTable[_Gated] = ConnectionTable(limits)
         self.refusing = 0  # _Overloaded connections still draining
 
+    @property
+    def connections(self) -> int:
+        return len(self.table)
 
-class _Counted(asyncio.Protocol):
-    """aiohttp's protocol for one connection, counted in ``_Open`` until it is lost."""
 
-    def __init__(self, inner: asyncio.Protocol, open_: _Open) -> None:
-        self._inner = inner
+class _Gated(asyncio.Protocol):
+    """One client connection: admitted by the table (then aiohttp's protocol, ``inner``, serves it) or
+    answered by ``_Overloaded``. It becomes useful (never closed for a newcomer) once a request's
+    line and headers have arrived in full (a blank line seen)."""
+
+    def __init__(self, make_inner: Callable[[], asyncio.Protocol], open_: _Open, on_refused: Callable[[], None],
+                 on_evicted: Callable[[], None]) -> None:
+        self._make_inner = make_inner
         self._open = open_
-        open_.connections += 1
+        self._on_refused, self._on_evicted = on_refused, on_evicted
+        self._inner: asyncio.Protocol | None = None
+        self._refused: _Overloaded | None = None
+        self.transport: asyncio.Transport | None = None
+        self._tail: bytes | None = b""  # the last bytes seen, while waiting for the end of a request's headers
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        peer = transport.get_extra_info("peername")
+        source = str(peer[0]) if isinstance(peer, (tuple, list)) and peer else str(peer)
+        decision = self._open.table.offer(self, source)
+        for victim in decision.evict:  # it sent no request yet: answered 503, its place is the newcomer's
+            self._on_refused()
+            self._on_evicted()
+            victim.evict()
+        if not decision.admit:
+            self._on_refused()
+            self._refused = _Overloaded(self._open)
+            self._refused.connection_made(transport)
+            return
+        self._inner = self._make_inner()
         self._inner.connection_made(transport)
 
+    def evict(self) -> None:
+        """Answer the connection a 503 with a FIN, not a reset (a request it sent may be in flight):
+        ``_Overloaded`` takes it over; aiohttp's protocol is told only when the connection ends."""
+        if self._inner is None or self._refused is not None or self.transport is None:
+            return
+        self._open.table.remove(self)
+        self._refused = _Overloaded(self._open)
+        self._refused.connection_made(self.transport)
+
     def data_received(self, data: bytes) -> None:
+        if self._inner is None or self._refused is not None:
+            return  # a refused connection's request: dropped
+        if self._tail is not None:
+            if b"\r\n\r\n" in self._tail + data:
+                self._tail = None
+                if not self._open.table.useful(self):  # its address holds its share of requesting connections
+                    self._on_refused()
+                    self.evict()
+                    return
+            else:
+                self._tail = (self._tail + data)[-3:]
         self._inner.data_received(data)
 
     def eof_received(self) -> bool | None:
-        return self._inner.eof_received()
+        if self._refused is not None:
+            return self._refused.eof_received()
+        return False if self._inner is None else self._inner.eof_received()
 
     def pause_writing(self) -> None:
-        self._inner.pause_writing()
+        if self._inner is not None:
+            self._inner.pause_writing()
 
     def resume_writing(self) -> None:
-        self._inner.resume_writing()
+        if self._inner is not None:
+            self._inner.resume_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._open.connections -= 1
-        self._inner.connection_lost(exc)
+        self._open.table.remove(self)
+        if self._refused is not None:
+            self._refused.connection_lost(exc)
+        if self._inner is not None:
+            self._inner.connection_lost(exc)
 
 
 class _Overloaded(asyncio.Protocol):
@@ -103,23 +162,24 @@ class _Overloaded(asyncio.Protocol):
 
 
 async def serve(app: web.Application, host: str, port: int, max_connections: int = DEFAULT_MAX_CONNECTIONS, *,
-                on_refused: Callable[[], None] = lambda: None, banner: str = "", warning: str | None = None) -> int:
-    """Serve ``app`` on HOST:PORT until SIGTERM or SIGINT. ``on_refused``: called for each connection
-    refused past the cap; ``banner``: after ``LISTENING host:port``; ``warning``: printed once listening."""
+                on_refused: Callable[[], None] = lambda: None, banner: str = "", warning: str | None = None,
+                per_source: int = DEFAULT_MAX_CONNECTIONS_PER_SOURCE, on_evicted: Callable[[], None] = lambda: None) -> int:
+    """Serve ``app`` on HOST:PORT until SIGTERM or SIGINT: at most ``max_connections`` client
+    connections, and ``per_source`` that have sent a request from one address (paramserver.wire.conn_limits).
+    ``on_refused``: called for each connection answered 503 at a cap (evicted ones too); ``on_evicted``:
+    for each one closed for a newcomer (it had sent no request); ``banner``: after ``LISTENING
+    host:port``; ``warning``: printed once listening."""
     # keepalive_timeout: an idle client connection is closed after this, not aiohttp's hour.
     runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=KEEPALIVE_S)
     await runner.setup()
     handlers = runner.server
     assert handlers is not None
-    open_ = _Open()
+    open_ = _Open(ConnectionLimits(per_source, max_connections).within(max_connections))
 
     def protocol() -> asyncio.Protocol:
         # aiohttp has no connection limit: without one, a client holding connections open (a
         # request line trickled a byte at a time) takes every file descriptor.
-        if open_.connections >= max_connections:
-            on_refused()
-            return _Overloaded(open_)
-        return _Counted(handlers(), open_)
+        return _Gated(handlers, open_, on_refused, on_evicted)
 
     server: asyncio.Server | None = None
     try:  # cleanup closes the router's client session too, also when the bind fails
@@ -141,4 +201,4 @@ async def serve(app: web.Application, host: str, port: int, max_connections: int
     return 0
 
 
-__all__ = ["DEFAULT_MAX_CONNECTIONS", "KEEPALIVE_S", "connection_cap", "serve"]
+__all__ = ["DEFAULT_MAX_CONNECTIONS", "DEFAULT_MAX_CONNECTIONS_PER_SOURCE", "KEEPALIVE_S", "connection_cap", "serve"]

@@ -1,7 +1,9 @@
 """The HTTP front of ``paramworker serve``: connections, request parsing and the answers' status codes.
 
 stdlib ``http.server``, HTTP/1.1 keep-alive, JSON; one thread per connection, at most
-``max_connections`` (beyond: a 503 at once, written by ``worker.admission.Refuser``). What a
+``max_connections``, at most ``max_connections_per_source`` from one client address; at a cap the
+oldest connection that has not sent a request yet is closed for the newcomer, and when every one
+has, the newcomer gets a 503 at once (written by ``worker.admission.Refuser``). What a
 request runs on and how its result is cached is the app's (``worker.serve_app.ModelServer``),
 seen here only through ``App``.
 
@@ -23,11 +25,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from socket import socket
+from socket import MSG_DONTWAIT, SHUT_RDWR, socket
 from typing import Any, Protocol, TypeVar, cast
 from urllib.parse import parse_qs, urlsplit
 
-from worker.admission import Admission, AdmissionConfig, ByteBudget, Refuser
+from paramserver.wire.conn_limits import ConnectionLimits, ConnectionTable
+from worker.admission import TOO_MANY_CONNECTIONS, Admission, AdmissionConfig, ByteBudget, Refuser
 from worker.config import MAX_BODY_BYTES
 from worker.errors import BadRequest, ConfigError, Misdirected, Shed, UnknownVersion, WorkerError
 from worker.loader import LoadedModel
@@ -51,6 +54,7 @@ class ServeConfig:
     result_cache: ResultCacheConfig = field(default_factory=ResultCacheConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     max_connections: int = 512  # open HTTP connections (one thread each); beyond: 503 at once
+    max_connections_per_source: int = 256  # of them from one client address (at most max_connections)
     request_timeout_s: float = 60.0  # a request waiting on an identical one gives up after this
     idle_timeout_s: float = 30.0  # a keep-alive connection with no request is closed after this
     max_body_bytes: int = MAX_BODY
@@ -67,6 +71,8 @@ class ServeConfig:
         self.admission.validate()
         if not 1 <= self.max_connections <= 100_000:
             raise ConfigError(f"max_connections must be 1..100000, got {self.max_connections}")
+        if not 1 <= self.max_connections_per_source <= 100_000:
+            raise ConfigError(f"max_connections_per_source must be 1..100000, got {self.max_connections_per_source}")
         for name in ("request_timeout_s", "idle_timeout_s", "request_read_timeout_s", "body_budget_wait_s"):
             value = getattr(self, name)
             if not 0 < value <= 3600:
@@ -192,25 +198,39 @@ class App(Protocol):
 
 
 class HTTPFront(ThreadingHTTPServer):
-    """One thread per connection, at most ``max_connections``: beyond, a 503 is written at once."""
+    """One thread per connection, at most ``max_connections`` (``paramserver.wire.conn_limits``): at
+    the cap a connection that has not sent a complete request line and headers yet is closed for the
+    newcomer (answered 503), and when every one has, the newcomer gets a 503 at once. One client
+    address holds at most ``per_source`` connections that have sent a request: past that, 503."""
 
     daemon_threads = True
     request_queue_size = 1024
 
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_connections: int) -> None:
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_connections: int,
+                 per_source: int | None = None) -> None:
         self.max_connections = max_connections
-        self._active = 0
+        self.limits = ConnectionLimits(per_source or max_connections, max_connections).within(max_connections)
+        self._table: ConnectionTable[socket] = ConnectionTable(self.limits)
         self._count_lock = threading.Lock()
         self.refused = 0
+        self.evicted = 0
         self._refuser = Refuser()
-        super().__init__(address, handler)
+        super().__init__(address, _marking_useful(handler))
 
     def process_request(self, request: Any, client_address: Any) -> None:
+        source = str(client_address[0]) if isinstance(client_address, tuple) else str(client_address)
         with self._count_lock:
-            full = self._active >= self.max_connections
-            if not full:
-                self._active += 1
-        if full:
+            decision = self._table.offer(request, source)
+        for victim in decision.evict:  # answered 503; its thread's read ends at once and the thread closes it
+            self.evicted += 1
+            log.debug("HTTP connection closed for a newcomer: source=%s reason=%s (it had sent no request)",
+                      source, decision.reason)
+            try:
+                victim.send(TOO_MANY_CONNECTIONS, MSG_DONTWAIT)
+                victim.shutdown(SHUT_RDWR)
+            except OSError:
+                pass
+        if not decision.admit:
             self.refused += 1
             self._refuser.refuse(cast(socket, request))
             return
@@ -221,15 +241,44 @@ class HTTPFront(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             with self._count_lock:
-                self._active -= 1
+                self._table.remove(request)
+
+    def mark_useful(self, request: socket) -> bool:
+        """``request`` has sent a complete request line and headers: never closed for a newcomer.
+        False: its address already holds ``per_source`` such connections; the caller answers 503."""
+        with self._count_lock:
+            if self._table.useful(request):
+                return True
+        self.refused += 1
+        return False
+
+    def open_connections(self) -> int:
+        with self._count_lock:
+            return len(self._table)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """One line, not a traceback: a client that went away (or was too slow) is routine."""
         exc = sys.exc_info()[1]
-        if isinstance(exc, (ConnectionError, TimeoutError)):  # BrokenPipeError, ConnectionResetError, ...
+        if isinstance(exc, (ConnectionError, TimeoutError, OSError)):  # BrokenPipeError, ConnectionResetError, ...
             log.debug("HTTP connection from %s ended: %s: %s", client_address, type(exc).__name__, exc)
         else:
             log.warning("HTTP connection from %s failed: %s: %s", client_address, type(exc).__name__, exc)
+
+
+def _marking_useful(handler: type[BaseHTTPRequestHandler]) -> type[BaseHTTPRequestHandler]:
+    """``handler`` telling its HTTPFront when a request's line and headers have arrived in full."""
+
+    class Marking(handler):  # type: ignore[valid-type, misc]
+        def parse_request(self) -> bool:
+            ok = bool(super().parse_request())
+            if ok and isinstance(self.server, HTTPFront) and not self.server.mark_useful(self.connection):
+                self.close_connection = True  # the request (and its body) is not read
+                self.wfile.write(TOO_MANY_CONNECTIONS)
+                return False
+            return ok
+
+    Marking.__name__ = Marking.__qualname__ = handler.__name__
+    return Marking
 
 
 def bind(listen: str, app: App, config: ServeConfig) -> HTTPFront:
@@ -242,7 +291,8 @@ def bind(listen: str, app: App, config: ServeConfig) -> HTTPFront:
     if not 0 <= port_no <= 65535:
         raise ConfigError(f"--listen {listen!r}: port must be 0..65535 (0 picks a free one)")
     try:
-        return HTTPFront((host or "127.0.0.1", port_no), _handler(app, config), config.max_connections)
+        return HTTPFront((host or "127.0.0.1", port_no), _handler(app, config), config.max_connections,
+                         config.max_connections_per_source)
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise ConfigError(f"--listen {listen}: port {port_no} is in use; pick another --listen "

@@ -17,6 +17,7 @@ metaservice.cluster_id), which AddMember checks on a new member.
 from __future__ import annotations
 
 import resource
+import shutil
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping
@@ -32,8 +33,10 @@ from paramserver.server.auth import AuthConfig, TokenAuthInterceptor, handler_li
 from paramserver.server.config import ServerConfig
 from paramserver.server.dataplane import DEFAULT_MAX_CALL_BYTES, ChunkService, WriteLimits
 from paramserver.server.errors import ConfigError
+from paramserver.server.grpc_gate import GrpcGate, private_backend_dir
 from paramserver.server.heat import HeatAggregator
 from paramserver.server.hot_chunks import HotChunks
+from paramserver.wire.conn_limits import ConnectionLimits
 from paramserver.wire.grpc_options import server_options
 from paramserver.wire.limits import MAX_HEAT_ENTRIES_PER_CALL, MAX_HEAT_REQUEST_BYTES
 from paramserver.server.metaservice import (
@@ -122,6 +125,8 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
         self.repair_queue = repair_queue
         self.cluster_id = cluster_id
         self.placement = placement
+        # The gRPC gate's connection counts (open, idle, refused, evicted), for ServerStatus.
+        self.connections: Callable[[], Mapping[str, int]] | None = None
 
     # data plane
     def PutChunks(self, request_iterator: Iterable[pb.PutChunksRequest], context: grpc.ServicerContext) -> pb.PutChunksReply:
@@ -161,6 +166,8 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
         reply.extra[CLUSTER_ID_KEY] = self.cluster_id
         if self.placement is not None:
             reply.extra.update(self.placement())
+        if self.connections is not None:
+            reply.extra.update({f"grpc_connections_{k}": str(v) for k, v in self.connections().items()})
         if self.chunks.hot is not None:
             h = self.chunks.hot.stats()
             reply.extra.update({"hot_chunks": str(h.hot_chunks), "hot_advertised": str(h.advertised),
@@ -274,23 +281,34 @@ def register_servicer(servicer: pb_grpc.ParamServerServicer, server: grpc.Server
 
 @dataclass
 class RunningServer:
+    """``port``/``address``: the gate's (``paramserver.server.grpc_gate``), which owns ``--listen``."""
+
     server: grpc.Server
     port: int
     address: str
     servicer: ParamServerServicer
     health: health.HealthServicer
+    gate: GrpcGate
 
     def stop(self, grace: float | None = 1.0) -> None:
+        self.gate.close_listener()  # no new clients; the calls in flight finish through the gate
         self.health.enter_graceful_shutdown()
         self.server.stop(grace).wait(timeout=(grace or 0) + 5)
+        self.gate.stop()
         self.servicer.chunks.close()
 
 
-CONFIG_KEYS = ("get_call_bytes", "max_connections")  # a server config's keys for the gRPC service
+# A server config's keys for the gRPC service.
+CONFIG_KEYS = ("get_call_bytes", "max_connections", "max_connections_per_source")
 DEFAULT_MAX_CONNECTIONS = 4096
+DEFAULT_MAX_CONNECTIONS_PER_SOURCE = 256
 # Of the open-file limit, what the gRPC port's connections may take: the rest is the chunk
 # store's (one descriptor per segment file), Raft's links, the bulk port's and the metrics'.
 CONNECTIONS_SHARE_OF_FDS = 4
+# Through the gate a connection holds three descriptors in this process (the client's, the gate's
+# end of the relay and gRPC's), so the gate admits at most this share of the open-file limit / 3.
+GATE_SHARE_OF_FDS = 2
+FDS_PER_GATED_CONNECTION = 3
 
 
 def get_call_bytes(extra: Any) -> int:
@@ -303,9 +321,25 @@ def max_connections(extra: Any, fd_limit: int | None = None) -> int:
     ``max_connections`` (default 4096), and at most a quarter of the open-file limit."""
     wanted = _positive(extra, "max_connections", DEFAULT_MAX_CONNECTIONS)
     if fd_limit is None:
-        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        fd_limit = soft if soft != resource.RLIM_INFINITY else 1 << 20
+        fd_limit = _fd_limit()
     return max(1, min(wanted, fd_limit // CONNECTIONS_SHARE_OF_FDS))
+
+
+def connection_limits(extra: Any, fd_limit: int | None = None) -> ConnectionLimits:
+    """The gRPC port's connection limits: the config file's extra keys ``max_connections`` (total,
+    default 4096) and ``max_connections_per_source`` (connections that made calls, from one client
+    address; default 256), the total at most half the open-file limit's worth of gated connections
+    (three descriptors each)."""
+    if fd_limit is None:
+        fd_limit = _fd_limit()
+    per_source = _positive(extra, "max_connections_per_source", DEFAULT_MAX_CONNECTIONS_PER_SOURCE)
+    limits = ConnectionLimits(per_source, max_connections(extra, fd_limit))
+    return limits.within(fd_limit // GATE_SHARE_OF_FDS // FDS_PER_GATED_CONNECTION)
+
+
+def _fd_limit() -> int:
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
 
 
 def _positive(extra: Any, key: str, default: int) -> int:
@@ -354,27 +388,42 @@ def start_server(
     servicer = ParamServerServicer(chunks, meta, heat=heat, repair_queue=queue, placement=placement,
                                    cluster_id=cluster_id(config.cluster_secret, config.vnodes))
 
+    limits = connection_limits(config.extra)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix=f"grpc-{config.server_id}"),
         interceptors=[TokenAuthInterceptor(auth)],
-        options=server_options(config.max_message_bytes, max_connections=max_connections(config.extra)),
+        # gRPC's own cap stays as a backstop behind the gate; the slack covers evicted connections
+        # that gRPC has not finished closing when their places are taken again (a burst of them).
+        options=server_options(config.max_message_bytes, max_connections=2 * limits.total + 64),
         maximum_concurrent_rpcs=config.workers * 8,
     )
     register_servicer(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    # gRPC listens on a unix socket in a private directory; the gate owns --listen (grpc_gate.py).
+    backend_dir = private_backend_dir()
+    try:
+        gate = GrpcGate(config.listen, backend_dir, limits)
+    except (OSError, ValueError) as exc:
+        shutil.rmtree(backend_dir, ignore_errors=True)
+        raise OSError(f"cannot listen on {config.listen}: the address is in use or not local ({exc})") from None
+    backend = f"unix:{gate.backend_path}"
     if config.tls_cert is not None and config.tls_key is not None:
-        port = server.add_secure_port(config.listen, server_credentials(config.tls_cert, config.tls_key, config.tls_ca))
+        bound = server.add_secure_port(backend, server_credentials(config.tls_cert, config.tls_key, config.tls_ca))
     else:
-        port = server.add_insecure_port(config.listen)
-    if port == 0:
-        raise OSError(f"cannot listen on {config.listen}: the address is in use or not local")
+        bound = server.add_insecure_port(backend)
+    if bound == 0:
+        gate.stop()
+        raise OSError(f"cannot listen on {gate.backend_path} (the gRPC server behind {config.listen})")
     server.start()
+    gate.start()
+    servicer.connections = gate.stats
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     host = config.listen.rpartition(":")[0]
-    return RunningServer(server, port, f"{host}:{port}", servicer, health_servicer)
+    return RunningServer(server, gate.port, f"{host}:{gate.port}", servicer, health_servicer, gate)
 
 
-__all__ = ["CONFIG_KEYS", "DEFAULT_MAX_CONNECTIONS", "MAX_HEAT_ENTRIES_PER_CALL", "MAX_HEAT_REQUEST_BYTES", "ParamServerServicer",
-           "RunningServer", "get_call_bytes", "max_connections", "register_servicer", "start_server"]
+__all__ = ["CONFIG_KEYS", "DEFAULT_MAX_CONNECTIONS", "DEFAULT_MAX_CONNECTIONS_PER_SOURCE", "MAX_HEAT_ENTRIES_PER_CALL",
+           "MAX_HEAT_REQUEST_BYTES", "ParamServerServicer", "RunningServer", "connection_limits", "get_call_bytes",
+           "max_connections", "register_servicer", "start_server"]

@@ -330,8 +330,9 @@ def test_open_connections_are_capped_with_a_503_and_come_back(cluster: Cluster, 
     host, port = router.address.rsplit(":", 1)
     held = [socket.create_connection((host, int(port)), timeout=10) for _ in range(4)]
     try:
-        for s in held:
-            s.sendall(b"GET /heal")  # a request line that never ends
+        for s in held:  # each made a request and stays open: never closed for a newcomer (issue 41)
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: r\r\n\r\n")
+            assert s.recv(64).startswith(b"HTTP/1.1 200")
         time.sleep(0.3)
         with socket.create_connection((host, int(port)), timeout=10) as extra:
             answer = b""
