@@ -57,7 +57,7 @@ from paramserver.client.errors import ClientError, NotFound
 from paramserver.client.refs import BadModelRef, ModelRef
 from worker.errors import ConfigError
 from worker.router_auth import ADMIN_TOKEN_ENV, WORKER_TOKEN_ENV, check_identity, refusal, token_from
-from worker.router_listen import DEFAULT_MAX_CONNECTIONS, connection_cap, serve
+from worker.router_listen import DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_CONNECTIONS_PER_SOURCE, connection_cap, serve
 from worker.router_state import (
     DEADLINE_HEADER, EXACT_HEADER, INSTANCE_HEADER, MAX_SECRET_CHARS, MIN_SECRET_CHARS, MISDIRECTED, WANT_HEADER, Beat,
     Heartbeat, HeartbeatError, RefCache, RouterConfig, RouterState, VersionKey,
@@ -97,6 +97,9 @@ class RouterMetrics:
         self.workers = Gauge("pdparams_router_workers", "Live workers in the table", registry=r)
         self.refused_connections = Counter("pdparams_router_refused_connections",
                                            "Client connections refused with a 503 because --max-connections were open",
+                                           registry=r)
+        self.evicted_connections = Counter("pdparams_router_evicted_connections",
+                                           "Client connections that had sent no request, closed (503) for a newcomer",
                                            registry=r)
         self.seconds = Histogram("pdparams_router_seconds", "Request latency through the router", registry=r,
                                  buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
@@ -469,6 +472,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-connections", type=int_in(1, 1_000_000, "--max-connections"), default=DEFAULT_MAX_CONNECTIONS,
                    help=f"open client connections; beyond, 503 at once and closed, and at most half the open-file limit "
                         f"(default {DEFAULT_MAX_CONNECTIONS})")
+    p.add_argument("--max-connections-per-source", type=int_in(1, 1_000_000, "--max-connections-per-source"),
+                   default=DEFAULT_MAX_CONNECTIONS_PER_SOURCE, metavar="N",
+                   help="open connections that have sent a request one client address may hold; beyond, 503; connections "
+                        "that have sent nothing give way to newcomers at the cap "
+                        f"(default {DEFAULT_MAX_CONNECTIONS_PER_SOURCE})")
     p.add_argument("--no-affinity", action="store_true",
                    help="choose a random worker among those that can answer (the baseline affinity is measured against)")
     auth = p.add_argument_group("credentials of this port (files, never values on the command line)")
@@ -530,6 +538,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         warning = "\n".join(f"paramrouter: warning: {w}" for w in warnings) or None
         return asyncio.run(serve(router.app(), host or "127.0.0.1", port_no, connection_cap(args.max_connections),
                                  on_refused=router.metrics.refused_connections.inc,
+                                 per_source=args.max_connections_per_source, on_evicted=router.metrics.evicted_connections.inc,
                                  banner=f" affinity={'on' if options.state.affinity else 'off'}", warning=warning))
     except OSError as exc:  # only binding --listen raises it this far
         why = (f"port {port_no} is in use; pick another --listen (port 0 picks a free one)" if exc.errno == errno.EADDRINUSE

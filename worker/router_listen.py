@@ -10,13 +10,14 @@ answered a 503 before aiohttp spends anything on it; one client address holds at
 from __future__ import annotations
 
 import asyncio
+from http import HTTPStatus
 import resource
 import signal
 import sys
 from collections.abc import Callable
 from typing import cast
 
-from aiohttp import web
+from aiohttp import web, web_protocol
 
 from paramserver.wire.conn_limits import ConnectionLimits, ConnectionTable
 from worker.admission import TOO_MANY_CONNECTIONS
@@ -161,6 +162,30 @@ class _Overloaded(asyncio.Protocol):
             self._open.refusing -= 1
 
 
+class _JsonErrors(web_protocol.RequestHandler):
+    """aiohttp's connection handler, answering what never reached the app (a request line or headers
+    that do not parse, headers over 8 KiB) as one-line JSON ``{"error": ...}`` like every other
+    answer, instead of aiohttp's multi-line text page, and logging it at DEBUG (any client can send
+    garbage; aiohttp logs each with a traceback)."""
+
+    __slots__ = ()
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if request.writer.output_size > 0:  # an answer is under way: the connection is broken
+            raise ConnectionError("the answer was being sent; cannot send the error instead")
+        if status >= 500:
+            self.logger.warning("error handling a request from %s: %r", request.remote, exc)
+            text = HTTPStatus(status).phrase.lower() if status in HTTPStatus._value2member_map_ else "internal error"
+        else:
+            self.logger.debug("bad request from %s: %r", request.remote, exc)
+            detail = (message or "").strip().splitlines()[0:1] or [""]
+            text = f"bad request: {detail[0][:200] or HTTPStatus(status).phrase.lower()}"
+        resp = web.json_response({"error": text}, status=status)
+        resp.force_close()
+        return resp
+
+
 async def serve(app: web.Application, host: str, port: int, max_connections: int = DEFAULT_MAX_CONNECTIONS, *,
                 on_refused: Callable[[], None] = lambda: None, banner: str = "", warning: str | None = None,
                 per_source: int = DEFAULT_MAX_CONNECTIONS_PER_SOURCE, on_evicted: Callable[[], None] = lambda: None) -> int:
@@ -172,6 +197,7 @@ async def serve(app: web.Application, host: str, port: int, max_connections: int
     # keepalive_timeout: an idle client connection is closed after this, not aiohttp's hour.
     runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=KEEPALIVE_S)
     await runner.setup()
+    loop = asyncio.get_running_loop()
     handlers = runner.server
     assert handlers is not None
     open_ = _Open(ConnectionLimits(per_source, max_connections).within(max_connections))
@@ -179,7 +205,7 @@ async def serve(app: web.Application, host: str, port: int, max_connections: int
     def protocol() -> asyncio.Protocol:
         # aiohttp has no connection limit: without one, a client holding connections open (a
         # request line trickled a byte at a time) takes every file descriptor.
-        return _Gated(handlers, open_, on_refused, on_evicted)
+        return _Gated(lambda: _JsonErrors(handlers, loop=loop, **handlers._kwargs), open_, on_refused, on_evicted)
 
     server: asyncio.Server | None = None
     try:  # cleanup closes the router's client session too, also when the bind fails

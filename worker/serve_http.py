@@ -339,6 +339,9 @@ def _handler(server: App, config: ServeConfig) -> type[BaseHTTPRequestHandler]:
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        # http.server assumes HTTP/0.9 until the request line parses, and an HTTP/0.9 answer has no
+        # status line or headers: a garbled request line got a bare JSON body. No client speaks 0.9.
+        default_request_version = "HTTP/1.0"
         timeout = config.idle_timeout_s
         # Headers and body leave in two writes: without TCP_NODELAY, Nagle holds the body back
         # until the client's delayed ACK (about 40 ms per answer on a keep-alive connection).

@@ -418,6 +418,7 @@ def start_server(
     server.start()
     gate.start()
     servicer.connections = gate.stats
+    chunks.source_of = gate.source_of  # read-slot shares are per client address, which only the gate sees
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     host = config.listen.rpartition(":")[0]

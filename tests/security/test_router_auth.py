@@ -320,7 +320,26 @@ def test_deeply_nested_json_is_a_one_line_400_on_the_router_and_the_worker(
             conn.close()
         assert resp.status == 400, (path, resp.status, raw[:300])
         assert raw.count(b"\n") == 0 and isinstance(json.loads(raw)["error"], str), (path, raw[:300])
+    # What never reaches the app (a request line that does not parse, headers past the limit) is
+    # one-line JSON too (aiohttp's own answer was a multi-line text page).
+    for target in (r, w):
+        for garbage in (b"\x16\x03\x01 not http\r\n\r\n", b"GET /healthz HTTP/1.1\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n"):
+            status, body = raw_exchange(target.address, garbage)
+            assert 400 <= status < 500, (target.address, status, body[:300])
+            assert body.count(b"\n") == 0 and isinstance(json.loads(body)["error"], str), (target.address, body[:300])
     assert request(r.address, "GET", "/healthz")[0] == 200 and request(w.address, "GET", "/healthz")[0] == 200
+
+
+def raw_exchange(address: str, data: bytes) -> tuple[int, bytes]:
+    """Send ``data`` as it is; the answer's status and body (read to the close)."""
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(data)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
 
 
 # ------------------------------------------------------------------ listeners
