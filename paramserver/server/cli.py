@@ -50,9 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run a server until SIGTERM/SIGINT",
                        description="Run one parameter server. The Raft port must be reachable only by cluster members: "
                                    "pysyncobj unpickles peer messages. Every port off loopback needs its credential or the "
-                                   "server refuses to start: --raft the cluster secret (--cluster-secret-file), --listen and --bulk-listen the "
-                                   "admin token (--admin-token-file), --metrics-port the read token (--read-token-file); "
-                                   "--insecure starts anyway, with a warning per open port.")
+                                   "server refuses to start: --raft the cluster secret (--cluster-secret-file), --listen "
+                                   "and --bulk-listen the admin token (--admin-token-file), --metrics-port the read token "
+                                   "(--read-token-file); --insecure starts anyway, with a warning per open port.")
     s.add_argument("--config", type=Path,
                    help="TOML or JSON file of server settings, sizes in bytes, flags win, an unknown key is an error "
                         "(example: deploy/systemd/paramserver.toml.example). Keys: %(keys)s"),
