@@ -97,7 +97,7 @@ def _with_read_token_note(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcM
     assert inner is not None
 
     def behaviour(request: Any, context: grpc.ServicerContext) -> Any:
-        return inner(request, _ReadTokenSent(context))
+        return inner(request, _ReadTokenSent(context))  # type: ignore[arg-type]  # a proxy of the context
 
     return handler_like(handler, behaviour, handler.request_deserializer or _unparsed)
 
