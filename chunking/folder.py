@@ -68,6 +68,17 @@ class ModelFolder:
         return found if any(found) else ()
 
 
+def _check_utf8(path: Path, base: Path) -> None:
+    """A name the manifest can hold: UTF-8 (os.walk hands undecodable bytes over as surrogates,
+    which the manifest's JSON then failed on, with a traceback)."""
+    rel = path.relative_to(base).as_posix()
+    try:
+        rel.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidInput(f"file name {os.fsencode(rel)!r} in {base} is not UTF-8, and a model's file names must be: "
+                           "rename it (or move it out of the folder)") from None
+
+
 def open_folder(root: str | os.PathLike[str]) -> ModelFolder:
     """The weight shards and other files of ``root``; refuses symlinks and unsafe names."""
     base = Path(root)
@@ -78,6 +89,7 @@ def open_folder(root: str | os.PathLike[str]) -> ModelFolder:
     for dirpath, dirnames, filenames in os.walk(base, followlinks=False):
         here = Path(dirpath)
         for d in list(dirnames):
+            _check_utf8(here / d, base)
             if (here / d).is_symlink():
                 raise InvalidInput(f"{here / d} is a symlink; links are not followed: copy what it points to into the folder")
             if d in SKIPPED_DIRS:
@@ -85,6 +97,7 @@ def open_folder(root: str | os.PathLike[str]) -> ModelFolder:
         dirnames.sort()
         for name in sorted(filenames):
             full = here / name
+            _check_utf8(full, base)
             rel = full.relative_to(base).as_posix()
             if full.is_symlink():
                 raise InvalidInput(f"{full} is a symlink; links are not followed: copy the file into the folder")

@@ -3,6 +3,7 @@ and the configuration as ``cluster.json`` stores it (secrets never in it)."""
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -25,14 +26,46 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
 
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOW_PORT = 10000  # below this, well-known services (and root-only habits) live
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(v) for v in _EPHEMERAL_RANGE.read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """``n`` distinct ports that were free a moment ago: all held at once while they are picked (one
-    picked at a time can come back twice, and two servers of one cluster then share a port)."""
+    picked at a time can come back twice, and two servers of one cluster then share a port).
+
+    Picked below the kernel's ephemeral range: a port from bind(0) is one the kernel will also hand
+    out as the source port of an outgoing connection or to another bind(0), so on a busy machine
+    (test suites side by side, thousands of client connections) a server started a moment later,
+    or restarted on its port, failed with "Address already in use" (issue 41, drills under load).
+    Outside that range only another explicit pick can take it. Falls back to bind(0) when the
+    range leaves no room."""
+    low, _high = _ephemeral_range()
+    rng = random.SystemRandom()
     with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
+        picked: list[int] = []
+        if low - _LOW_PORT >= 4 * n:
+            for port in rng.sample(range(_LOW_PORT, low), min(low - _LOW_PORT, 64 * n)):
+                s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                picked.append(port)
+                if len(picked) == n:
+                    return picked
+        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n - len(picked))]
         for s in socks:
             s.bind((host, 0))
-        return [int(s.getsockname()[1]) for s in socks]
+        return picked + [int(s.getsockname()[1]) for s in socks]
 
 
 @dataclass(frozen=True)

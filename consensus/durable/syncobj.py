@@ -14,6 +14,7 @@ from pysyncobj.syncobj import _RAFT_STATE
 from pysyncobj.version import VERSION as PYSYNCOBJ_VERSION
 
 from ..errors import JournalFailure
+from .append_entries import trim
 from .files import replace_durably
 from .journal import DurableJournal
 
@@ -97,7 +98,8 @@ def install() -> None:
             if not callable(getattr(module, name, None)):
                 raise RuntimeError(f"pysyncobj {PYSYNCOBJ_VERSION} has no {module.__name__}.{name} to patch")
         for cls, name in ((SyncObj, "_onTick"), (SyncObj, "_doDestroy"), (SyncObj, _STEP_DOWN),
-                          (SyncObj, _LEADER_CHANGED)):
+                          (SyncObj, _LEADER_CHANGED), (SyncObj, "_SyncObj__onMessageReceived"),
+                          (SyncObj, "_SyncObj__getEntries")):
             if not callable(getattr(cls, name, None)):
                 raise RuntimeError(f"pysyncobj {PYSYNCOBJ_VERSION} has no SyncObj.{name} to extend")
         _original_create_journal = _pso_syncobj.createJournal
@@ -179,6 +181,19 @@ class DurableSyncObj(SyncObj):  # type: ignore[misc]
             log.critical("Raft stopped on this server: %s", journal.failure)
             self._pdparams_step_down()
         time.sleep(timeToWait)
+
+    def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:  # noqa: N802 - pysyncobj's (mangled) name
+        """Every message from a peer (the transport's callback, set in SyncObj.__init__ by this name):
+        an AppendEntries re-sending entries this follower holds keeps them (append_entries.trim)."""
+        if isinstance(message, dict) and message.get("type") == "append_entries":
+            log_ = self._SyncObj__raftLog
+
+            def term_at(index: int) -> int | None:
+                found = self._SyncObj__getEntries(index, 1)
+                return found[0][2] if found and found[0][1] == index else None
+
+            message = trim(message, term_at, log_[-1][1])
+        SyncObj._SyncObj__onMessageReceived(self, node, message)
 
     def _pdparams_step_down(self) -> None:
         """Leave the leader (or candidate) role: callers stop seeing this node as leader.

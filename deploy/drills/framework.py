@@ -76,6 +76,7 @@ class _Stats:
     failed: int = 0
     last_ok: float = -1.0  # report time of the latest success
     successes: list[float] = field(default_factory=list)  # report times of successes, for 'first success after t'
+    durations: list[tuple[float, float]] = field(default_factory=list)  # (start, seconds) of each successful publish
 
 
 class Workload:
@@ -161,12 +162,15 @@ class Workload:
         for i in range(1, self.config.max_iterations + 1):
             if self._stop.is_set():
                 return
+            started = self.report.now()
             try:
                 result = self._publish(i)
             except Exception as exc:  # noqa: BLE001 - every client error is data for the report
                 self._failed("publisher", exc)
                 self._stop.wait(self.config.error_backoff_s)
                 continue
+            with self._cond:
+                self.stats["publisher"].durations.append((started, self.report.now() - started))
             if result is not None:
                 with self._cond:
                     self.published.append(result)
@@ -251,6 +255,13 @@ class Workload:
         with self._cond:
             st = self.stats.get(name)
             return list(st.successes) if st else []
+
+    def publish_seconds(self, before: float, last: int = 5) -> list[float]:
+        """How long each of the ``last`` successful publishes that started before report time
+        ``before`` took: what one push costs on this machine at its present load."""
+        with self._cond:
+            st = self.stats.get("publisher")
+            return [d for t, d in (st.durations if st else []) if t < before][-last:]
 
     def first_success_after(self, name: str, t: float) -> float | None:
         with self._cond:

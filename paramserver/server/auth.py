@@ -18,6 +18,7 @@ from paramserver.server.errors import ConfigError
 from paramserver.wire.auth import (
     ADMIN_TOKEN_ENV, AUTH_HEADER, OPEN_PREFIXES, READ_TOKEN_ENV, WRITE_METHODS, bearer_token, read_tls_file, tokens_match,
 )  # fmt: skip
+from paramserver.wire.proto import SERVICE_NAME
 
 @dataclass(frozen=True)
 class AuthConfig:
@@ -63,8 +64,42 @@ def check_call(method: str, metadata: Iterable[tuple[str, Any]] | None, config: 
             return None
         expected = f"the read token or the admin token (--token, ${READ_TOKEN_ENV} or ${ADMIN_TOKEN_ENV})"
     name = method.rsplit("/", 1)[-1]
+    if is_write and config.read_token is not None and tokens_match(token, config.read_token):
+        return f"{name} is a write: it needs {expected}; the read token was sent, which only reads"
     problem = "no token was sent" if token is None else "the token sent is wrong"
     return f"{name} needs {expected} as 'authorization: Bearer <token>' metadata; {problem}"
+
+
+# Read methods whose handler refuses some requests without the admin token (HasChunks with claim,
+# the first call of a push): a refusal of a call that sent the read token says so (_ReadTokenSent).
+ADMIN_CHECKED_INSIDE = frozenset({f"/{SERVICE_NAME}/HasChunks"})
+
+
+class _ReadTokenSent:
+    """A servicer context whose UNAUTHENTICATED refusals say the read token was sent: the handler's
+    own message named the request ("HasChunks with claim"), not what the user did wrong."""
+
+    def __init__(self, context: grpc.ServicerContext) -> None:
+        self._context = context
+
+    def abort(self, code: grpc.StatusCode, details: str) -> Any:
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            details = (f"a write needs the admin token (paramctl --token or ${ADMIN_TOKEN_ENV}), and the read token was "
+                       f"sent, which only reads ({details.split(':', 1)[0]})")
+        return self._context.abort(code, details)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+
+def _with_read_token_note(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
+    inner = handler.stream_stream or handler.stream_unary or handler.unary_stream or handler.unary_unary
+    assert inner is not None
+
+    def behaviour(request: Any, context: grpc.ServicerContext) -> Any:
+        return inner(request, _ReadTokenSent(context))  # type: ignore[arg-type]  # a proxy of the context
+
+    return handler_like(handler, behaviour, handler.request_deserializer or _unparsed)
 
 
 def _unparsed(raw: bytes) -> bytes:
@@ -111,8 +146,15 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None or not self.config.enabled:
             return handler
-        message = check_call(handler_call_details.method, handler_call_details.invocation_metadata, self.config)
-        return handler if message is None else _abort_handler(handler, message)
+        method, metadata = handler_call_details.method, handler_call_details.invocation_metadata
+        message = check_call(method, metadata, self.config)
+        if message is not None:
+            return _abort_handler(handler, message)
+        if (method in ADMIN_CHECKED_INSIDE and self.config.read_token is not None
+                and tokens_match(_bearer(metadata), self.config.read_token)
+                and not tokens_match(_bearer(metadata), self.config.admin_token)):
+            return _with_read_token_note(handler)
+        return handler
 
 
 def server_credentials(cert: str | Path, key: str | Path, client_ca: str | Path | None = None) -> grpc.ServerCredentials:

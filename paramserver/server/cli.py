@@ -17,12 +17,13 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, Sequence
 
-from paramserver.server.config import DEFAULT_GET_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES, SECRET_KEYS, MiB, ServerConfig
+from paramserver.server.config import (
+    CLUSTER_SECRET_ENV, DEFAULT_GET_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES, SECRET_KEYS, MiB, ServerConfig,
+)  # fmt: skip
 from paramserver.server.errors import ConfigError
 from paramserver.wire.auth import ADMIN_TOKEN_ENV, READ_TOKEN_ENV
 from paramserver.wire.cli_args import OneLineParser
 
-CLUSTER_SECRET_ENV = "PARAMS_CLUSTER_SECRET"
 _ENV = {"admin_token": ADMIN_TOKEN_ENV, "read_token": READ_TOKEN_ENV, "cluster_secret": CLUSTER_SECRET_ENV}
 
 
@@ -48,8 +49,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_ServeParser)
     s = sub.add_parser("serve", help="run a server until SIGTERM/SIGINT",
                        description="Run one parameter server. The Raft port must be reachable only by cluster members: "
-                                   "pysyncobj unpickles peer messages. On a non-loopback address the server refuses to start without "
-                                   "--cluster-secret-file (Raft) and --admin-token-file (gRPC) unless --insecure is given.")
+                                   "pysyncobj unpickles peer messages. Every port off loopback needs its credential or the "
+                                   "server refuses to start: --raft the cluster secret (--cluster-secret-file), --listen "
+                                   "and --bulk-listen the admin token (--admin-token-file), --metrics-port the read token "
+                                   "(--read-token-file); --insecure starts anyway, with a warning per open port.")
     s.add_argument("--config", type=Path,
                    help="TOML or JSON file of server settings, sizes in bytes, flags win, an unknown key is an error "
                         "(example: deploy/systemd/paramserver.toml.example). Keys: %(keys)s"),
@@ -77,8 +80,9 @@ def _parser() -> argparse.ArgumentParser:
     for flag in ("--admin-token", "--read-token", "--cluster-secret"):
         s.add_argument(flag, dest=f"argv_{flag[2:].replace('-', '_')}", metavar="VALUE", help=argparse.SUPPRESS)
     s.add_argument("--insecure", action="store_true",
-                   help="allow a non-loopback --raft without a cluster secret and a non-loopback --listen without an admin "
-                        "token (anyone who reaches the ports can then run code, push and change members; logged at WARNING)")
+                   help="start even when a non-loopback port lacks its credential: --raft without a cluster secret, --listen or "
+                        "--bulk-listen without an admin token, --metrics-port without a read token (anyone who reaches "
+                        "them can then run code, push, write chunks, change members; each logged at WARNING)")
     s.add_argument("--tls-cert", type=Path, help="server certificate (PEM) to serve gRPC over TLS; also the client certificate "
                                                  "this server presents when it calls its peers, so it needs clientAuth as well "
                                                  "as serverAuth usage (deploy/certs.py issues such)")
@@ -129,7 +133,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--hot-lease-s", type=float, help="an extra copy no replica renewed for this long is dropped (default 30)")
     s.add_argument("--hot-max-mb", type=int, help="bound in MiB on the hot chunks this server places extras for, and on "
                                                   "the extra copies it holds for others (default 256 each)")
-    s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (default: off)")
+    s.add_argument("--metrics-port", type=int,
+                   help="serve Prometheus metrics on this port of the --listen host (default: off); with a read token "
+                        "set, scrapes must send it as 'Authorization: Bearer' (Prometheus: authorization: credentials_file)")
     s.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level (default INFO)")
     return p
 
@@ -175,6 +181,8 @@ def _overrides(a: argparse.Namespace) -> dict[str, Any]:
         o["fsync"] = False
     if a.no_bulk:
         o["bulk"] = False
+    if a.metrics_port is not None:
+        o["metrics_port"] = a.metrics_port  # in the config: validate() checks the metrics listener with the others
     return o
 
 
@@ -236,8 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from paramserver.server.process import ParamServer  # after argument checks: --help stays fast
 
-    metrics_port = args.metrics_port if args.metrics_port is not None else config.extra.get("metrics_port")
-    server = ParamServer(config, metrics_port=metrics_port)
+    server = ParamServer(config, metrics_port=config.extra.get("metrics_port"))
 
     def stop(signum: int, frame: object) -> None:
         server._stopped.set()

@@ -18,10 +18,13 @@ from paramserver.server.errors import ConfigError
 from paramserver.wire.address import host_of, split_host_port
 from paramserver.wire.ring import replication_and_quorum
 
-from paramserver.wire.exposure import is_loopback_host
+from paramserver.wire.auth import ADMIN_TOKEN_ENV, READ_TOKEN_ENV
+from paramserver.wire.errors import ConfigError as WireConfigError
+from paramserver.wire.exposure import Listener, check_listeners, is_loopback_host
 from paramserver.wire.limits import DEFAULT_GET_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES, MiB
 
 
+CLUSTER_SECRET_ENV = "PARAMS_CLUSTER_SECRET"
 SECRET_KEYS = ("admin_token", "read_token", "cluster_secret")  # each may come from a file: "<key>_file"
 
 
@@ -65,7 +68,7 @@ class ServerConfig:
     admin_token: str | None = None  # required for writes when set
     read_token: str | None = None  # required for reads when set (admin also accepted)
     cluster_secret: str | None = None  # pysyncobj password: encrypts and authenticates Raft traffic
-    # Run on a non-loopback address without a cluster secret or an admin token (logged at WARNING on every start).
+    # Run with a non-loopback port that lacks its credential (exposure.py; each logged at WARNING on every start).
     insecure: bool = False
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -94,26 +97,42 @@ class ServerConfig:
     def advertise_address(self) -> str:
         return self.advertise or self.listen
 
-    @property
-    def raft_open(self) -> bool:
-        """The Raft port is reachable from the network and has no cluster secret."""
-        return not is_loopback_host(host_of(self.raft)) and not self.cluster_secret
+    def listeners(self, metrics_port: int | None = None) -> list[Listener]:
+        """Every port this server listens on, with what protects it (paramserver.wire.exposure):
+        gRPC (the admin token), Raft (the cluster secret), bulk (the admin token: it takes chunk
+        writes; reads also need the read token when one is set) and, with ``metrics_port``, metrics
+        (the read token). The bulk port counts only while it is on."""
+        grpc_fix = f"--admin-token-file FILE or ${ADMIN_TOKEN_ENV} (and --read-token-file to protect reads)"
+        found = [
+            Listener("the Raft port", "--raft", self.raft, "cluster secret", bool(self.cluster_secret),
+                     "run code on this server (pysyncobj unpickles what it receives) and change the membership",
+                     f"the same secret on every member with --cluster-secret-file FILE or ${CLUSTER_SECRET_ENV}"),
+            Listener("the gRPC port", "--listen", self.listen, "admin token", bool(self.admin_token),
+                     "push, commit, tag and change the membership", grpc_fix),
+        ]
+        if self.bulk_enabled:
+            found.append(Listener("the bulk port", "--bulk-listen", self.bulk_listen_address, "admin token",
+                                  bool(self.admin_token), "write chunks into this server's store and read every chunk",
+                                  grpc_fix))
+        if metrics_port is not None:
+            found.append(Listener("the metrics port", "--metrics-port", f"{host_of(self.listen)}:{metrics_port}",
+                                  "read token", bool(self.read_token),
+                                  "read this server's metrics (models' activity, members, disk use)",
+                                  f"--read-token-file FILE or ${READ_TOKEN_ENV} (Prometheus: authorization: "
+                                  "credentials_file)"))
+        return found
 
-    @property
-    def grpc_open(self) -> bool:
-        """The gRPC port is reachable from the network and has no admin token."""
-        return not is_loopback_host(host_of(self.listen)) and not self.admin_token
-
-    def open_to_network(self) -> list[str]:
+    def open_to_network(self, metrics_port: int | None = None) -> list[str]:
         """What this config leaves open to anyone who can reach a non-loopback port ([] when nothing)."""
-        gaps = []
-        if self.raft_open:
-            gaps.append(f"Raft port {self.raft} has no cluster secret: any peer that reaches it can run code in this "
-                        "process (pysyncobj unpickles what it receives) and change the membership")
-        if self.grpc_open:
-            gaps.append(f"gRPC port {self.listen} has no admin token: anyone who reaches it can push, commit, tag "
-                        "and change the membership")
-        return gaps
+        return [listener.problem() for listener in self.listeners(metrics_port) if listener.open]
+
+    def check_exposure(self, metrics_port: int | None = None) -> list[str]:
+        """Refuse an open listener (ConfigError naming its flag) unless ``insecure``; with it, the
+        warning lines to log at every start (exposure.check_listeners)."""
+        try:
+            return check_listeners(self.listeners(metrics_port), insecure=self.insecure)
+        except WireConfigError as exc:  # the wire layer's; the server's callers catch (and exit 2 on) this one
+            raise ConfigError(str(exc)) from None
 
     @property
     def bulk_enabled(self) -> bool:
@@ -146,17 +165,6 @@ class ServerConfig:
             )
         if not 1 <= self.vnodes <= 4096:
             raise ConfigError(f"vnodes must be between 1 and 4096, got {self.vnodes}")
-        if not self.insecure:
-            if self.raft_open:
-                raise ConfigError(
-                    f"the Raft address {self.raft} is not loopback and no cluster secret is set: anyone who reaches it "
-                    "could run code on this server; give the same secret to every member with --cluster-secret-file FILE "
-                    "or $PARAMS_CLUSTER_SECRET, or pass --insecure to run open anyway")
-            if self.grpc_open:
-                raise ConfigError(
-                    f"the gRPC address {self.listen} is not loopback and no admin token is set: anyone who reaches it "
-                    "could push, tag and change members; set --admin-token-file FILE or $PARAMS_ADMIN_TOKEN "
-                    "(and --read-token-file to protect reads), or pass --insecure to run open anyway")
         if self.cluster_secret is not None and len(self.cluster_secret) < 16:
             raise ConfigError("cluster_secret must be at least 16 characters (for example: python -c "
                               "'import secrets; print(secrets.token_urlsafe(32))')")
@@ -197,6 +205,7 @@ class ServerConfig:
             _check_hostport("bulk_listen", self.bulk_listen)
         if not 1 <= self.workers <= 1024:
             raise ConfigError(f"workers must be between 1 and 1024, got {self.workers}")
+        self.check_exposure(self.extra.get("metrics_port") if isinstance(self.extra.get("metrics_port"), int) else None)
         return self
 
     @classmethod

@@ -79,6 +79,17 @@ class HeatAggregator:
         self.max_entries = max_entries
         self._changes = 0  # reports taken; save() writes only when this moved since the last save
         self._saved = 0
+        # ReportHeat calls whose entries were parsed, and those refused before any parse (too large,
+        # unknown model or version, no header): exported as metrics, so a flood is visible.
+        self.parsed_reports = 0
+        self.refused_unparsed = 0
+
+    def count_call(self, parsed: bool) -> None:
+        with self._lock:
+            if parsed:
+                self.parsed_reports += 1
+            else:
+                self.refused_unparsed += 1
 
     @property
     def entries(self) -> int:

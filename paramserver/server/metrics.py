@@ -10,21 +10,29 @@ from __future__ import annotations
 import os
 from typing import Callable, Iterator
 
-from prometheus_client import start_http_server
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from consensus.api import MetadataPlane
 
+from paramserver.server.heat import HeatAggregator
 from paramserver.server.hot_chunks import HotChunks
 from paramserver.server.repair import RepairQueue, Scrubber
 from paramserver.server.store import ChunkStore
+from paramserver.wire.auth import READ_TOKEN_ENV, bearer_token, tokens_match
 
 
 class ServerCollector(Collector):
     def __init__(self, server_id: str, store: ChunkStore, metadata: MetadataPlane, queue: RepairQueue,
-                 members: Callable[[], int], scrubber: Scrubber | None = None, hot: HotChunks | None = None) -> None:
+                 members: Callable[[], int], scrubber: Scrubber | None = None, hot: HotChunks | None = None,
+                 heat: HeatAggregator | None = None) -> None:
         self.server_id = server_id
+        self.heat = heat
         self.hot = hot
         self.scrubber = scrubber
         self.store = store
@@ -85,6 +93,16 @@ class ServerCollector(Collector):
             c.add_metric([self.server_id], float(value))
             yield c
 
+        if self.heat is not None:  # ReportHeat calls: parsed, and refused before a parse (a flood shows here)
+            for name, doc, value in (
+                ("paramserver_heat_reports_parsed", "ReportHeat calls whose entries were parsed", self.heat.parsed_reports),
+                ("paramserver_heat_reports_refused_unparsed", "ReportHeat calls refused before their entries were parsed "
+                 "(too large, no model or version, or a version this server does not have)", self.heat.refused_unparsed),
+            ):
+                c = CounterMetricFamily(name, doc, labels=labels)
+                c.add_metric([self.server_id], float(value))
+                yield c
+
         # Hot chunks (paramserver.server.hot_chunks): absent with --hot-chunks off.
         if self.hot is not None:
             h = self.hot.stats()
@@ -114,11 +132,59 @@ class ServerCollector(Collector):
         return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
 
 
-def serve_metrics(port: int, host: str, collector: ServerCollector) -> CollectorRegistry:
+class MetricsServer(ThreadingHTTPServer):
+    """``GET /metrics`` of one registry; with ``tokens`` (the read and admin tokens), only for a scrape
+    that sends one of them as ``Authorization: Bearer`` (Prometheus: ``authorization: credentials_file``).
+    prometheus_client's own server checks nothing, so the metrics port had no credential at all."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], registry: CollectorRegistry, tokens: tuple[str, ...]) -> None:
+        self.registry = registry
+        self.tokens = tokens
+        super().__init__(address, _MetricsHandler)
+
+
+class _MetricsHandler(BaseHTTPRequestHandler):
+    server: MetricsServer
+    timeout = 10  # a scrape that sends nothing does not hold its thread
+
+    def do_GET(self) -> None:
+        if self.path.split("?", 1)[0] not in ("/metrics", "/"):
+            return self._error(404, f"no such path {self.path.split('?', 1)[0]!r}; metrics are at GET /metrics")
+        if self.server.tokens:
+            given = bearer_token(self.headers.get("Authorization"))
+            if not any(tokens_match(given, token) for token in self.server.tokens):
+                problem = "no token was sent" if given is None else "the token sent is wrong"
+                return self._error(401, f"metrics need the read token (${READ_TOKEN_ENV}) or the admin token as "
+                                        f"'Authorization: Bearer <token>'; {problem}")
+        body = generate_latest(self.server.registry)
+        self._send(200, body, CONTENT_TYPE_LATEST)
+
+    def _error(self, status: int, message: str) -> None:
+        self._send(status, json.dumps({"error": message}).encode() + b"\n", "application/json")
+
+    def _send(self, status: int, body: bytes, content_type: str) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        if status == 401:
+            self.send_header("WWW-Authenticate", 'Bearer realm="paramserver metrics"')
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass  # one line per scrape would drown the server's log
+
+
+def serve_metrics(port: int, host: str, collector: ServerCollector, tokens: tuple[str | None, ...] = ()) -> MetricsServer:
+    """Serve ``collector`` on host:port in a daemon thread; ``tokens``: those a scrape may send (None
+    entries ignored; none at all: open, which ServerConfig allows on loopback or with --insecure only)."""
     registry = CollectorRegistry()
     registry.register(collector)
-    start_http_server(port, addr=host, registry=registry)
-    return registry
+    server = MetricsServer((host.strip("[]"), port), registry, tuple(t for t in tokens if t))
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    return server
 
 
-__all__ = ["ServerCollector", "serve_metrics"]
+__all__ = ["MetricsServer", "ServerCollector", "serve_metrics"]

@@ -28,7 +28,7 @@ from paramserver.server.data_dir import check_identity, lock_data_dir, record_id
 from paramserver.server.gc import OrphanCollector, References
 from paramserver.server.heat import SAVE_INTERVAL_S, HeatAggregator, HeatSnapshots
 from paramserver.server.hot_chunks import STATE_FILE, HotChunks, HotConfig
-from paramserver.server.metrics import ServerCollector, serve_metrics
+from paramserver.server.metrics import MetricsServer, ServerCollector, serve_metrics
 from paramserver.server.repair import RepairQueue, Repairer, Scrubber, TrafficWatch
 from paramserver.server.replication import ReReplicator
 from paramserver.wire.ring import RingConfig
@@ -53,6 +53,7 @@ class ParamServer:
     peers: PeerSet | None = None
     hot: HotChunks | None = None
     heat: HeatSnapshots | None = None
+    metrics: MetricsServer | None = None
     _tasks: list[Periodic] = field(default_factory=list)
     _stopped: threading.Event = field(default_factory=threading.Event)
     _registered: threading.Event = field(default_factory=threading.Event)
@@ -72,9 +73,13 @@ class ParamServer:
     def _start(self) -> None:
         cfg = self.config.validate()
         if cfg.insecure:
-            for gap in cfg.open_to_network() or ["nothing is open to the network (every address is loopback)"]:
+            # The one safe-default rule (wire/exposure.py): a warning per open listener, on every start.
+            for gap in cfg.check_exposure(self.metrics_port) or ["nothing is open to the network (every port is loopback "
+                                                                 "or has its credential)"]:
                 log.warning("started with --insecure: %s", gap)
-        elif cfg.read_token is None and not is_loopback_host(cfg.listen.rpartition(":")[0]):
+        else:
+            cfg.check_exposure(self.metrics_port)
+        if not cfg.insecure and cfg.read_token is None and not is_loopback_host(cfg.listen.rpartition(":")[0]):
             log.info("reads are open on %s (no read token): anyone who reaches it can read every model", cfg.listen)
         self._dir_lock = lock_data_dir(cfg.data_dir)  # before anything in it is opened
         self._identity_recorded = check_identity(cfg.data_dir / "raft", cluster_id(cfg.cluster_secret, cfg.vnodes))
@@ -142,8 +147,10 @@ class ParamServer:
             task.start()
         if self.metrics_port is not None:
             host = cfg.listen.rpartition(":")[0]
-            serve_metrics(self.metrics_port, host, ServerCollector(cfg.server_id, store, node, queue, lambda: len(members()),
-                                                                     scrubber=scrubber, hot=hot))
+            # Metrics need the read token when one is set (the admin token works too); open otherwise.
+            self.metrics = serve_metrics(self.metrics_port, host, ServerCollector(
+                cfg.server_id, store, node, queue, lambda: len(members()), scrubber=scrubber, hot=hot, heat=heat.heat),
+                tokens=(cfg.read_token, cfg.admin_token) if cfg.read_token else ())
 
     def _register_loop(self) -> None:
         """Publish this server's member record once a leader exists; retry until it sticks."""
@@ -242,6 +249,10 @@ class ParamServer:
             task.stop(timeout=5.0)
         if self.bulk is not None:
             self.bulk.stop()
+        if self.metrics is not None:
+            self.metrics.shutdown()
+            self.metrics.server_close()
+            self.metrics = None
         if self.running is not None:
             self.running.stop(grace=1.0)
         if self.heat is not None:

@@ -9,8 +9,10 @@ optional TLS, and returns a handle that stops it cleanly.
 ReportHeat is a read call, so it is bounded (issue 11): the version must exist on the
 metadata plane (a server without one takes indexes below ``MAX_HEAT_ENTRIES_PER_CALL``),
 one call carries at most the version's chunk count of entries (and at most
-``MAX_HEAT_REQUEST_BYTES`` of message, refused before it is parsed), every index below
-the chunk count, and the aggregated heat is bounded (paramserver.server.heat).
+``MAX_HEAT_REQUEST_BYTES`` of message), every index below
+the chunk count, and the aggregated heat is bounded (paramserver.server.heat). Its message is
+received unparsed: an oversized one, one without model and version, or one for a version this
+server does not have is refused before its entries are parsed (heat_entries.report_header).
 ServerStatus carries this server's cluster id (``extra["cluster_id"]``, see
 metaservice.cluster_id), which AddMember checks on a new member.
 """
@@ -20,7 +22,7 @@ import resource
 import shutil
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -38,7 +40,7 @@ from paramserver.server.heat import HeatAggregator
 from paramserver.server.hot_chunks import HotChunks
 from paramserver.wire.conn_limits import ConnectionLimits
 from paramserver.wire.grpc_options import server_options
-from paramserver.wire.limits import MAX_HEAT_ENTRIES_PER_CALL, MAX_HEAT_REQUEST_BYTES
+from paramserver.wire.limits import HEAT_ENTRIES_PER_CALL, MAX_HEAT_ENTRIES_PER_CALL, MAX_HEAT_REQUEST_BYTES
 from paramserver.server.metaservice import (
     CLUSTER_ID_KEY, BlobFetcher, MemberProbe, MetadataService, RingInfo, VersionCheck, cluster_id,
 )
@@ -47,21 +49,21 @@ from paramserver.server.repair import RepairQueue
 from paramserver.server.rpc_errors import abort_with, invalid
 from paramserver.server.store import ChunkStore
 from paramserver.wire.getchunks import passthrough_serializer
-from paramserver.wire.heat_entries import request_arrays
+from paramserver.wire.heat_entries import report_header, request_arrays
 
 
 
-class _Oversized:
-    """A ReportHeat message over MAX_HEAT_REQUEST_BYTES, kept unparsed (its size only)."""
+class _RawHeat:
+    """A ReportHeat message as received: parsed only once its size, model and version pass."""
 
-    __slots__ = ("size",)
+    __slots__ = ("raw",)
 
-    def __init__(self, size: int) -> None:
-        self.size = size
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
 
 
-def _heat_request(raw: bytes) -> pb.ReportHeatRequest | _Oversized:
-    return _Oversized(len(raw)) if len(raw) > MAX_HEAT_REQUEST_BYTES else pb.ReportHeatRequest.FromString(raw)
+def _heat_request(raw: bytes) -> _RawHeat:
+    return _RawHeat(raw)
 
 
 class _Malformed:
@@ -177,22 +179,43 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
             reply.is_leader, reply.term, reply.commit_index = plane.is_leader(), plane.term(), plane.commit_index()
         return reply
 
-    def ReportHeat(self, request: pb.ReportHeatRequest | _Oversized, context: grpc.ServicerContext) -> pb.ReportHeatReply:
-        if isinstance(request, _Oversized):
-            invalid(context, f"ReportHeat message is {request.size} bytes; the limit is {MAX_HEAT_REQUEST_BYTES} "
-                             f"(at most {MAX_HEAT_ENTRIES_PER_CALL} entries, and no more than the version's chunk count)")
-        model, version, n = request.model, request.version, len(request.entries)
+    def ReportHeat(self, request: _RawHeat, context: grpc.ServicerContext) -> pb.ReportHeatReply:
+        # Refused before a parse when large, headless, or for a version this server does not have: a
+        # flood of 20 MiB reports parsed each (GIL held) once cost the leader its elections.
+        raw = request.raw
+        if len(raw) > MAX_HEAT_REQUEST_BYTES:
+            self._refuse_heat(context, f"ReportHeat message is {len(raw)} bytes; the limit is {MAX_HEAT_REQUEST_BYTES} "
+                                       f"(at most {HEAT_ENTRIES_PER_CALL} entries per call, and no more than the "
+                                       "version's chunk count)")
+        try:
+            model, version = report_header(raw)
+        except ValueError as exc:
+            self._refuse_heat(context, f"ReportHeat: the request message does not parse ({exc}); send a "
+                                       "ReportHeatRequest of paramserver.proto")
         if not model or not version:
-            invalid(context, "ReportHeat needs model and version")
+            self._refuse_heat(context, "ReportHeat needs model and version, before its entries (as protobuf writes them)")
         if len(model) > MAX_NAME_LENGTH:
-            invalid(context, f"model name is {len(model)} characters; model names have at most {MAX_NAME_LENGTH}")
+            self._refuse_heat(context, f"model name is {len(model)} characters; model names have at most {MAX_NAME_LENGTH}")
+        try:
+            size = self._chunk_count(model, version, context)
+        except BaseException:  # NOT_FOUND for a version this server does not have (abort raises)
+            self.heat.count_call(parsed=False)
+            raise
+        self.heat.count_call(parsed=True)
+        try:
+            parsed = pb.ReportHeatRequest.FromString(raw)
+        except Exception as exc:  # noqa: BLE001 - DecodeError: a message that is not one
+            invalid(context, f"ReportHeat: the request message does not parse ({type(exc).__name__}); send a "
+                             "ReportHeatRequest of paramserver.proto")
+        if (parsed.model, parsed.version) != (model, version):
+            invalid(context, "ReportHeat names its model or version twice, differently; send each once")
+        n = len(parsed.entries)
         limit, what = MAX_HEAT_ENTRIES_PER_CALL, "the per-call limit"
-        size = self._chunk_count(model, version, context)
         if size is not None and size < limit:
             limit, what = size, f"the chunk count of {model} version {version}"
         if n > limit:
             invalid(context, f"ReportHeat carries {n} entries; the limit is {limit} ({what}): one entry per chunk of the version")
-        arrays = request_arrays(request)  # vectorised: no Python step per entry
+        arrays = request_arrays(parsed)  # vectorised: no Python step per entry
         if n and int(arrays.index.max()) >= limit:
             bad = int(arrays.index.max())
             invalid(context, f"ReportHeat names chunk_index {bad}; the indexes of {model} version {version} are 0..{limit - 1} "
@@ -202,6 +225,10 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
         except ValueError as exc:
             invalid(context, f"ReportHeat: {exc}")
         return pb.ReportHeatReply()
+
+    def _refuse_heat(self, context: grpc.ServicerContext, message: str) -> NoReturn:
+        self.heat.count_call(parsed=False)
+        invalid(context, message)
 
     def _chunk_count(self, model: str, version: int, context: grpc.ServicerContext) -> int | None:
         """The version's chunk count from the metadata plane (NOT_FOUND when it has no such version);

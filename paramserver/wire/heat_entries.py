@@ -207,6 +207,58 @@ def encode_entries(index: U64, count: U64, order: U64, field: int = GET_REPLY_EN
     return out.tobytes()
 
 
+HEADER_FIELDS = 8  # top-level fields report_header reads before it gives up
+
+
+def _varint(raw: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while pos < len(raw) and shift < 70:
+        byte = raw[pos]
+        value |= (byte & 0x7F) << shift
+        pos += 1
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+    raise ValueError("the message ends inside a varint, or a varint is longer than 10 bytes")
+
+
+def report_header(raw: bytes) -> tuple[str, int]:
+    """(model, version) of a serialised ``ReportHeatRequest``, read without parsing its entries.
+
+    A server checks them before it parses the (megabytes of) entries: a report for a version it
+    does not have is refused unparsed. Protobuf writes fields in number order, so model (1) and
+    version (2) come before the entries (4); reading stops at the first entry or after
+    HEADER_FIELDS fields. Missing ones are "" and 0. ValueError for bytes that are not a message.
+    The caller checks that the parsed message names the same (a later duplicate field would win).
+    """
+    model, version, pos = "", 0, 0
+    for _ in range(HEADER_FIELDS):
+        if pos >= len(raw):
+            break
+        key, pos = _varint(raw, pos)
+        number, wire = key >> 3, key & 7
+        if number == 4:
+            break
+        if wire == 0:
+            value, pos = _varint(raw, pos)
+            if number == 2:
+                version = value
+        elif wire == 2:
+            length, end = _varint(raw, pos)
+            pos = end + length
+            if pos > len(raw):
+                raise ValueError("a field runs past the end of the message")
+            if number == 1:
+                model = raw[end:pos].decode("utf-8")  # UnicodeDecodeError is a ValueError
+        elif wire == 1:
+            pos += 8
+        elif wire == 5:
+            pos += 4
+        else:
+            raise ValueError(f"field {number} has wire type {wire}, which a ReportHeatRequest does not use")
+    return model, version
+
+
 def report_request(model: str, version: int, worker: str, entries: HeatArrays) -> bytes:
     """A serialised ``ReportHeatRequest``: its scalar fields through protobuf, its entries here.
 
@@ -220,4 +272,4 @@ def report_request(model: str, version: int, worker: str, entries: HeatArrays) -
 
 
 __all__ = ["GET_REPLY_ENTRIES", "REPORT_REQUEST_ENTRIES", "HeatArrays", "HeatEntry", "decode_entries", "encode_entries",
-           "report_request", "request_arrays"]
+           "report_header", "report_request", "request_arrays"]

@@ -20,11 +20,14 @@ __all__ = ["DEFAULT_GET_MESSAGE_BYTES", "DEFAULT_MAX_MESSAGE_BYTES", "MAX_CODEC_
            "MAX_PART_IDS_PER_CALL", "MiB"]
 
 # ReportHeat: entries in one call (and never more than the version's chunk count), and the
-# largest message a server parses (entries take 4-24 bytes each). Clients send at most
-# HEAT_ENTRIES_PER_CALL entries per call, which always fits.
+# largest message a server takes (refused unparsed above it). Clients send at most
+# HEAT_ENTRIES_PER_CALL entries per call, each at most MAX_HEAT_ENTRY_BYTES on the wire (key and
+# length, a uint32 index, a uint64 count, a uint32 order: 2 + 6 + 11 + 6), plus the model name,
+# version and worker id: about 6.3 MiB, far below the 24 MiB gRPC limit a flood once filled.
 MAX_HEAT_ENTRIES_PER_CALL = 1 << 20
-MAX_HEAT_REQUEST_BYTES = 24 << 20
 HEAT_ENTRIES_PER_CALL = 1 << 18
+MAX_HEAT_ENTRY_BYTES = 25
+MAX_HEAT_REQUEST_BYTES = HEAT_ENTRIES_PER_CALL * MAX_HEAT_ENTRY_BYTES + 64 * 1024
 
 # GetHotChunks: the most hot chunks one server advertises (each entry ~80-120 bytes), and the
 # most a client keeps from all servers together.

@@ -757,14 +757,25 @@ def test_promtool_unit_tests_of_the_alerts_pass() -> None:
             "PdparamsRouterNoWorkers"} <= tested
 
 
+READ_TOKEN_FILE = "/etc/prometheus/pdparams/read.token"  # where the scrape configs read the cluster's read token
+
+
 @needs_promtool
 def test_promtool_checks_the_scrape_configs(tmp_path: Path) -> None:
-    proc = _promtool("check", "config", "prometheus-static.yml")
+    # promtool checks that a credentials file exists: the configs are checked with the path on a temporary file
+    token = tmp_path / "read.token"
+    token.write_text("read-token\n")
+    for name in ("prometheus-static.yml", "prometheus-kubernetes.yml", "alerts.yml"):
+        text = (MONITORING / name).read_text()
+        if name.startswith("prometheus"):
+            assert READ_TOKEN_FILE in text, f"{name}: the paramserver job must send the read token"
+        (tmp_path / name).write_text(text.replace(READ_TOKEN_FILE, str(token)))
+    proc = _promtool("check", "config", "prometheus-static.yml", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    proc = _promtool("check", "config", "prometheus-kubernetes.yml")
+    proc = _promtool("check", "config", "prometheus-kubernetes.yml", cwd=tmp_path)
     if proc.returncode != 0 and "kubernetes_sd_configs not found" in proc.stdout + proc.stderr:
         # promtool built without Kubernetes discovery (Debian's): check the rest with a static target instead
-        config = yaml.safe_load((MONITORING / "prometheus-kubernetes.yml").read_text())
+        config = yaml.safe_load((tmp_path / "prometheus-kubernetes.yml").read_text())
         for job in config["scrape_configs"]:
             assert job.pop("kubernetes_sd_configs") == [{"role": "pod", "namespaces": {"names": [NAMESPACE]}}]
             job["static_configs"] = [{"targets": ["127.0.0.1:9100"]}]

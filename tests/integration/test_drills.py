@@ -118,8 +118,13 @@ def test_partition_leader_cut_off_with_a_minority(tmp_path: Path) -> None:
                  "no_failed_loads"):
         assert checks[name]["ok"], checks[name]
     assert data["summary"]["time_to_new_leader"]["max"] <= 5.0
-    # Issue #10: the publisher leaves the silent old leader as soon as the majority names a new one.
-    assert data["summary"]["time_to_next_commit"]["max"] <= 1.5
+    # Issue #10: the publisher leaves the silent old leader as soon as the majority names a new one:
+    # 2 s (two ~1 s call timeouts on the silent replica) plus two of its own pushes as timed just
+    # before the cut (issue 41: on a loaded machine a push alone took up to 4.3 s; the election
+    # stayed 0.4-1.2 s). Quiet machine: 1.1-1.3 s measured.
+    push_s, bound = data["info"]["push_s_before_cut"], data["info"]["next_commit_bound_s"]
+    assert bound == pytest.approx(min(10.0, 2.0 + 2 * push_s), abs=0.002)
+    assert data["summary"]["time_to_next_commit"]["max"] <= bound
     assert report.exit_code() == 0
 
 

@@ -11,10 +11,13 @@ Unit tests for HeatAggregator and the vectorised codec; a real one-server cluste
 from __future__ import annotations
 
 import random
+import socket
 import time
+import urllib.request
 from typing import Iterator
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -23,13 +26,24 @@ from tests.conftest import local_cluster
 from paramserver.client.push import push
 from paramserver.client.rpc import ParamServerClient
 from paramserver.server.heat import BYTES_PER_ENTRY, HeatAggregator
-from paramserver.wire.heat_entries import HeatArrays, HeatEntry, decode_entries, encode_entries, report_request, request_arrays
+from paramserver.wire.heat_entries import (
+    HeatArrays, HeatEntry, decode_entries, encode_entries, report_header, report_request, request_arrays,
+)  # fmt: skip
 from paramserver.server.service import MAX_HEAT_REQUEST_BYTES
 from paramserver.wire.auth import token_metadata
 from paramserver.wire.grpc_options import channel_options
 from paramserver.wire.proto import SERVICE_NAME, pb
 
 ADMIN, READ, SECRET = "admin-token-heat", "read-token-heat", "cluster-secret-heat-0123456789"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+METRICS_PORT = _free_port()
 
 
 # ------------------------------------------------------------------ the aggregator, in memory
@@ -160,6 +174,29 @@ def test_unknown_fields_and_bad_streams() -> None:
         decode_entries(b"\x22\x02\x08\x05", 2)  # fewer entries than parsed
 
 
+def test_the_header_is_read_without_the_entries() -> None:
+    raw = report_request("model-x", 7, "worker-9", HeatArrays.of([(1, 2, 3)] * 1000))
+    assert report_header(raw) == ("model-x", 7)
+    assert report_header(pb.ReportHeatRequest(worker="w").SerializeToString()) == ("", 0)
+    # entries first (no protobuf writes that): the header reading stops at them, names nothing
+    assert report_header(entries_bytes(10) + header("m", 1)) == ("", 0)
+    for bad in (b"\x0a\x05ab", b"\x10\xff", b"\x0a\x02\xff\xfe", b"\x0f"):
+        with pytest.raises(ValueError):
+            report_header(bad)
+
+
+def test_a_real_report_fits_the_byte_limit() -> None:
+    """The largest report a client sends (HEAT_ENTRIES_PER_CALL entries, every value at its widest)
+    is under MAX_HEAT_REQUEST_BYTES, which is far below the 24 MiB gRPC limit."""
+    from paramserver.wire.limits import HEAT_ENTRIES_PER_CALL
+
+    n = HEAT_ENTRIES_PER_CALL
+    wide = HeatArrays(np.full(n, (1 << 32) - 1, np.uint64), np.full(n, (1 << 64) - 1, np.uint64),
+                      np.full(n, (1 << 32) - 1, np.uint64))
+    raw = report_request("m" * 128, (1 << 64) - 1, "w" * 200, wide)
+    assert len(raw) <= MAX_HEAT_REQUEST_BYTES <= 8 << 20
+
+
 def test_one_report_costs_milliseconds_per_mib() -> None:
     """200k entries (about 2.4 MiB): decoding and aggregating is vectorised, well under the
     seconds a Python step per entry took on this machine under load."""
@@ -181,7 +218,8 @@ def test_one_report_costs_milliseconds_per_mib() -> None:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     root = tmp_path_factory.mktemp("rpc-heat")
-    with local_cluster(root, servers=1, admin_token=ADMIN, read_token=READ, secret=SECRET, extra_args=("--no-fsync",)) as c:
+    with local_cluster(root, servers=1, admin_token=ADMIN, read_token=READ, secret=SECRET,
+                       extra_args=("--no-fsync", "--metrics-port", str(METRICS_PORT))) as c:
         yield c
 
 
@@ -233,7 +271,7 @@ def test_report_for_a_version_that_does_not_exist_is_refused(cluster: LocalClust
 
 def test_a_million_entries_are_refused_fast_naming_the_limit(cluster: LocalCluster, version: tuple[int, int]) -> None:
     number, chunks = version
-    code, details, took = raw_report(cluster.addresses[0], header("hot", number) + entries_bytes(1_000_000))
+    code, details, took = raw_report(cluster.addresses[0], header("hot", number) + entries_bytes(500_000))
     assert code == grpc.StatusCode.INVALID_ARGUMENT, details
     assert f"the limit is {chunks}" in details and "chunk count" in details
     assert took < 5.0, f"refusing took {took:.1f} s"
@@ -266,3 +304,49 @@ def test_valid_reports_aggregate_and_the_server_keeps_serving(cluster: LocalClus
         assert reply.reports == 20
         assert [(e.chunk_index, e.count) for e in reply.entries] == [(i, 40) for i in reversed(range(chunks))]
         assert c.server_status().server_id == "ps1"
+
+
+def heat_metrics(cluster: LocalCluster) -> dict[str, float]:
+    host = cluster.addresses[0].rpartition(":")[0]
+    req = urllib.request.Request(f"http://{host}:{METRICS_PORT}/metrics", headers={"Authorization": f"Bearer {READ}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        text = r.read().decode()
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition("{")
+        if name in ("paramserver_heat_reports_parsed_total", "paramserver_heat_reports_refused_unparsed_total",
+                    "paramserver_raft_term", "paramserver_is_leader"):
+            values[name.removesuffix("_total")] = float(value.rsplit(" ", 1)[1])
+    return values
+
+
+@pytest.mark.timeout(180)
+def test_large_or_unknown_reports_are_refused_before_a_parse(cluster: LocalCluster, version: tuple[int, int]) -> None:
+    """Issue 41: reports under the 24 MiB gRPC limit were parsed before their model was checked (a
+    flood: 5 elections, RSS doubled for good). 20 MiB reports, and smaller ones for a model the
+    server does not have, are refused unparsed (the server's counters say so), the term stays."""
+    address = cluster.addresses[0]
+    before = heat_metrics(cluster)
+    twenty = header("no-such-model", 1) + entries_bytes((20 << 20) // 8)
+    for _ in range(5):
+        code, details, took = raw_report(address, twenty)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and f"the limit is {MAX_HEAT_REQUEST_BYTES}" in details, details
+        assert took < 10.0
+    under_limit = header("no-such-model", 1) + entries_bytes((MAX_HEAT_REQUEST_BYTES - 1024) // 8)
+    for _ in range(5):
+        code, details, _ = raw_report(address, under_limit)
+        assert code == grpc.StatusCode.NOT_FOUND, details
+    code, details, _ = raw_report(address, entries_bytes(1000))  # no model, no version
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "model and version" in details, details
+    after = heat_metrics(cluster)
+    assert after["paramserver_heat_reports_parsed"] == before["paramserver_heat_reports_parsed"], (before, after)
+    assert after["paramserver_heat_reports_refused_unparsed"] - before["paramserver_heat_reports_refused_unparsed"] == 11
+    assert after["paramserver_raft_term"] == before["paramserver_raft_term"] and after["paramserver_is_leader"] == 1.0
+    # a report for the real version is parsed and taken, counted as such
+    number, _chunks = version
+    code, details, _ = raw_report(address, header("hot", number) + entries_bytes(3))
+    assert code == grpc.StatusCode.OK, details
+    assert heat_metrics(cluster)["paramserver_heat_reports_parsed"] == before["paramserver_heat_reports_parsed"] + 1
+    # a second model field after the entries (it would win in the parse) is refused
+    code, details, _ = raw_report(address, header("hot", number) + entries_bytes(3) + b"\x0a\x02zz")
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "twice" in details, details

@@ -54,9 +54,70 @@ def test_config_refuses_open_ports_off_loopback(tmp_path: Path) -> None:
     ok = ServerConfig(**base, cluster_secret=SECRET, admin_token=ADMIN).validate()  # type: ignore[arg-type]
     assert ok.open_to_network() == []
     open_anyway = ServerConfig(**base, insecure=True).validate()  # type: ignore[arg-type]
-    assert len(open_anyway.open_to_network()) == 2
+    # Raft, gRPC and the bulk port (on the --listen host by default), each named by its flag
+    gaps = open_anyway.open_to_network()
+    assert [g.split("(")[1].split()[0] for g in gaps] == ["--raft", "--listen", "--bulk-listen"], gaps
     # loopback needs nothing: a laptop's cluster starts as before
     ServerConfig(server_id="ps1", data_dir=tmp_path).validate()
+
+
+def test_every_listener_is_under_the_one_rule(tmp_path: Path) -> None:
+    """Bulk and metrics ports too (issue 41): a non-loopback --bulk-listen took chunk writes from
+    anyone while --listen and --raft were loopback."""
+    local = dict(server_id="ps1", data_dir=tmp_path)
+    with pytest.raises(ConfigError, match="--bulk-listen 10.9.9.9:7300") as info:
+        ServerConfig(**local, bulk_listen="10.9.9.9:7300").validate()  # type: ignore[arg-type]
+    assert "--admin-token-file" in str(info.value) and "--insecure" in str(info.value)
+    ServerConfig(**local, bulk_listen="10.9.9.9:7300", admin_token=ADMIN).validate()  # type: ignore[arg-type]
+    ServerConfig(**local, bulk_listen="10.9.9.9:7300", bulk=False).validate()  # type: ignore[arg-type]  # off: no listener
+    warned = ServerConfig(**local, bulk_listen="10.9.9.9:7300", insecure=True).validate()  # type: ignore[arg-type]
+    assert any("--bulk-listen" in line for line in warned.check_exposure())
+    # metrics: the read token, checked on the --listen host
+    net = dict(local, listen="10.9.9.9:7000", admin_token=ADMIN)
+    with pytest.raises(ConfigError, match="--metrics-port") as info:
+        ServerConfig(**net, extra={"metrics_port": 9100}).validate()  # type: ignore[arg-type]
+    assert "--read-token-file" in str(info.value)
+    ServerConfig(**net, read_token="read-token-x", extra={"metrics_port": 9100}).validate()  # type: ignore[arg-type]
+    ServerConfig(**local, extra={"metrics_port": 9100}).validate()  # type: ignore[arg-type]  # loopback
+
+
+def test_metrics_need_the_read_token_when_one_is_set() -> None:
+    import json
+    import socket
+    import urllib.error
+    import urllib.request
+
+    from prometheus_client.core import GaugeMetricFamily
+
+    from paramserver.server.metrics import serve_metrics
+
+    class One:
+        def collect(self) -> Iterator[GaugeMetricFamily]:
+            yield GaugeMetricFamily("paramserver_test_gauge", "a gauge", value=1.0)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = serve_metrics(port, "127.0.0.1", One(), tokens=("read-token-m", "admin-token-m"))  # type: ignore[arg-type]
+    try:
+        def get(token: str | None) -> tuple[int, str]:
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
+                                         headers={"Authorization": f"Bearer {token}"} if token else {})
+            try:
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    return r.status, r.read().decode()
+            except urllib.error.HTTPError as exc:
+                return exc.code, exc.read().decode()
+
+        for token in (None, "wrong-token"):
+            status, body = get(token)
+            assert status == 401 and "read token" in json.loads(body)["error"], body
+        for token in ("read-token-m", "admin-token-m"):
+            status, body = get(token)
+            assert status == 200 and "paramserver_test_gauge 1.0" in body, body
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_secrets_come_from_files_and_a_short_secret_is_refused(tmp_path: Path) -> None:
@@ -176,3 +237,22 @@ def test_non_loopback_server_needs_secret_and_token(namespace: NetnsTopology, tm
     code, out = _serve(namespace, tmp_path / "d", "--insecure")
     assert code is None, out
     assert "WARNING" in out and "--insecure" in out and "no cluster secret" in out and "no admin token" in out
+
+
+@netns_only
+@pytest.mark.root
+@pytest.mark.timeout(120)
+def test_non_loopback_bulk_port_needs_the_admin_token(namespace: NetnsTopology, tmp_path: Path) -> None:
+    """gRPC and Raft on loopback, the bulk port on the namespace's address, no token: it started and
+    stored a 1 MiB write from another namespace. Now refused (exit 2, naming --bulk-listen)."""
+    bulk = f"{namespace.address(0)}:7300"
+    local = ("--listen", "127.0.0.1:7070", "--raft", "127.0.0.1:7071", "--bulk-listen", bulk)
+    code, out = _serve(namespace, tmp_path / "a", *local)
+    assert code == 2 and "--bulk-listen" in out and bulk in out and "--admin-token-file" in out, out
+    assert "Traceback" not in out, out
+    code, out = _serve(namespace, tmp_path / "b", *local, "--insecure")
+    assert code is None, out  # it served
+    assert "WARNING" in out and "--insecure" in out and "--bulk-listen" in out, out
+    admin = _private(tmp_path / "admin.token", ADMIN)
+    code, out = _serve(namespace, tmp_path / "c", *local, "--admin-token-file", str(admin))
+    assert code is None, out
