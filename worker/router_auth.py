@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from paramserver.client.config import read_token_file as client_read_token_file
+from paramserver.client.errors import ConfigError as ClientConfigError
 from paramserver.wire.auth import bearer_token, tokens_match
 from worker.errors import ConfigError
 from worker.router_state import check_proof
@@ -37,16 +39,12 @@ if TYPE_CHECKING:  # the router's side only: a worker imports this module withou
 
 
 def read_token_file(path: str | Path, flag: str) -> str:
-    """The one token in ``path``; a ConfigError naming ``flag`` when it cannot be read or is not one token."""
+    """The one token in ``path``; a ConfigError naming ``flag`` when it cannot be read or is not one token
+    (the clients' own reader, paramserver.client.config.read_token_file, as a worker error)."""
     try:
-        token = Path(path).read_text().strip()
-    except OSError as exc:
-        raise ConfigError(f"{flag} {path}: cannot read it ({exc.strerror or exc})") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{flag} {path} is not a text file holding one token") from None
-    if not token or any(c.isspace() for c in token):
-        raise ConfigError(f"{flag} {path} must hold one token (no spaces), got {'nothing' if not token else 'several words'}")
-    return token
+        return client_read_token_file(Path(path), flag)
+    except ClientConfigError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def token_from(path: str | Path | None, flag: str, env: str, environ: Mapping[str, str] = os.environ,

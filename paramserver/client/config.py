@@ -248,7 +248,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
             raise ConfigError(f"client config file {path}: {exc}") from None
     for key, field in (("admin_token_file", "admin_token"), ("read_token_file", "read_token")):
         if key in data:
-            out[field] = _read_token(file_path(key), f"client config file {path}: {key}")
+            out[field] = read_token_file(file_path(key), f"client config file {path}: {key}")
     for key in ("tls_ca", "tls_cert", "tls_key"):
         if key in data:
             out[key] = file_path(key)
@@ -272,7 +272,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return out
 
 
-def _read_token(token_file: Path, what: str) -> str:
+def read_token_file(token_file: Path, what: str) -> str:
     """The one token in ``token_file``; errors name it as ``what`` (the flag or config key)."""
     try:
         token = token_file.read_text().strip()
@@ -352,7 +352,7 @@ def settings_from_args(
     token = getattr(args, "token", None)
     token_file = getattr(args, "token_file", None)
     if token_file is not None:
-        token = _read_token(Path(token_file), "--token-file")
+        token = read_token_file(Path(token_file), "--token-file")
     if token is not None:
         flags["admin_token" if write else "read_token"] = token
     return ClientSettings.load(flags, environ, defaults=defaults)
