@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", type=Path, required=True, help="data directory")
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT, port 0 picks a free one (default 127.0.0.1:0)")
     p.add_argument("--port-file", type=Path, help="write the bound port here")
+    p.add_argument("--backend-file", type=Path,
+                   help="write the path of the unix socket behind the connection gate here (bench/bench_grpc_gate.py "
+                        "reads gRPC straight from it, the same-run baseline of the gate)")
     # Tokens from the environment only: a value on the command line is visible in 'ps'.
     p.add_argument("--cache-bytes", type=int, default=256 << 20, help="hot-chunk cache budget (default 256 MiB)")
     p.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES, help="gRPC message limit (default 65 MiB)")
@@ -50,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         tmp = args.port_file.with_suffix(".tmp")
         tmp.write_text(str(running.port))
         tmp.replace(args.port_file)
+    if args.backend_file:
+        args.backend_file.write_text(running.gate.backend_path)
     print(f"LISTENING {running.address}", flush=True)
     stop.wait()
     running.stop(grace=1.0)
