@@ -26,12 +26,12 @@ from __future__ import annotations
 import logging
 import random
 import secrets
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from paramserver.wire.rate_limited_log import RateLimitedLog
 from worker.admission import Admission, Shed
 from worker.breaker import CircuitBreaker
 from worker.errors import ConfigError
@@ -41,7 +41,6 @@ from worker.serve_metrics import ServeMetrics
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-REJECT_LOG_EVERY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -72,9 +71,7 @@ class ResultService:
             raise ConfigError("an L2 result store needs the result cache key (--result-cache-key-file): entries are "
                               "authenticated with it")
         self.seal = EntrySeal(config.l2_key) if store is not None and config.l2_key is not None else None
-        self._reject_lock = threading.Lock()
-        self._reject_logged_at = -REJECT_LOG_EVERY_S
-        self._reject_unlogged = 0
+        self._reject_log = RateLimitedLog(log)
         self.breaker = CircuitBreaker(config.breaker, monotonic, on_change=metrics.breaker_changed)
         self.l1 = ResultL1(config.l1_bytes, clock) if config.l1_bytes > 0 else None
         self.flights: SingleFlight[Answer] = SingleFlight()
@@ -201,15 +198,9 @@ class ResultService:
     def _rejected(self, key: str) -> None:
         """A value under ``key`` whose seal does not verify: counted, and logged at most every 10 s."""
         self.metrics.l2_rejected.inc()
-        now = time.monotonic()
-        with self._reject_lock:
-            if now - self._reject_logged_at < REJECT_LOG_EVERY_S:
-                self._reject_unlogged += 1
-                return
-            self._reject_logged_at, skipped, self._reject_unlogged = now, self._reject_unlogged, 0
-        log.warning("result cache: an L2 entry failed its authentication and was not served (forged or altered in "
-                    "Redis, or written by a worker with another --result-cache-key-file) key=%s not_logged_since_last=%d",
-                    key[:16], skipped)
+        self._reject_log.warning(
+            "l2_rejected", "result cache: an L2 entry failed its authentication and was not served (forged or altered "
+            "in Redis, or written by a worker with another --result-cache-key-file) key=%s", key[:16])
 
     def _l2(self, call: Callable[[ResultStore], T], failed: T) -> T:
         """``call(store)`` when the breaker allows it; ``failed`` when it does not, or the call fails."""

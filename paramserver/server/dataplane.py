@@ -54,6 +54,7 @@ from paramserver.server.repair import RepairQueue
 from paramserver.server.rpc_errors import abort_with, invalid
 from paramserver.server.store import ChunkStore
 from paramserver.server import stream_slots
+from paramserver.wire.rate_limited_log import RateLimitedLog
 from paramserver.server.stream_slots import Slot, StreamLimits, StreamSlots, Taken, cert_identity, source_of_peer
 from paramserver.wire.chunk_record import ChunkRecord
 from paramserver.wire.getchunks import ReplyBuilder
@@ -72,30 +73,6 @@ MAX_IDS_PER_CALL = 1 << 20
 DEFAULT_MAX_CALL_BYTES = 1 << 30  # GetChunks chunk data per call; clients read at most 64 MiB per call
 MAX_REPORT_IDS = 4096  # ReportCorrupt: each id costs a full read and verification
 MAX_ERROR_MESSAGE = 512  # characters of one per-chunk error message in a GetChunks reply
-
-
-class RateLimitedLog:
-    """WARNING lines at most once per ``every_s`` per key; the next line says how many were not logged."""
-
-    def __init__(self, logger: logging.Logger, every_s: float = 10.0) -> None:
-        self.logger = logger
-        self.every_s = every_s
-        self._last: dict[str, float] = {}
-        self._skipped: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def warning(self, key: str, message: str, *args: object) -> bool:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last.get(key, -self.every_s) < self.every_s:
-                self._skipped[key] = self._skipped.get(key, 0) + 1
-                return False
-            self._last[key] = now
-            skipped = self._skipped.pop(key, 0)
-            if len(self._last) > 1024:  # keys are reasons, not addresses; stay bounded anyway
-                self._last, self._skipped = {key: now}, {}
-        self.logger.warning(message + " suppressed_since_last=%d", *args, skipped)
-        return True
 
 
 CONFIG_KEYS = ("max_write_streams", "write_stream_idle_s", *stream_slots.CONFIG_KEYS)  # a server config's stream limits

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from paramserver.server.dataplane import RateLimitedLog
+from paramserver.wire.rate_limited_log import RateLimitedLog
 from paramserver.wire.address import split_host_port
 from paramserver.wire.conn_limits import ConnectionLimits, ConnectionTable
 

@@ -30,7 +30,7 @@ from paramserver.server.auth import AuthConfig
 from paramserver.server.bulk_port.config import BulkServerConfig, check_token, check_write_token, long_token
 from paramserver.server.bulk_port.reads import ReadSessions, recv_by
 from paramserver.server.bulk_port.writes import Budget, WritePort, WriteSession
-from paramserver.server.dataplane import RateLimitedLog
+from paramserver.wire.rate_limited_log import RateLimitedLog
 from paramserver.server.errors import ConfigError
 from paramserver.server.repair import RepairQueue
 from paramserver.server.store import ChunkStore

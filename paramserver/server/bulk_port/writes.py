@@ -25,7 +25,7 @@ import numpy as np
 
 from paramserver.server.bulk_port.chain import Chain, Waiter
 from paramserver.server.bulk_port.config import BulkServerConfig
-from paramserver.server.dataplane import RateLimitedLog
+from paramserver.wire.rate_limited_log import RateLimitedLog
 from paramserver.server.errors import PutRefused
 from paramserver.server.ingest import Kind, ingest
 from paramserver.server.repair import RepairQueue
