@@ -172,6 +172,14 @@ class ParamServerClient:
 
     # ------------------------------------------------------------ metadata
 
+    def announce_peer(self, request: pb.AnnouncePeerRequest, *, timeout: float = 2.0) -> pb.AnnouncePeerReply:
+        return self.stub.AnnouncePeer(request, timeout=timeout)
+
+    def find_peers(self, manifest_id: str, *, limit: int = 0, exclude_worker: str = "",
+                   timeout: float = 2.0) -> pb.FindPeersReply:
+        request = pb.FindPeersRequest(manifest_id=manifest_id, limit=limit, exclude_worker=exclude_worker)
+        return self.stub.FindPeers(request, timeout=timeout)
+
     def cluster_info(self) -> pb.ClusterInfoReply:
         return self.stub.ClusterInfo(pb.ClusterInfoRequest(), timeout=self.config.timeout_s)
 

@@ -33,3 +33,11 @@ MAX_HEAT_REQUEST_BYTES = HEAT_ENTRIES_PER_CALL * MAX_HEAT_ENTRY_BYTES + 64 * 102
 # most a client keeps from all servers together.
 MAX_HOT_CHUNKS_ADVERTISED = 4096
 MAX_HOT_CHUNKS_KEPT = 16384
+
+# Worker peers (AnnouncePeer / FindPeers): soft state on the servers that own a version's key.
+MAX_PEER_VERSIONS = 16          # versions one announce may list (a worker's most recent ones)
+MAX_PEERS_PER_VERSION = 4096    # entries a server keeps per version; the least recently announced go first
+MAX_PEER_WORKERS = 65536        # workers a server keeps in all
+MAX_PEERS_FOUND = 64            # peers one FindPeers answer may name
+PEER_SEEDS = 8                  # the earliest loaders of a version, always named first
+PEER_LEASE_MIN_S, PEER_LEASE_MAX_S = 1.0, 120.0

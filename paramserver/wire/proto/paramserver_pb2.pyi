@@ -192,6 +192,78 @@ class GetHotChunksReply(_message.Message):
     chunks: _containers.RepeatedCompositeFieldContainer[HotChunk]
     def __init__(self, server_id: _Optional[str] = ..., chunks: _Optional[_Iterable[_Union[HotChunk, _Mapping]]] = ...) -> None: ...
 
+class PeerVersion(_message.Message):
+    __slots__ = ("manifest_id", "complete", "started_at")
+    MANIFEST_ID_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    manifest_id: str
+    complete: bool
+    started_at: float
+    def __init__(self, manifest_id: _Optional[str] = ..., complete: _Optional[bool] = ..., started_at: _Optional[float] = ...) -> None: ...
+
+class AnnouncePeerRequest(_message.Message):
+    __slots__ = ("worker_id", "address", "instance", "host_id", "versions", "lease_s", "leaving")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    instance: str
+    host_id: str
+    versions: _containers.RepeatedCompositeFieldContainer[PeerVersion]
+    lease_s: float
+    leaving: bool
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., instance: _Optional[str] = ..., host_id: _Optional[str] = ..., versions: _Optional[_Iterable[_Union[PeerVersion, _Mapping]]] = ..., lease_s: _Optional[float] = ..., leaving: _Optional[bool] = ...) -> None: ...
+
+class AnnouncePeerReply(_message.Message):
+    __slots__ = ("lease_s", "versions")
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    lease_s: float
+    versions: int
+    def __init__(self, lease_s: _Optional[float] = ..., versions: _Optional[int] = ...) -> None: ...
+
+class FindPeersRequest(_message.Message):
+    __slots__ = ("manifest_id", "limit", "exclude_worker")
+    MANIFEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    manifest_id: str
+    limit: int
+    exclude_worker: str
+    def __init__(self, manifest_id: _Optional[str] = ..., limit: _Optional[int] = ..., exclude_worker: _Optional[str] = ...) -> None: ...
+
+class PeerInfo(_message.Message):
+    __slots__ = ("worker_id", "address", "complete", "started_at", "host_id", "lease_left_s")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_LEFT_S_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    complete: bool
+    started_at: float
+    host_id: str
+    lease_left_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., complete: _Optional[bool] = ..., started_at: _Optional[float] = ..., host_id: _Optional[str] = ..., lease_left_s: _Optional[float] = ...) -> None: ...
+
+class FindPeersReply(_message.Message):
+    __slots__ = ("server_id", "peers", "known")
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    PEERS_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    server_id: str
+    peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
+    known: int
+    def __init__(self, server_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., known: _Optional[int] = ...) -> None: ...
+
 class ReadInfo(_message.Message):
     __slots__ = ("commit_index", "server_id", "linearizable")
     COMMIT_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -466,7 +538,7 @@ class ServerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerStatusReply(_message.Message):
-    __slots__ = ("server_id", "chunk_count", "bytes_on_disk", "quarantined", "repair_queue", "cache", "is_leader", "term", "commit_index", "extra")
+    __slots__ = ("server_id", "chunk_count", "bytes_on_disk", "quarantined", "repair_queue", "cache", "is_leader", "term", "commit_index", "extra", "served_bytes", "peer_entries")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -484,6 +556,8 @@ class ServerStatusReply(_message.Message):
     TERM_FIELD_NUMBER: _ClassVar[int]
     COMMIT_INDEX_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
+    SERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEER_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     chunk_count: int
     bytes_on_disk: int
@@ -494,7 +568,9 @@ class ServerStatusReply(_message.Message):
     term: int
     commit_index: int
     extra: _containers.ScalarMap[str, str]
-    def __init__(self, server_id: _Optional[str] = ..., chunk_count: _Optional[int] = ..., bytes_on_disk: _Optional[int] = ..., quarantined: _Optional[int] = ..., repair_queue: _Optional[int] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ..., is_leader: _Optional[bool] = ..., term: _Optional[int] = ..., commit_index: _Optional[int] = ..., extra: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    served_bytes: int
+    peer_entries: int
+    def __init__(self, server_id: _Optional[str] = ..., chunk_count: _Optional[int] = ..., bytes_on_disk: _Optional[int] = ..., quarantined: _Optional[int] = ..., repair_queue: _Optional[int] = ..., cache: _Optional[_Union[CacheStats, _Mapping]] = ..., is_leader: _Optional[bool] = ..., term: _Optional[int] = ..., commit_index: _Optional[int] = ..., extra: _Optional[_Mapping[str, str]] = ..., served_bytes: _Optional[int] = ..., peer_entries: _Optional[int] = ...) -> None: ...
 
 class ReportCorruptRequest(_message.Message):
     __slots__ = ("chunk_ids", "server_id", "reporter", "reason")

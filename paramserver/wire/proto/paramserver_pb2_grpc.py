@@ -59,6 +59,16 @@ class ParamServerStub:
                 request_serializer=paramserver__pb2.GetHotChunksRequest.SerializeToString,
                 response_deserializer=paramserver__pb2.GetHotChunksReply.FromString,
                 _registered_method=True)
+        self.AnnouncePeer = channel.unary_unary(
+                '/pdparams.v1.ParamServer/AnnouncePeer',
+                request_serializer=paramserver__pb2.AnnouncePeerRequest.SerializeToString,
+                response_deserializer=paramserver__pb2.AnnouncePeerReply.FromString,
+                _registered_method=True)
+        self.FindPeers = channel.unary_unary(
+                '/pdparams.v1.ParamServer/FindPeers',
+                request_serializer=paramserver__pb2.FindPeersRequest.SerializeToString,
+                response_deserializer=paramserver__pb2.FindPeersReply.FromString,
+                _registered_method=True)
         self.CommitVersion = channel.unary_unary(
                 '/pdparams.v1.ParamServer/CommitVersion',
                 request_serializer=paramserver__pb2.CommitVersionRequest.SerializeToString,
@@ -173,6 +183,20 @@ class ParamServerServicer:
     def GetHotChunks(self, request, context):
         """Hot chunks: the extra copies this server placed (soft state, never in Raft; see HotChunk).
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AnnouncePeer(self, request, context):
+        """Worker peers (fleet fan-out): soft state with a lease, never in Raft, kept by the
+        servers that own a version's manifest id on the ring (see PeerVersion).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FindPeers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -302,6 +326,16 @@ def add_ParamServerServicer_to_server(servicer, server):
                     servicer.GetHotChunks,
                     request_deserializer=paramserver__pb2.GetHotChunksRequest.FromString,
                     response_serializer=paramserver__pb2.GetHotChunksReply.SerializeToString,
+            ),
+            'AnnouncePeer': grpc.unary_unary_rpc_method_handler(
+                    servicer.AnnouncePeer,
+                    request_deserializer=paramserver__pb2.AnnouncePeerRequest.FromString,
+                    response_serializer=paramserver__pb2.AnnouncePeerReply.SerializeToString,
+            ),
+            'FindPeers': grpc.unary_unary_rpc_method_handler(
+                    servicer.FindPeers,
+                    request_deserializer=paramserver__pb2.FindPeersRequest.FromString,
+                    response_serializer=paramserver__pb2.FindPeersReply.SerializeToString,
             ),
             'CommitVersion': grpc.unary_unary_rpc_method_handler(
                     servicer.CommitVersion,
@@ -519,6 +553,60 @@ class ParamServer:
             '/pdparams.v1.ParamServer/GetHotChunks',
             paramserver__pb2.GetHotChunksRequest.SerializeToString,
             paramserver__pb2.GetHotChunksReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AnnouncePeer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdparams.v1.ParamServer/AnnouncePeer',
+            paramserver__pb2.AnnouncePeerRequest.SerializeToString,
+            paramserver__pb2.AnnouncePeerReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FindPeers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdparams.v1.ParamServer/FindPeers',
+            paramserver__pb2.FindPeersRequest.SerializeToString,
+            paramserver__pb2.FindPeersReply.FromString,
             options,
             channel_credentials,
             insecure,
