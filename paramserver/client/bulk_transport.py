@@ -310,10 +310,12 @@ class BulkBatch:
 class BulkPool:
     """One BulkClient per address, and a memory of addresses that failed recently."""
 
-    def __init__(self, token: str | None = None, *, down_for_s: float = 30.0, io_timeout_s: float = 30.0) -> None:
+    def __init__(self, token: str | None = None, *, down_for_s: float = 30.0, io_timeout_s: float = 30.0,
+                 connect_timeout_s: float = 3.0) -> None:
         self.token = token
         self.down_for_s = down_for_s
         self.io_timeout_s = io_timeout_s
+        self.connect_timeout_s = connect_timeout_s
         self._clients: dict[str, BulkClient] = {}
         self._down: dict[str, float] = {}
         self._lock = threading.Lock()
@@ -330,7 +332,8 @@ class BulkPool:
                 del self._down[address]
             client = self._clients.get(address)
             if client is None:
-                client = self._clients[address] = BulkClient(address, self.token, io_timeout_s=self.io_timeout_s)
+                client = self._clients[address] = BulkClient(address, self.token, io_timeout_s=self.io_timeout_s,
+                                                             connect_timeout_s=self.connect_timeout_s)
             return client
 
     def mark_broken(self, address: str) -> None:

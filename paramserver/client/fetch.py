@@ -44,6 +44,7 @@ from paramserver.client.fetch_plan import (
     Refused,
     ReportCorrupt,
     Wants,
+    is_peer,
 )
 from paramserver.client.transport import ChunkTransport, ReadBroken
 from paramserver.client.verify import Verifier
@@ -54,13 +55,14 @@ class ChunkSink(Protocol):
         """For raw chunks about to arrive (their table rows): where each one's bytes may be received
         directly (its whole destination, exactly its size), or None; None for none of them."""
 
-    def landed_in_place(self, rows: np.ndarray) -> None:
+    def landed_in_place(self, rows: np.ndarray, source: str = "network") -> None:
         """The chunks of ``rows`` were received into what ``regions`` gave and verified there: they
-        count from now on (a batch that arrived together)."""
+        count from now on (a batch that arrived together). Bytes that came from a worker peer are
+        told with ``source="peer"`` (a sink that reads from peers takes that keyword)."""
 
-    def write(self, row: int, raw: Buffer) -> None:
+    def write(self, row: int, raw: Buffer, source: str = "network") -> None:
         """Verified raw bytes of the chunk of table row ``row``; a view of a buffer reused after the
-        call: copy what must stay."""
+        call: copy what must stay. From a peer: ``source="peer"`` as above."""
 
 
 @dataclass
@@ -73,6 +75,7 @@ class FetchStats:
     by_server: dict[str, int] = field(default_factory=dict)
     in_place: int = 0  # chunks received straight into their destination
     extra_bytes: int = 0  # stored bytes read from extra copies of hot chunks (not ring replicas)
+    peer_bytes: int = 0  # bytes landed from worker peers (also in by_server, as peer:ID)
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,9 @@ class EngineOptions:
     max_read_bytes: int = 64 << 20
     call_timeout_s: float = 10.0  # a read's deadline: this, plus its bytes at min_bytes_per_s
     min_bytes_per_s: float = 50e6  # a replica slower than this is treated as failed and left
+    # A worker peer's read deadline, plus its bytes at min_bytes_per_s: a peer holds a read while the
+    # chunks it is loading land (paramserver.client.swarm_fetch), but never long; then the servers.
+    peer_call_timeout_s: float = 8.0
     max_lanes: int = 16
     # Pause the cyclic garbage collector while a fetch runs (chunking.chunk_table.collector_paused):
     # at 4 KiB chunks the collector's passes over a load's objects took a third of it.
@@ -94,6 +100,8 @@ class _Fetch:
                  tensors_of: Callable[[int], Sequence[str]] | None, verifier: Verifier, salt: int = 0) -> None:
         self.engine = engine
         self.verifier = verifier
+        # A peer is not trusted with CRCs (it could forge them): its chunks are proven by content id.
+        self.peer_verifier = Verifier("content", verifier.algorithm)
         self.sink = sink
         self.tensors_of = tensors_of
         table = chunks.table
@@ -150,7 +158,10 @@ class _Fetch:
                 self._start_lanes(d.server)
             elif isinstance(d, ReportCorrupt):
                 self.stats.corrupt_reports += len(d.slots)
-                if self.engine.report is not None:
+                if is_peer(d.server):  # a worker's bad bytes are not the servers' business
+                    if self.engine.peer_report is not None:
+                        self.pool.submit(self._peer_report, d.server, tuple(self.chunk_id(s) for s in d.slots), d.reason)
+                elif self.engine.report is not None:
                     self.pool.submit(self._report, d.server, tuple(self.chunk_id(s) for s in d.slots), d.reason)
             elif isinstance(d, GiveUp) and self.error is None:
                 row = int(self.rows[d.slot])
@@ -165,6 +176,13 @@ class _Fetch:
             assert self.engine.report is not None
             self.engine.report(server, ids, reason)
         except Exception:  # noqa: BLE001 - best effort: the scrubber finds bad copies too
+            pass
+
+    def _peer_report(self, peer: str, ids: tuple[str, ...], reason: str) -> None:
+        try:
+            assert self.engine.peer_report is not None
+            self.engine.peer_report(peer, ids, reason)
+        except Exception:  # noqa: BLE001 - bookkeeping only: the chunk goes to the servers anyway
             pass
 
     def _start_lanes(self, server: str) -> None:
@@ -197,7 +215,8 @@ class _Fetch:
 
     def _read(self, read: Read) -> None:
         options = self.engine.options
-        timeout = options.call_timeout_s + read.nbytes / options.min_bytes_per_s
+        first = options.peer_call_timeout_s if is_peer(read.server) else options.call_timeout_s
+        timeout = first + read.nbytes / options.min_bytes_per_s
         with self.lock:
             self.stats.reads += 1
         rows = self.rows[read.slots]
@@ -238,6 +257,9 @@ class _Fetch:
     def _arrive(self, read: Read, a: Arrivals) -> None:
         """One batch that arrived together: verified, handed to the sink and told to the planner in
         one step each."""
+        peer = is_peer(read.server)
+        verifier = self.peer_verifier if peer else self.verifier
+        source = "peer" if peer else "network"
         positions = a.positions
         fits = (positions >= 0) & (positions < len(read.slots))
         if not fits.all():  # not asked for: never trusted
@@ -255,10 +277,10 @@ class _Fetch:
         in_place = placed[:0]  # items received into their destination that verified there
         if len(placed):
             ps = slots[placed]
-            ids = [self.chunk_id(int(s)) for s in ps] if self.verifier.mode == "content" else ()
+            ids = [self.chunk_id(int(s)) for s in ps] if verifier.mode == "content" else ()
             # in_place items' data is the memoryview ``into`` gave
             views = [cast(memoryview, a.data[k]) for k in placed.tolist()]
-            good = self.verifier.check_in_place(self.crc[ps], a.crcs[placed], views, ids)
+            good = verifier.check_in_place(self.crc[ps], a.crcs[placed], views, ids)
             in_place = placed[good]
             landed[in_place] = True
             for k in placed[~good].tolist():
@@ -269,16 +291,16 @@ class _Fetch:
             slot = int(slots[k])
             row = int(self.rows[slot])
             try:
-                raw = self.verifier.raw(self.table[row], a.codecs[k], int(a.crcs[k]), a.data[k])
+                raw = verifier.raw(self.table[row], a.codecs[k], int(a.crcs[k]), a.data[k])
             except ChunkCorrupt as exc:
                 # Bytes that fail the manifest's checks never count; that replica is told.
                 refused.append(Refused(read.read, slot, f"corrupt bytes ({exc.reason})", corrupt=True, report=True))
                 continue
-            self.sink.write(row, raw)
+            self.sink.write(row, raw, source=source)
             landed[k] = True
         done = np.flatnonzero(landed)
         if len(in_place):
-            self.sink.landed_in_place(self.rows[slots[in_place]])
+            self.sink.landed_in_place(self.rows[slots[in_place]], source=source)
         nbytes = sum(len(memoryview(bytes_like(a.data[k]))) for k in bounced.tolist() if landed[k])
         nbytes += int(self.stored[slots[in_place]].sum())
         extra_bytes = 0
@@ -297,6 +319,8 @@ class _Fetch:
                 stats.stored_bytes += nbytes
                 stats.by_server[read.server] = stats.by_server.get(read.server, 0) + nbytes
                 stats.extra_bytes += extra_bytes
+                if peer:
+                    stats.peer_bytes += nbytes
                 self._apply(self.planner.step(Landed(read.read, slots[done])))
             for event in refused:
                 self._apply(self.planner.step(event))
@@ -306,12 +330,14 @@ class FetchEngine:
     """Thread-safe; one per client. ``transport``: how bytes move; ``verifier``: how they are checked."""
 
     def __init__(self, transport: ChunkTransport, verifier: Verifier, *, options: EngineOptions = EngineOptions(),
-                 reads_per_server: Callable[[str], int] = lambda _s: 1, report: Report | None = None) -> None:
+                 reads_per_server: Callable[[str], int] = lambda _s: 1, report: Report | None = None,
+                 peer_report: Report | None = None) -> None:
         self.transport = transport
         self.verifier = verifier
         self.options = options
         self.reads_per_server = reads_per_server
         self.report = report
+        self.peer_report = peer_report  # (peer:ID, chunk ids, reason): a worker peer served bad bytes
 
     def fetch(self, chunks: ChunkRows, wants: Wants, members: Sequence[str], sink: ChunkSink, *,
               verifier: Verifier | None = None, tensors_of: Callable[[int], Sequence[str]] | None = None,

@@ -25,6 +25,12 @@ per-fetch ``salt``-ed order instead of the primary, so that clients which do not
 other spread their reads of it over every holder. A replica whose read broke, or ran past its
 deadline, is taken out of this fetch, so its leftovers, and later re-plans, go to the others at
 once; it is asked again only for a chunk no other replica could serve.
+
+Peers (other workers, ``Wants.peers``, named ``peer:ID``): a slot may name a first-choice peer
+(``Wants.peer_of``). Such a slot goes to that peer while the peer is neither down nor already tried
+for it; once it failed there (refused, bad bytes, broke, too slow) the slot is planned as any other,
+over the servers. A peer is never a candidate of the last-resort passes: the servers hold every
+chunk, a peer only what it happens to have.
 """
 from __future__ import annotations
 
@@ -112,6 +118,11 @@ Decision = Read | ReportCorrupt | GiveUp
 
 STICKY_BYTES = 1 << 20  # how far ahead a replica may get while it keeps taking the next chunks
 PENDING, LANDED, GAVE_UP = -1, -2, -3  # a slot's owner when no read owes it
+PEER_PREFIX = "peer:"  # how a worker peer is named beside the servers' ids
+
+
+def is_peer(server: str) -> bool:
+    return server.startswith(PEER_PREFIX)
 
 
 class Want(NamedTuple):
@@ -131,18 +142,29 @@ class Wants:
 
     ``sizes``: stored bytes; ``replica_sets``: the distinct ring replica lists (primary first) and
     ``set_of``: each slot's index into them; ``extras``: slot -> servers with an extra copy (hot
-    chunks: few); ``keys``: each slot's ring point (orders a hot chunk's holders per fetch)."""
+    chunks: few); ``keys``: each slot's ring point (orders a hot chunk's holders per fetch);
+    ``peers``: worker peers (``peer:ID``) and ``peer_of``: each slot's first-choice peer as an
+    index into them, -1 for none."""
 
     sizes: np.ndarray
     replica_sets: tuple[tuple[str, ...], ...]
     set_of: np.ndarray
     extras: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
     keys: np.ndarray | None = None
+    peers: tuple[str, ...] = ()
+    peer_of: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = len(self.sizes)
         if self.set_of.shape != (n,) or (self.keys is not None and self.keys.shape != (n,)):
             raise ValueError(f"every column of a fetch has one entry per chunk ({n})")
+        if self.peer_of is not None:
+            if self.peer_of.shape != (n,):
+                raise ValueError(f"every column of a fetch has one entry per chunk ({n})")
+            if n and (int(self.peer_of.min()) < -1 or int(self.peer_of.max()) >= len(self.peers)):
+                raise ValueError("a chunk names a peer that is not in peers")
+        if any(not is_peer(p) for p in self.peers):
+            raise ValueError(f"peers are named {PEER_PREFIX}ID")
         if n and (int(self.set_of.min()) < 0 or int(self.set_of.max()) >= len(self.replica_sets)):
             raise ValueError("a chunk names a replica list that is not in replica_sets")
         if any(not s for s in self.replica_sets):
@@ -210,7 +232,7 @@ class FetchPlanner:
         self._set_of = np.asarray(w.set_of, dtype=np.int64)
         # Servers as bits: a replica list, the down servers and a chunk's tried ones are masks.
         names = list(dict.fromkeys([*self.members, *(s for rs in w.replica_sets for s in rs),
-                                    *(s for ex in w.extras.values() for s in ex)]))
+                                    *(s for ex in w.extras.values() for s in ex), *w.peers]))
         self._servers = names
         self._bit = {s: i for i, s in enumerate(names)}
         self._set_mask = [sum(1 << self._bit[s] for s in rs) for rs in w.replica_sets]
@@ -218,6 +240,7 @@ class FetchPlanner:
         self._hot = np.zeros(len(self._sizes), dtype=bool)
         if w.extras:
             self._hot[np.fromiter(w.extras, dtype=np.int64, count=len(w.extras))] = True
+        self._peer_of = None if w.peer_of is None or not w.peers else np.asarray(w.peer_of, dtype=np.int64)
         self._owner = np.full(len(self._sizes), PENDING, dtype=np.int64)
         self._pending = len(self._sizes)  # slots neither landed nor given up
         self._attempts: dict[int, dict[str, str]] = {}
@@ -341,6 +364,12 @@ class FetchPlanner:
             return []
         if self._attempts:
             self.failovers += sum(1 for s in slots.tolist() if s in self._attempts)
+        reads: list[tuple[int, Read]] = []
+        if self._peer_of is not None:
+            slots, reads = self._plan_peers(slots)
+            if not len(slots):
+                reads.sort(key=lambda pr: pr[0])
+                return [read for _, read in reads]
         total = int(self._sizes[slots].sum())
         slack = min(STICKY_BYTES, total // (16 * max(1, len(self.members))))
         load = [0] * len(self._servers)
@@ -365,8 +394,12 @@ class FetchPlanner:
             else:
                 server_of[k] = best
         if self.given_up:
+            for _, read in reads:  # planned to peers just now: never started
+                for slot in read.slots.tolist():
+                    if self._owner[slot] == read.read:
+                        self._owner[slot] = PENDING
+                del self._reads[read.read]
             return gave_up  # the fetch has failed: start nothing new
-        reads: list[tuple[int, Read]] = []
         order = np.argsort(server_of, kind="stable")
         placed = server_of[order]
         for b in np.unique(placed).tolist():
@@ -374,6 +407,28 @@ class FetchPlanner:
             reads += self._reads_for(self._servers[b], slots[np.sort(order[lo:hi])])
         reads.sort(key=lambda pr: pr[0])  # the earliest-wanted chunks first
         return [read for _, read in reads]
+
+    def _plan_peers(self, slots: np.ndarray) -> tuple[np.ndarray, list[tuple[int, Read]]]:
+        """Open reads for the slots whose first-choice peer is still usable for them; returns the
+        other slots (for the servers) and those reads."""
+        assert self._peer_of is not None
+        peers = self.wants.peers
+        choice = self._peer_of[slots]
+        use = choice >= 0
+        if self._down and use.any():
+            down = [k for k, p in enumerate(peers) if p in self._down]
+            if down:
+                use &= ~np.isin(choice, np.array(down, dtype=np.int64))
+        if self._attempts and use.any():
+            for k in np.flatnonzero(use).tolist():
+                tried = self._attempts.get(int(slots[k]))
+                if tried and peers[int(choice[k])] in tried:
+                    use[k] = False
+        reads: list[tuple[int, Read]] = []
+        if use.any():
+            for q in np.unique(choice[use]).tolist():
+                reads += self._reads_for(peers[q], slots[use & (choice == q)])
+        return slots[~use], reads
 
     def _place_blocks(self, slots: np.ndarray, picked: np.ndarray, masks: list[int], mask_of: np.ndarray, slack: int,
                       load: list[int], server_of: np.ndarray) -> None:
@@ -491,5 +546,5 @@ class FetchPlanner:
 
 __all__ = [
     "Decision", "Event", "FetchPlanner", "GiveUp", "Landed", "Read", "ReadEnded", "ReadFailed", "Refused", "ReportCorrupt",
-    "STICKY_BYTES", "Want", "Wants", "spread_rank", "wants_on_ring",
+    "PEER_PREFIX", "STICKY_BYTES", "Want", "Wants", "is_peer", "spread_rank", "wants_on_ring",
 ]

@@ -61,10 +61,10 @@ class FileSink:
     def regions(self, rows: np.ndarray) -> None:
         return None
 
-    def landed_in_place(self, rows: np.ndarray) -> None:  # never: regions() gives none
+    def landed_in_place(self, rows: np.ndarray, source: str = "network") -> None:  # never: regions() gives none
         raise AssertionError("file chunks are never received in place")
 
-    def write(self, row: int, raw: Buffer) -> None:
+    def write(self, row: int, raw: Buffer, source: str = "network") -> None:
         data = raw if isinstance(raw, bytes) else bytes(memoryview(bytes_like(raw)).cast("B"))
         with self._lock:
             for path, offset in self._at[self.chunks.table.ids[row]]:

@@ -31,11 +31,11 @@ class TensorSink:
     def regions(self, rows: np.ndarray) -> Sequence[memoryview | None]:
         return self.assembler.direct_views(rows)
 
-    def landed_in_place(self, rows: np.ndarray) -> None:
+    def landed_in_place(self, rows: np.ndarray, source: str = "network") -> None:
         self.assembler.commit_direct_many(rows)
         self._count(int(self._table.raw_size[rows].sum()))
 
-    def write(self, row: int, raw: Buffer) -> None:
+    def write(self, row: int, raw: Buffer, source: str = "network") -> None:
         for index in self._table.rows_of(row):
             self.assembler.write_chunk(index, raw)
         self._count(int(self._table.raw_size[row]))

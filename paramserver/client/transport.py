@@ -9,12 +9,16 @@ straight there (``paramserver.client.arrivals``).
 
 :class:`ClusterTransport` is the one the engine uses against a real cluster: a server's bulk
 port when it advertises one (and TLS is off), falling back to GetChunks for the rest of the
-read on any bulk failure and parking that port for a while. :class:`MemoryTransport` serves
+read on any bulk failure and parking that port for a while. Worker peers (``peer:ID``, their
+addresses set by the swarm in ``peer_addresses``) are read over their bulk port, or GetChunks
+under TLS, with no fallback: a peer that fails fails the read, and the planner sends its chunks
+to the servers. :class:`MemoryTransport` serves
 chunks from a dict, with scripted faults, for tests without sockets.
 """
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +32,7 @@ from chunking.hashing import Buffer
 from paramserver.client.arrivals import Arrivals, Into, ReadIds
 from paramserver.client.bulk_transport import BulkError, BulkPool, BulkUnauthenticated
 from paramserver.client.errors import AuthFailed, ReadBroken, from_rpc, rpc_code, rpc_details
+from paramserver.client.fetch_plan import is_peer
 from paramserver.client.getchunks_transport import get_chunks_raw, open_channel
 from paramserver.wire import bulk_frames
 from paramserver.wire.proto import pb
@@ -42,6 +47,7 @@ class TransportStats:
     bulk_bytes: int = 0
     grpc_bytes: int = 0
     bulk_fallbacks: int = 0
+    peer_bytes: int = 0
 
 
 # Codes after which another replica may well succeed, and the replica should be left alone.
@@ -53,7 +59,8 @@ class ClusterTransport:
 
     def __init__(self, members: Callable[[], Mapping[str, pb.Member]], *, token: str | None, tls: bool, tls_ca: str | Path | None = None,
                  tls_cert: str | Path | None = None, tls_key: str | Path | None = None, bulk: bool = True, bulk_down_s: float = 30.0,
-                 max_message_bytes: int, get_message_bytes: int = 2 << 20, io_timeout_s: float = 30.0) -> None:
+                 max_message_bytes: int, get_message_bytes: int = 2 << 20, io_timeout_s: float = 30.0,
+                 peer_io_timeout_s: float = 8.0) -> None:
         self._members = members
         self._token = token
         self._tls = tls
@@ -62,12 +69,19 @@ class ClusterTransport:
         self._get_message_bytes = get_message_bytes
         # The bulk port has no encryption: with TLS, chunk bytes go over gRPC only.
         self.bulk: BulkPool | None = BulkPool(token, down_for_s=bulk_down_s, io_timeout_s=io_timeout_s) if bulk and not tls else None
+        # Worker peers: "peer:ID" -> HOST:PORT (set by paramserver.client.swarm_fetch). A silent peer is
+        # given up after peer_io_timeout_s, not the servers' 30 s: the servers have every chunk.
+        self.peer_addresses: dict[str, str] = {}
+        self.peer_bulk: BulkPool | None = None if tls else BulkPool(token, down_for_s=10.0, io_timeout_s=peer_io_timeout_s,
+                                                                     connect_timeout_s=min(2.0, peer_io_timeout_s))
         self.stats = TransportStats()
         self._lock = threading.Lock()
 
     def close(self) -> None:
         if self.bulk is not None:
             self.bulk.close()
+        if self.peer_bulk is not None:
+            self.peer_bulk.close()
 
     def uses_bulk(self, server: str) -> bool:
         member = self._members().get(server)
@@ -75,6 +89,9 @@ class ClusterTransport:
                 and self.bulk.client(member.bulk_address) is not None)
 
     def read(self, server: str, ids: ReadIds, into: Into | None, timeout_s: float) -> Iterator[Arrivals]:
+        if is_peer(server):
+            yield from self._peer(server, ids, into, timeout_s)
+            return
         member = self._members().get(server)
         if member is None:
             raise ReadBroken(f"{server} is no longer a member")
@@ -118,7 +135,43 @@ class ClusterTransport:
                 self.stats.bulk_bytes += got
         return answered
 
-    def _grpc(self, address: str, ids: ReadIds, start: int, timeout_s: float) -> Iterator[Arrivals]:
+    def _peer(self, peer: str, ids: ReadIds, into: Into | None, timeout_s: float) -> Iterator[Arrivals]:
+        address = self.peer_addresses.get(peer)
+        if not address:
+            raise ReadBroken(f"{peer} has no known address")
+        if self.peer_bulk is None:  # TLS: the peer's GetChunks, with the cluster's CA and this client's certificate
+            try:
+                yield from self._grpc(address, ids, 0, timeout_s, peer=True)
+            except AuthFailed as exc:  # a peer that refuses us is not a reason to fail the load
+                raise ReadBroken(f"{peer} refused: {exc}") from None
+            return
+        client = self.peer_bulk.client(address)
+        if client is None:
+            raise ReadBroken(f"{peer} failed recently")
+        deadline = time.monotonic() + timeout_s
+        got = 0
+        ok = bulk_frames.OK
+        try:
+            for batch in client.fetch_batches(ids, into):
+                h = batch.headers
+                good = h.status == ok
+                n = len(batch.data)
+                got += int(h.stored_size[good].sum())
+                messages = [""] * n
+                for k in np.flatnonzero(~good).tolist():
+                    messages[k] = f"{bulk_frames.STATUS_NAMES[int(h.status[k])]} " + bytes(batch.data[k]).decode("utf-8", "replace")
+                yield Arrivals(np.arange(batch.first, batch.first + n, dtype=np.int64), good, h.status == bulk_frames.CORRUPT,
+                               h.codecs, h.crc32c, batch.data, batch.in_place, messages)
+                if time.monotonic() > deadline and batch.first + n < len(ids):
+                    raise ReadBroken(f"{peer} ran past its deadline ({timeout_s:.1f} s)")
+        except BulkError as exc:  # includes a refused token: the servers serve the rest
+            self.peer_bulk.mark_broken(address)
+            raise ReadBroken(f"{peer}: {exc}") from None
+        finally:
+            with self._lock:
+                self.stats.peer_bytes += got
+
+    def _grpc(self, address: str, ids: ReadIds, start: int, timeout_s: float, *, peer: bool = False) -> Iterator[Arrivals]:
         ca, cert, key = self._tls_files
         hex_ids = ids.hex
         # Each id answered once, and only ids asked for: anything else is never trusted.
@@ -152,7 +205,10 @@ class ClusterTransport:
         finally:
             channel.close()
             with self._lock:
-                self.stats.grpc_bytes += got
+                if peer:
+                    self.stats.peer_bytes += got
+                else:
+                    self.stats.grpc_bytes += got
 
 
 @dataclass

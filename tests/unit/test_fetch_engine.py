@@ -244,7 +244,7 @@ def test_a_fetch_pauses_the_collector_and_restores_it() -> None:
     seen: list[bool] = []
 
     class Watching(TensorSink):
-        def write(self, row, raw):  # type: ignore[no-untyped-def]
+        def write(self, row, raw, source="network"):  # type: ignore[no-untyped-def]
             seen.append(gc.isenabled())
             super().write(row, raw)
 
