@@ -77,6 +77,14 @@ class FetchStats:
     extra_bytes: int = 0  # stored bytes read from extra copies of hot chunks (not ring replicas)
     peer_bytes: int = 0  # bytes landed from worker peers (also in by_server, as peer:ID)
 
+    def add(self, other: FetchStats) -> None:
+        """Add ``other``'s counts to these (a client's totals over its fetches)."""
+        for name in ("chunks", "stored_bytes", "reads", "failovers", "corrupt_reports", "in_place", "extra_bytes",
+                     "peer_bytes"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for k, v in other.by_server.items():
+            self.by_server[k] = self.by_server.get(k, 0) + v
+
 
 @dataclass(frozen=True)
 class EngineOptions:

@@ -40,6 +40,7 @@ from paramserver.client.errors import (
     rpc_details,
 )
 from paramserver.client.fetch import ChunkSink, EngineOptions, FetchEngine, FetchStats
+from paramserver.client.fetch_plan import Wants
 from paramserver.client.manifests import read_manifest
 from paramserver.client.monotonic import MonotonicReads, Resolution
 from paramserver.client.refs import ModelRef
@@ -517,31 +518,25 @@ class ClusterClient:
     # ------------------------------------------------------------ chunks
 
     def fetch(self, chunks: ChunkRows, sink: ChunkSink, *, algorithm: str = "blake3",
-              tensors_of: Callable[[int], Sequence[str]] | None = None) -> FetchStats:
+              tensors_of: Callable[[int], Sequence[str]] | None = None,
+              with_peers: Callable[[Wants], Wants] | None = None) -> FetchStats:
         """Fetch and verify ``chunks`` (distinct ids: rows of a proven manifest's table) into ``sink``.
 
         Raises ChunkDataLoss / ChunkUnavailable naming the first chunk that no replica could serve
         intact; an exception from the sink aborts the fetch and is re-raised. ``tensors_of(row)``
-        names a failed chunk's tensors in that error.
+        names a failed chunk's tensors in that error; ``with_peers(wants)`` adds the worker peers to
+        ask first (paramserver.client.swarm_fetch).
         """
         view = self.view()
         members = sorted(sid for sid, m in view.members.items() if m.state == "up")
         others = sorted(sid for sid in view.members if sid not in members)
         verifier = Verifier(self.verify, algorithm)
         hot = self.hot_chunks(view) if self.config.hot_chunks else {}
-        stats = self.engine.fetch(chunks, view.wants(chunks, hot), members + others, sink, verifier=verifier,
-                                  tensors_of=tensors_of, salt=random.getrandbits(32))
+        wants = view.wants(chunks, hot)
+        stats = self.engine.fetch(chunks, with_peers(wants) if with_peers else wants, members + others, sink,
+                                  verifier=verifier, tensors_of=tensors_of, salt=random.getrandbits(32))
         with self._lock:
-            s = self.stats
-            s.chunks += stats.chunks
-            s.stored_bytes += stats.stored_bytes
-            s.reads += stats.reads
-            s.failovers += stats.failovers
-            s.corrupt_reports += stats.corrupt_reports
-            s.in_place += stats.in_place
-            s.extra_bytes += stats.extra_bytes
-            for k, v in stats.by_server.items():
-                s.by_server[k] = s.by_server.get(k, 0) + v
+            self.stats.add(stats)
         return stats
 
     def hot_chunks(self, view: ClusterView | None = None, *, wait: bool = True) -> dict[str, tuple[str, ...]]:

@@ -63,7 +63,8 @@ def _mix(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
         x = (x ^ (x >> np.uint64(30))) * _M1
         x = (x ^ (x >> np.uint64(27))) * _M2
-        return x ^ (x >> np.uint64(31))
+        out: np.ndarray = x ^ (x >> np.uint64(31))
+        return out
 
 
 def worker_key(worker_id: str) -> np.uint64:

@@ -22,7 +22,7 @@ def test_seeds_split_the_version_once_between_them() -> None:
     names = [f"w{k}" for k in range(6)]
     view = [member(n, 0.1 * k) for k, n in enumerate(names)]
     from_servers = np.zeros(len(BLOCKS), dtype=np.int64)
-    for k, n in enumerate(names):
+    for k in range(len(names)):
         choice = choose_sources(view[k], view, BLOCKS, SALT)
         assert choice.role == "seed" and choice.seeds == 6
         mine = choice.peer_of == -1
