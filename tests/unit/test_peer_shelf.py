@@ -3,48 +3,16 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from chunking.chunk_table import ChunkRef, ChunkTable
 from chunking.hashing import content_id, crc32c
+from tests.peer_helpers import Arena, chunks, manifest_of
 from worker.disk_cache import DiskCache
 from worker.lru_k import LRUKCache
 from worker.peer_shelf import MAX_VERSIONS, PeerShelf, PeerVersion
 from worker.tiered_cache import HeldGroup, TieredCache
-
-
-@dataclass
-class FakeManifest:
-    id: str
-    chunks: ChunkTable
-
-
-def chunks(n: int, size: int = 1000, seed: int = 0) -> list[bytes]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for _ in range(n)]
-
-
-def manifest_of(datas: list[bytes], name: str = "m") -> FakeManifest:
-    refs = [ChunkRef(i, content_id(d), len(d), len(d), "raw", crc32c(d), 1, 0.0) for i, d in enumerate(datas)]
-    return FakeManifest(content_id(name.encode()), ChunkTable.from_refs(refs))
-
-
-class Arena:
-    """A load's destination: one buffer, each row at its offset (what a real arena's locate gives)."""
-
-    def __init__(self, datas: list[bytes]) -> None:
-        self.offsets = np.concatenate([[0], np.cumsum([len(d) for d in datas])]).astype(int).tolist()
-        self.buf = bytearray(self.offsets[-1])
-        self.datas = datas
-
-    def fill(self, row: int) -> None:
-        self.buf[self.offsets[row] : self.offsets[row + 1]] = self.datas[row]
-
-    def locate(self, row: int) -> memoryview | None:
-        return memoryview(self.buf)[self.offsets[row] : self.offsets[row + 1]]
 
 
 def tiers(tmp_path: Path | None = None) -> TieredCache:
