@@ -119,10 +119,11 @@ class PeerGrpcServer:
         reply = ReplyBuilder()
         start = 0
         while start < len(ids):
-            # a step waits only for what about one message holds (sizes an active load knows)
+            # a step waits for and reads about one message (sizes the shelf knows; an unknown one,
+            # the disk tier's, is read alone)
             stop, planned = start, 0
             while stop < len(ids) and (stop == start or planned < target):
-                planned += sizes[stop]
+                planned += sizes[stop] or target
                 stop += 1
             step = ids[start:stop]
             ok_chunks = ok_bytes = 0

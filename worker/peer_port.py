@@ -286,35 +286,42 @@ class PeerPort:
             self._answer(conn, ids, max_items)
 
     def _answer(self, conn: socket.socket, ids: list[str], max_items: int) -> None:
-        # Batches are cut by the sizes active loads know before anything is waited for, so a batch
-        # waits only for chunks it can carry; then by the sizes found (a tier's chunks are not known
-        # ahead): at most max_items, closed once it holds SEND_BATCH_BYTES, as the servers' are.
+        # Batches are cut as the servers cut theirs (at most max_items, closed once they hold
+        # SEND_BATCH_BYTES), by the sizes the shelf knows before anything is waited for or read;
+        # an id of unknown size (the disk tier's, or nobody's) is looked up alone, so a batch never
+        # holds more than SEND_BATCH_BYTES plus one chunk of copies read from disk.
         wait_until = time.monotonic() + self.config.peer_wait_s
-        ends = np.cumsum(self.shelf.raw_sizes(ids))
+        sizes = self.shelf.raw_sizes(ids)
+        known = sizes > 0
+        ends = np.cumsum(sizes)
         ahead: dict[int, Found | None] = {}  # looked up, not yet sent
         start = 0
         while start < len(ids):
             before = int(ends[start - 1]) if start else 0
             stop = min(int(np.searchsorted(ends, before + SEND_BATCH_BYTES, side="left")) + 1, start + max_items, len(ids))
-            need = [k for k in range(start, stop) if k not in ahead]
-            ahead.update(zip(need, self.shelf.find([ids[k] for k in need], wait_until)))
             headers: list[bytes] = []
             payloads: list[bytes | memoryview] = []
             size = ok_bytes = ok_chunks = 0
             k = start
             while k < stop and size < SEND_BATCH_BYTES:
+                if k not in ahead:
+                    end = k + 1
+                    if known[k]:  # the run of known sizes from here, in one look-up (and one wait)
+                        end = k + int(np.argmin(known[k:stop])) if not known[k:stop].all() else stop
+                    ahead.update(zip(range(k, end), self.shelf.find(ids[k:end], wait_until)))
                 found = ahead.pop(k)
                 if found is None:
                     payload: bytes | memoryview = encode_message(MISSING_MESSAGE)
                     headers.append(encode_header(MISSING, stored_size=len(payload)))
+                    size += len(payload)
                 else:
                     payload = found.view
                     n = payload.nbytes
                     headers.append(encode_header(OK, "raw", n, n, found.crc))
+                    size += n
                     ok_bytes += n
                     ok_chunks += 1
                 payloads.append(payload)
-                size += len(payload) if isinstance(payload, bytes) else payload.nbytes
                 k += 1
             if not self._sessions.acquire(timeout=self.config.io_timeout_s):
                 raise TimeoutError(f"no send slot within {self.config.io_timeout_s:g} s (limit {self.config.max_sessions})")

@@ -238,8 +238,9 @@ class PeerShelf:
         return None
 
     def raw_sizes(self, ids: Sequence[str]) -> np.ndarray:
-        """Per id its raw size when an active load knows it (0 otherwise): the peer port cuts its
-        batches by these before it waits, so a batch does not wait on more than it can send."""
+        """Per id its raw size where it is known without reading it: an active load's table, the
+        memory tier (0 otherwise: the disk tier, nobody). The peer port cuts its batches by these
+        before anything is waited for or read, so a batch waits for and reads only what it can carry."""
         out = np.zeros(len(ids), dtype=np.int64)
         with self._cond:
             active = list(self._active)
@@ -250,6 +251,16 @@ class PeerShelf:
                     row = first.get(chunk_id)
                     if row is not None:
                         out[i] = sizes[row]
+        cache = self.cache
+        if cache is not None:
+            for i in np.flatnonzero(out == 0).tolist():
+                held = cache.held(ids[i])
+                if held is not None:
+                    out[i] = held.view.nbytes
+                    continue
+                copy = cache.memory.peek(ids[i])
+                if isinstance(copy, bytes | bytearray | memoryview):
+                    out[i] = memoryview(copy).nbytes
         return out
 
     def versions(self) -> list[PeerVersion]:

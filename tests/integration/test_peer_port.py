@@ -6,6 +6,7 @@ mutual TLS with certificates from deploy.certs, through gRPC GetChunks (get_chun
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -24,9 +25,11 @@ from paramserver.client.transport import ClusterTransport
 from paramserver.wire import bulk_frames
 from paramserver.wire.proto import SERVICE_NAME, pb
 from tests.peer_helpers import chunks, loading
+from worker.disk_cache import DiskCache
 from worker.lru_k import LRUKCache
 from worker.peer_port import PeerPort, PeerPortConfig
-from worker.peer_shelf import PeerShelf
+from worker.peer_common import PEER_NICE
+from worker.peer_shelf import Found, PeerShelf
 from worker.tiered_cache import TieredCache
 
 TOKEN = "peer-test-token"
@@ -34,8 +37,8 @@ MiB = 1 << 20
 
 
 @pytest.fixture
-def shelf() -> PeerShelf:
-    return PeerShelf(TieredCache(LRUKCache(64 * MiB)))
+def shelf(tmp_path: Path) -> PeerShelf:
+    return PeerShelf(TieredCache(LRUKCache(64 * MiB), DiskCache(tmp_path / "disk", 64 * MiB)))
 
 
 @pytest.fixture
@@ -48,12 +51,13 @@ def test_bulk_reads_are_bit_exact_in_batches_and_missing_is_answered(shelf: Peer
     # Small chunks past one batch's item cap (512) and large ones past its byte cap (2 MiB).
     small, large = chunks(700, size=4096, seed=1), chunks(6, size=MiB + 17, seed=2)
     m, _, _ = loading(shelf, small + large, list(range(706)))
-    copy = chunks(1, size=3000, seed=3)[0]
-    assert shelf.cache is not None
+    copy, on_disk = chunks(2, size=3000, seed=3)
+    assert shelf.cache is not None and shelf.cache.disk is not None
     shelf.cache.memory.put(content_id(copy), copy)
+    shelf.cache.disk.put(content_id(on_disk), on_disk)
     nobody = content_id(b"held by no one")
-    ids = [*m.chunks.ids, content_id(copy), nobody]
-    want = [*small, *large, copy]
+    ids = [*m.chunks.ids, content_id(copy), content_id(on_disk), nobody]
+    want = [*small, *large, copy, on_disk]
     client = BulkPool(TOKEN).client(port.address)
     assert client is not None
     items = []
@@ -69,6 +73,10 @@ def test_bulk_reads_are_bit_exact_in_batches_and_missing_is_answered(shelf: Peer
         assert (status, codec, raw_size, crc) == (bulk_frames.OK, "raw", len(expected), crc32c(expected))
         assert data == expected and content_id(data) == cid
     assert items[-1][1] == bulk_frames.MISSING and "not on this peer" in items[-1][5].decode()
+    # counted once a batch is sent: the reader may have it a moment before the count
+    deadline = time.monotonic() + 5.0
+    while port.served_chunks < len(want) and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert port.served_chunks == len(want) and port.served_bytes == sum(map(len, want))
     # the client's transport, as the swarm fetch uses it (a peer is a member with a bulk address)
     transport = ClusterTransport(lambda: {"peer:w1": pb.Member(bulk_address=port.address)}, token=TOKEN,
@@ -83,6 +91,23 @@ def test_bulk_reads_are_bit_exact_in_batches_and_missing_is_answered(shelf: Peer
         assert transport.stats.bulk_fallbacks == 0
     finally:
         transport.close()
+
+
+def test_serving_threads_run_below_the_workers_own(shelf: PeerShelf, port: PeerPort) -> None:
+    niceness: list[int] = []
+    find = shelf.find
+
+    def recording(ids: list[str], deadline: float) -> list[Found | None]:
+        niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return find(ids, deadline)
+
+    shelf.find = recording  # type: ignore[method-assign]
+    m = loading(shelf, chunks(1, seed=9), [0], "other")[0]
+    client = BulkPool(TOKEN).client(port.address)
+    assert client is not None
+    assert [i.status for i in client.fetch(list(m.chunks.ids))] == [bulk_frames.OK]
+    assert niceness and min(niceness) >= PEER_NICE  # this thread (the worker's own) is untouched:
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < PEER_NICE or os.nice(0) >= PEER_NICE
 
 
 def test_a_chunk_still_loading_arrives_once_it_lands(shelf: PeerShelf, port: PeerPort) -> None:
