@@ -225,3 +225,30 @@ def test_a_stalled_reader_does_not_block_others(shelf: PeerShelf) -> None:
         for sock in stalled:
             sock.close()
     assert content_id(datas[0]) == ids[0]
+
+
+class FailingAccepts:
+    """The listening socket, whose first accepts fail as they do when the process is out of file descriptors."""
+
+    def __init__(self, sock: socket.socket, failures: int) -> None:
+        self.sock = sock
+        self.failures = failures
+
+    def accept(self) -> tuple[socket.socket, object]:
+        if self.failures:
+            self.failures -= 1
+            raise OSError(24, "Too many open files")
+        return self.sock.accept()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.sock, name)
+
+
+def test_accept_errors_are_retried(shelf: PeerShelf) -> None:
+    ids, datas = served(shelf)
+    port = PeerPort(shelf, PeerPortConfig(), TOKEN)
+    failing = FailingAccepts(port._sock, 3)  # type: ignore[arg-type]
+    port._sock = failing  # type: ignore[assignment]
+    with port:
+        assert reads_fine(port, ids, datas)
+    assert failing.failures == 0
