@@ -80,11 +80,12 @@ class CertPaths:
 
 @dataclass(frozen=True)
 class ClusterCerts:
-    """The CA plus one certificate per server id and per client name."""
+    """The CA plus one certificate per server id, per client name and per worker name."""
 
     ca: CertPaths
     servers: dict[str, CertPaths] = field(default_factory=dict)
     clients: dict[str, CertPaths] = field(default_factory=dict)
+    workers: dict[str, CertPaths] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- public API
@@ -202,21 +203,25 @@ def make_cluster_certs(
     folder: Path,
     servers: Mapping[str, Sequence[str]],
     clients: Sequence[str] = ("client",),
+    workers: Mapping[str, Sequence[str]] | None = None,
 ) -> ClusterCerts:
-    """A CA plus certificates for every server id and client name, reusing what fits.
+    """A CA plus certificates for every server id, client name and worker name, reusing what fits.
 
     Server certificates carry serverAuth AND clientAuth (servers call each other over
     mutual TLS) and list their hosts plus ``localhost`` / ``127.0.0.1``; client
-    certificates carry clientAuth only. An existing CA is reused (``CertError`` if it is
-    damaged); a certificate is (re)issued when missing or when it no longer fits.
+    certificates carry clientAuth only. Worker certificates are made like servers' (a worker
+    reads the cluster as a client and serves its peers chunks: its peer port needs serverAuth
+    for its hosts). An existing CA is reused (``CertError`` if it is damaged); a certificate is
+    (re)issued when missing or when it no longer fits.
     """
+    workers = dict(workers or {})
     if isinstance(clients, str):
         raise ValueError("clients must be a sequence of names, not one string")
-    for sid in servers:
+    for sid in [*servers, *workers]:
         _check_name(sid)
     for cname in clients:
         _check_name(cname)
-    clash = set(servers) & set(clients)
+    clash = (set(servers) & set(clients)) | (set(workers) & (set(servers) | set(clients)))
     if clash:
         raise ValueError(f"names used for both a server and a client: {', '.join(sorted(clash))}")
     if len(set(clients)) != len(clients):
@@ -231,17 +236,19 @@ def make_cluster_certs(
         ca_cert, _ = _load_ca_pair(ca)
 
         server_paths: dict[str, CertPaths] = {}
-        for sid, hosts in servers.items():
-            if isinstance(hosts, str):
-                raise ValueError(f"server {sid!r}: hosts must be a sequence of names, not one string")
-            wanted = _dedupe([*hosts, *LOOPBACK_HOSTS])
-            server_paths[sid] = _reuse_or_issue(folder, ca, ca_cert, sid, wanted, server=True, client=True)
+        worker_paths: dict[str, CertPaths] = {}
+        for kind, named, paths in (("server", servers, server_paths), ("worker", workers, worker_paths)):
+            for sid, hosts in named.items():
+                if isinstance(hosts, str):
+                    raise ValueError(f"{kind} {sid!r}: hosts must be a sequence of names, not one string")
+                wanted = _dedupe([*hosts, *LOOPBACK_HOSTS])
+                paths[sid] = _reuse_or_issue(folder, ca, ca_cert, sid, wanted, server=True, client=True)
 
         client_paths: dict[str, CertPaths] = {}
         for cname in clients:
             client_paths[cname] = _reuse_or_issue(folder, ca, ca_cert, cname, [], server=False, client=True)
 
-    return ClusterCerts(ca=ca, servers=server_paths, clients=client_paths)
+    return ClusterCerts(ca=ca, servers=server_paths, clients=client_paths, workers=worker_paths)
 
 
 # ---------------------------------------------------------------- helpers

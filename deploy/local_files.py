@@ -65,11 +65,14 @@ class ClusterFiles:
         self.config = replace(c, admin_token=values["admin_token"], read_token=values["read_token"], secret=values["secret"])
 
     def _make_certs(self) -> None:
-        """The CA and one certificate per server (its host in the SANs) plus the client's; existing ones are reused."""
+        """The CA and one certificate per server (its host in the SANs) plus the client's; existing ones are reused.
+        The client's certificate is a worker's (serverAuth on loopback too): local workers that use it serve
+        their peers over mutual TLS with it."""
         from .certs import CertError, make_cluster_certs
 
         try:
-            make_cluster_certs(self.tls_dir, {s.server_id: [s.grpc.rpartition(":")[0]] for s in self.slots}, clients=(CLIENT_CERT,))
+            make_cluster_certs(self.tls_dir, {s.server_id: [s.grpc.rpartition(":")[0]] for s in self.slots}, clients=(),
+                               workers={CLIENT_CERT: []})
         except (CertError, ValueError, OSError) as exc:
             raise LauncherError(f"cannot make the cluster's TLS certificates in {self.tls_dir}: {exc}") from None
 

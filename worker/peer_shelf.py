@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import numpy as np
 
 from chunking.hashing import Buffer, bytes_like, crc32c, is_content_id
+from paramserver.client.peers import PeerVersion
+from paramserver.wire.limits import MAX_PEER_VERSIONS
 
 if TYPE_CHECKING:
     from chunking.chunk_table import ChunkTable
@@ -29,22 +31,11 @@ if TYPE_CHECKING:
 
 # The versions announced to the cluster's peer directory: at most this many (the servers keep at
 # most MAX_PEER_VERSIONS per worker: paramserver.wire.limits).
-MAX_VERSIONS = 16
+MAX_VERSIONS = MAX_PEER_VERSIONS
 # Completed versions remembered for versions() (those the memory tier still holds whole).
 _MAX_COMPLETED = 4 * MAX_VERSIONS
 
 Locate = Callable[[int], "memoryview | None"]
-
-
-class PeerVersion(NamedTuple):
-    """A version this worker holds or is loading, as announced to peers.
-
-    MERGE NOTE: the lead's paramserver/client/peers.py defines ``PeerVersion`` with these three
-    fields; once it is on this branch, import it from there and delete this copy."""
-
-    manifest_id: str
-    complete: bool
-    started_at: float  # time.time() when the load started
 
 
 class Found(NamedTuple):
