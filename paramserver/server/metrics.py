@@ -1,7 +1,8 @@
 """Prometheus metrics, read from the live components at scrape time.
 
 A custom collector rather than counters updated on the hot path: a scrape
-costs a few dict reads and one statvfs, a GetChunks stream costs nothing extra.
+costs a few dict reads and one statvfs, a GetChunks stream one locked add per reply message
+(the served bytes, ``served_bytes.ServedBytes``).
 The alert rules and the dashboard in ``deploy/monitoring/`` use these names
 (``tests/integration/test_monitoring.py`` checks them against a live server).
 """

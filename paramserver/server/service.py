@@ -14,7 +14,9 @@ the chunk count, and the aggregated heat is bounded (paramserver.server.heat). I
 received unparsed: an oversized one, one without model and version, or one for a version this
 server does not have is refused before its entries are parsed (heat_entries.report_header).
 ServerStatus carries this server's cluster id (``extra["cluster_id"]``, see
-metaservice.cluster_id), which AddMember checks on a new member.
+metaservice.cluster_id), which AddMember checks on a new member, the chunk bytes this server sent
+(``served_bytes``, paramserver.server.served_bytes) and its worker-peer entries. AnnouncePeer and
+FindPeers are the worker-peer directory's (paramserver.server.peer_service).
 """
 from __future__ import annotations
 
