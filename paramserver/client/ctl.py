@@ -164,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true",
                     help="print one JSON object instead of the table: the cluster's leader, term, commit index and ring, "
                          "and a 'servers' list with each server's id, addresses, role, chunks, disk bytes, cache and "
-                         "served_bytes (chunk bytes it sent since it started); a server that did not answer has 'error'")
+                         "served_bytes (chunk bytes it sent since it started); a server that did not answer has 'error'. "
+                         "Exit codes as without --json (6: no reachable leader, after the object is printed)")
 
     sp = sub.add_parser(
         "member", formatter_class=fmt, epilog=MEMBER_EPILOG,
