@@ -159,7 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("model", nargs="?", default=None,
                     help="model name (default: list every model); MODEL:TAG or MODEL@N also lists that version's files")
 
-    sub.add_parser("status", help="members, leader, term, and per-server chunk counts and disk use", epilog=EPILOG, formatter_class=fmt)
+    sp = sub.add_parser("status", help="members, leader, term, and per-server chunk counts, disk use and bytes served",
+                        epilog=EPILOG, formatter_class=fmt)
+    sp.add_argument("--json", action="store_true",
+                    help="print one JSON object instead of the table: the cluster's leader, term, commit index and ring, "
+                         "and a 'servers' list with each server's id, addresses, role, chunks, disk bytes, cache and "
+                         "served_bytes (chunk bytes it sent since it started); a server that did not answer has 'error'. "
+                         "Exit codes as without --json (6: no reachable leader, after the object is printed)")
 
     sp = sub.add_parser(
         "member", formatter_class=fmt, epilog=MEMBER_EPILOG,

@@ -5,6 +5,7 @@ and writes."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from typing import Callable
@@ -19,7 +20,9 @@ from consensus.validation import check_name
 
 from paramserver.client import members as members_api
 from paramserver.client.cluster_view import ClusterOptions
-from paramserver.client.ctl_output import human_bytes, print_files, print_placement, push_summary, when
+from paramserver.client.ctl_output import (
+    human_bytes, print_files, print_placement, print_status, push_summary, status_json, when,
+)
 from paramserver.client.ctl_router import cmd_prewarm, router_url, wait_warm
 from paramserver.client.errors import ClientError, ClusterUnreachable, TransferError, UsageError
 from paramserver.client.folder import pull_folder
@@ -180,29 +183,10 @@ def cmd_status(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> 
         # The member that answered ClusterInfo may name a leader that has since died: only a leader
         # that says so itself is shown as one.
         leaders = [m.server_id for m, st in zip(members, statuses) if not isinstance(st, str) and st.is_leader]
-        if leaders:
-            leader = leaders[0]
-        elif info.leader_id:
-            leader = f"(none reachable; last known {info.leader_id})"
+        if getattr(args, "json", False):
+            print(json.dumps(status_json(info, members, statuses, leaders[0] if leaders else None), sort_keys=True))
         else:
-            leader = "(none: no member names one; a leader needs a majority of the members up and connected)"
-        table = Table(title=f"cluster: leader {leader}  term {info.term}  commit index {info.commit_index}  "
-                            f"R={info.ring.replication_factor} W={info.ring.write_quorum} vnodes={info.ring.vnodes}")  # fmt: skip
-        for col in ("server", "grpc", "raft", "state", "zone", "role", "chunks", "disk", "repair queue", "quarantined", "cache"):
-            table.add_column(col, justify="right" if col in ("chunks", "disk", "repair queue", "quarantined") else "left")
-        for m, st in zip(members, statuses):
-            if isinstance(st, str):
-                table.add_row(m.server_id, m.grpc_address, m.raft_address, m.state, m.zone or "-", f"[red]{st.lower()}[/red]",
-                              "-", "-", "-", "-", "-")
-                continue
-            role = "leader" if st.is_leader else "follower"
-            cache = f"{human_bytes(st.cache.used_bytes)}/{human_bytes(st.cache.capacity_bytes)}"
-            table.add_row(
-                m.server_id, m.grpc_address, m.raft_address, m.state, m.zone or "-", role, str(st.chunk_count),
-                human_bytes(st.bytes_on_disk),
-                str(st.repair_queue), str(st.quarantined), cache,
-            )  # fmt: skip
-        out.print(table)
+            print_status(out, info, members, statuses, leaders)
         if not leaders:
             answering = sum(not isinstance(st, str) for st in statuses)
             raise ClusterUnreachable(f"no reachable server is the Raft leader ({answering} of {len(members)} members answer): "

@@ -1,7 +1,9 @@
-"""``paramctl``'s output: sizes, the push summary, and the tables of files and placement."""
+"""``paramctl``'s output: sizes, the push summary, the tables of files and placement, and the
+cluster status (a table, or one JSON object with ``--json``)."""
 from __future__ import annotations
 
 import time
+from typing import Any, Sequence
 
 from rich.console import Console
 from rich.markup import escape
@@ -12,6 +14,7 @@ from chunking.manifest import Manifest
 from paramserver.client import members as members_api
 from paramserver.client.folder import shard_plan
 from paramserver.client.push import PushReport
+from paramserver.wire.proto import pb
 
 
 def human_bytes(n: float) -> str:
@@ -64,4 +67,62 @@ def print_placement(out: Console, status: members_api.DrainStatus) -> None:
     out.print(table)
 
 
-__all__ = ["human_bytes", "print_files", "print_placement", "push_summary", "when"]
+def status_json(info: pb.ClusterInfoReply, members: Sequence[pb.Member], statuses: Sequence[pb.ServerStatusReply | str],
+                leader: str | None) -> dict[str, Any]:
+    """``paramctl status --json``: the table's content as one object. Per server, the table's columns
+    as fields (sizes in bytes) plus ``served_bytes`` and ``peer_entries``; a server that did not
+    answer has ``error`` (the status code's name) and null figures. ``leader`` is null when no
+    reachable server says it leads (``last_known_leader``: what ClusterInfo named)."""
+    servers: list[dict[str, Any]] = []
+    for m, st in zip(members, statuses):
+        row: dict[str, Any] = {"id": m.server_id, "grpc": m.grpc_address, "raft": m.raft_address, "state": m.state,
+                               "zone": m.zone or None}
+        figures = ("role", "chunks", "disk_bytes", "repair_queue", "quarantined", "cache_used_bytes",
+                   "cache_capacity_bytes", "served_bytes", "peer_entries")
+        if isinstance(st, str):
+            row.update(dict.fromkeys(figures), error=st)
+        else:
+            row.update(role="leader" if st.is_leader else "follower", chunks=st.chunk_count, disk_bytes=st.bytes_on_disk,
+                       repair_queue=st.repair_queue, quarantined=st.quarantined, cache_used_bytes=st.cache.used_bytes,
+                       cache_capacity_bytes=st.cache.capacity_bytes, served_bytes=st.served_bytes,
+                       peer_entries=st.peer_entries)
+        servers.append(row)
+    return {
+        "leader": leader, "last_known_leader": info.leader_id or None, "term": info.term, "commit_index": info.commit_index,
+        "ring": {"replication_factor": info.ring.replication_factor, "write_quorum": info.ring.write_quorum,
+                 "vnodes": info.ring.vnodes},
+        "servers": servers,
+        "served_bytes": sum(s["served_bytes"] or 0 for s in servers),  # of the servers that answered
+    }
+
+
+def print_status(out: Console, info: pb.ClusterInfoReply, members: Sequence[pb.Member],
+                 statuses: Sequence[pb.ServerStatusReply | str], leaders: Sequence[str]) -> None:
+    """``paramctl status``: one table, a row per member."""
+    if leaders:
+        leader = leaders[0]
+    elif info.leader_id:
+        leader = f"(none reachable; last known {info.leader_id})"
+    else:
+        leader = "(none: no member names one; a leader needs a majority of the members up and connected)"
+    table = Table(title=f"cluster: leader {leader}  term {info.term}  commit index {info.commit_index}  "
+                        f"R={info.ring.replication_factor} W={info.ring.write_quorum} vnodes={info.ring.vnodes}")  # fmt: skip
+    right = ("chunks", "disk", "repair queue", "quarantined", "served")
+    for col in ("server", "grpc", "raft", "state", "zone", "role", "chunks", "disk", "repair queue", "quarantined", "cache",
+                "served"):
+        table.add_column(col, justify="right" if col in right else "left")
+    for m, st in zip(members, statuses):
+        if isinstance(st, str):
+            table.add_row(m.server_id, m.grpc_address, m.raft_address, m.state, m.zone or "-", f"[red]{st.lower()}[/red]",
+                          "-", "-", "-", "-", "-", "-")
+            continue
+        role = "leader" if st.is_leader else "follower"
+        cache = f"{human_bytes(st.cache.used_bytes)}/{human_bytes(st.cache.capacity_bytes)}"
+        table.add_row(
+            m.server_id, m.grpc_address, m.raft_address, m.state, m.zone or "-", role, str(st.chunk_count),
+            human_bytes(st.bytes_on_disk), str(st.repair_queue), str(st.quarantined), cache, human_bytes(st.served_bytes),
+        )  # fmt: skip
+    out.print(table)
+
+
+__all__ = ["human_bytes", "print_files", "print_placement", "print_status", "push_summary", "status_json", "when"]

@@ -52,6 +52,7 @@ from paramserver.server.ingest import Kind, ingest
 from paramserver.wire.proto import pb
 from paramserver.server.repair import RepairQueue
 from paramserver.server.rpc_errors import abort_with, invalid
+from paramserver.server.served_bytes import ServedBytes
 from paramserver.server.store import ChunkStore
 from paramserver.server import stream_slots
 from paramserver.wire.rate_limited_log import RateLimitedLog
@@ -224,8 +225,10 @@ class ChunkService:
         max_call_bytes: int = DEFAULT_MAX_CALL_BYTES,
         hot: HotChunks | None = None,
         source_of: Callable[[str], str | None] = source_of_peer,
+        served: ServedBytes | None = None,
     ) -> None:
         self.store = store
+        self.served = served or ServedBytes()  # chunk bytes GetChunks sent (path "grpc")
         self.hot = hot  # hot chunks: reads are counted, hot copies admitted (None: off)
         self.server_id = server_id
         self.repair_queue = repair_queue
@@ -378,17 +381,19 @@ class ChunkService:
         watch.touch(busy=True)  # reading from the store is work, not idleness
         slot.touch(busy=True)
         try:
-            for message in self._get(request, context):
+            for message, carried in self._get(request, context):
                 watch.touch(busy=False)  # from here until the client takes it, the watchdog's clock runs
                 slot.touch(busy=False)  # and the stalled-reader clock (cut sooner, when others wait)
                 yield message
+                self.served.add("grpc", carried)  # gRPC took it: a call cancelled before that counts nothing
                 watch.touch(busy=True)
                 slot.touch(busy=True)
         finally:
             self.watchdog.release(watch)
             slot.release()
 
-    def _get(self, request: pb.GetChunksRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+    def _get(self, request: pb.GetChunksRequest, context: grpc.ServicerContext) -> Iterator[tuple[bytes, int]]:
+        """The reply messages, each with the chunk bytes it carries (for the served-bytes count)."""
         ids = list(dict.fromkeys(request.ids))
         target = request.max_message_bytes or self.get_message_bytes
         # Payload is capped at 3/4 of the hard limit so per-chunk envelopes never overflow it.
@@ -397,28 +402,28 @@ class ChunkService:
         sent = 0
         # Replies are pre-encoded bytes (wire.ReplyBuilder); the server registers
         # GetChunks with a pass-through serializer (service.register_servicer).
-        reply = ReplyBuilder()
+        reply, carried = ReplyBuilder(), 0
         for n, chunk_id in enumerate(ids):
             try:
                 chunk = self.store.get(chunk_id)
             except (ChunkNotFoundError, ChunkCorruptError) as exc:
                 if not partial:
                     if reply:
-                        yield reply.encode()
+                        yield reply.encode(), carried
                     abort_with(context, exc)
                 if reply and reply.size > target:
-                    yield reply.encode()
-                    reply = ReplyBuilder()
+                    yield reply.encode(), carried
+                    reply, carried = ReplyBuilder(), 0
                 reply.add_error(chunk_id, pb.MISSING if isinstance(exc, ChunkNotFoundError) else pb.CORRUPT,
                                 str(exc)[:MAX_ERROR_MESSAGE])
                 continue
             except InvalidChunkError as exc:
                 if reply:
-                    yield reply.encode()
+                    yield reply.encode(), carried
                 abort_with(context, exc)
             if sent + len(chunk.data) > self.max_call_bytes:
                 if reply:
-                    yield reply.encode()
+                    yield reply.encode(), carried
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"GetChunks answers at most {self.max_call_bytes} bytes of chunk data per call; {len(ids) - n} of "
                               f"{len(ids)} distinct ids were not sent, from {chunk_id}: ask for them in another call")
@@ -426,12 +431,13 @@ class ChunkService:
             if self.hot is not None:
                 self.hot.record_read(chunk_id)
             if reply and reply.size + len(chunk.data) > target:
-                yield reply.encode()
-                reply = ReplyBuilder()
+                yield reply.encode(), carried
+                reply, carried = ReplyBuilder(), 0
             # The bytes read from disk go into the message as-is: one join, no re-encoding.
             reply.add_chunk(chunk_id, chunk.data, chunk.codec, chunk.raw_size, chunk.crc32c)
+            carried += len(chunk.data)
         if reply:
-            yield reply.encode()
+            yield reply.encode(), carried
 
     # ----------------------------------------------------------- HasChunks
 

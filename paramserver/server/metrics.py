@@ -1,7 +1,8 @@
 """Prometheus metrics, read from the live components at scrape time.
 
 A custom collector rather than counters updated on the hot path: a scrape
-costs a few dict reads and one statvfs, a GetChunks stream costs nothing extra.
+costs a few dict reads and one statvfs, a GetChunks stream one locked add per reply message
+(the served bytes, ``served_bytes.ServedBytes``).
 The alert rules and the dashboard in ``deploy/monitoring/`` use these names
 (``tests/integration/test_monitoring.py`` checks them against a live server).
 """
@@ -22,7 +23,9 @@ from consensus.api import MetadataPlane
 
 from paramserver.server.heat import HeatAggregator
 from paramserver.server.hot_chunks import HotChunks
+from paramserver.server.peer_service import PeerService
 from paramserver.server.repair import RepairQueue, Scrubber
+from paramserver.server.served_bytes import ServedBytes
 from paramserver.server.store import ChunkStore
 from paramserver.wire.auth import READ_TOKEN_ENV, bearer_token, tokens_match
 
@@ -30,8 +33,11 @@ from paramserver.wire.auth import READ_TOKEN_ENV, bearer_token, tokens_match
 class ServerCollector(Collector):
     def __init__(self, server_id: str, store: ChunkStore, metadata: MetadataPlane, queue: RepairQueue,
                  members: Callable[[], int], scrubber: Scrubber | None = None, hot: HotChunks | None = None,
-                 heat: HeatAggregator | None = None) -> None:
+                 heat: HeatAggregator | None = None, served: ServedBytes | None = None,
+                 peers: PeerService | None = None) -> None:
         self.server_id = server_id
+        self.served = served
+        self.peers = peers
         self.heat = heat
         self.hot = hot
         self.scrubber = scrubber
@@ -92,6 +98,16 @@ class ServerCollector(Collector):
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric([self.server_id], float(value))
             yield c
+
+        if self.served is not None:  # chunk bytes sent to readers, per read path (a fleet's cold start shows here)
+            c = CounterMetricFamily("paramserver_served_bytes", "chunk bytes sent to readers, by read path (bulk port, gRPC "
+                                    "GetChunks)", labels=["server", "path"])
+            for path, value in self.served.by_path().items():
+                c.add_metric([self.server_id, path], float(value))
+            yield c
+        if self.peers is not None:
+            yield gauge("paramserver_peer_entries", "live worker-peer entries (worker, version) kept here "
+                        "(AnnouncePeer soft state)", self.peers.entries())
 
         if self.heat is not None:  # ReportHeat calls: parsed, and refused before a parse (a flood shows here)
             for name, doc, value in (

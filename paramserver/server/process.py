@@ -29,8 +29,10 @@ from paramserver.server.gc import OrphanCollector, References
 from paramserver.server.heat import SAVE_INTERVAL_S, HeatAggregator, HeatSnapshots
 from paramserver.server.hot_chunks import STATE_FILE, HotChunks, HotConfig
 from paramserver.server.metrics import MetricsServer, ServerCollector, serve_metrics
+from paramserver.server.peer_service import EXPIRE_INTERVAL_S, PeerService
 from paramserver.server.repair import RepairQueue, Repairer, Scrubber, TrafficWatch
 from paramserver.server.replication import ReReplicator
+from paramserver.server.served_bytes import ServedBytes
 from paramserver.wire.ring import RingConfig
 from paramserver.server.metaservice import cluster_id
 from paramserver.server.service import RunningServer, start_server
@@ -112,10 +114,12 @@ class ParamServer:
         references = References(node, fetch_blob)
         rereplicator = ReReplicator(peers, store, references=references,
                                     keep=hot.extras.__contains__ if hot is not None else None)
+        served = ServedBytes()  # GetChunks and the bulk port's reads: one count (ServerStatus, metrics)
+        worker_peers = PeerService(cfg.server_id)  # worker-peer soft state (AnnouncePeer / FindPeers)
         self.running = start_server(cfg, store, metadata=node, repair_queue=queue, fetch_blob=fetch_blob,
                                     version_check=QuorumVersionCheck(peers, store, fetch_blob=fetch_blob),
                                     member_probe=MemberCheck(peers, cluster_id(cfg.cluster_secret, cfg.vnodes)), hot=hot,
-                                    heat=heat.heat, placement=rereplicator.placement)
+                                    heat=heat.heat, placement=rereplicator.placement, served=served, peers=worker_peers)
         transport = "plaintext" if cfg.tls_cert is None else "TLS" if cfg.tls_ca is None else "mutual TLS"
         log.info("%s serving gRPC on %s (%s), Raft on %s; chunk writes %s", cfg.server_id, self.running.address, transport,
                  cfg.raft, ("fsynced" if cfg.fsync else "not fsynced (--no-fsync)")
@@ -123,7 +127,8 @@ class ParamServer:
         if cfg.bulk_enabled:
             self.bulk = BulkServer(store, AuthConfig(cfg.admin_token, cfg.read_token), cfg.bulk_listen_address,
                                    BulkServerConfig.from_extra(cfg.extra), server_id=cfg.server_id,
-                                   repair_queue=queue, on_read=hot.record_read if hot is not None else None).start()
+                                   repair_queue=queue, on_read=hot.record_read if hot is not None else None,
+                                   served=served).start()
             log.info("%s serving bulk chunk reads and writes on %s", cfg.server_id, self.bulk.address)
 
         threading.Thread(target=self._register_loop, name="register", daemon=True).start()
@@ -132,6 +137,7 @@ class ParamServer:
             Periodic("re-replicate", cfg.anti_entropy_interval_s, rereplicator.step),
             Periodic("compact", store.config.compact_interval_s, Compactor(store).step),
             Periodic("heat-save", SAVE_INTERVAL_S, heat.step),
+            Periodic("peer-expire", EXPIRE_INTERVAL_S, worker_peers.step),  # silent workers leave the gauge too
         ]
         scrubber: Scrubber | None = None
         if cfg.scrub_bytes_per_s:
@@ -149,7 +155,8 @@ class ParamServer:
             host = cfg.listen.rpartition(":")[0]
             # Metrics need the read token when one is set (the admin token works too); open otherwise.
             self.metrics = serve_metrics(self.metrics_port, host, ServerCollector(
-                cfg.server_id, store, node, queue, lambda: len(members()), scrubber=scrubber, hot=hot, heat=heat.heat),
+                cfg.server_id, store, node, queue, lambda: len(members()), scrubber=scrubber, hot=hot, heat=heat.heat,
+                served=served, peers=worker_peers),
                 tokens=(cfg.read_token, cfg.admin_token) if cfg.read_token else ())
 
     def _register_loop(self) -> None:

@@ -14,7 +14,9 @@ the chunk count, and the aggregated heat is bounded (paramserver.server.heat). I
 received unparsed: an oversized one, one without model and version, or one for a version this
 server does not have is refused before its entries are parsed (heat_entries.report_header).
 ServerStatus carries this server's cluster id (``extra["cluster_id"]``, see
-metaservice.cluster_id), which AddMember checks on a new member.
+metaservice.cluster_id), which AddMember checks on a new member, the chunk bytes this server sent
+(``served_bytes``, paramserver.server.served_bytes) and its worker-peer entries. AnnouncePeer and
+FindPeers are the worker-peer directory's (paramserver.server.peer_service).
 """
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ from paramserver.server.errors import ConfigError
 from paramserver.server.grpc_gate import GrpcGate, private_backend_dir
 from paramserver.server.heat import HeatAggregator
 from paramserver.server.hot_chunks import HotChunks
+from paramserver.server.peer_service import BadRequest, PeerService
+from paramserver.server.served_bytes import ServedBytes
 from paramserver.wire.conn_limits import ConnectionLimits
 from paramserver.wire.grpc_options import server_options
 from paramserver.wire.limits import HEAT_ENTRIES_PER_CALL, MAX_HEAT_ENTRIES_PER_CALL, MAX_HEAT_REQUEST_BYTES
@@ -120,8 +124,11 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
         repair_queue: RepairQueue | None = None,
         cluster_id: str = "",
         placement: Callable[[], Mapping[str, str]] | None = None,
+        peers: PeerService | None = None,
     ) -> None:
         self.chunks = chunks
+        # Worker peers (AnnouncePeer / FindPeers): soft state of this server (peer_service).
+        self.peers = peers or PeerService(chunks.server_id)
         self.metadata = metadata
         self.heat = heat or HeatAggregator()
         self.repair_queue = repair_queue
@@ -150,6 +157,21 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
             return pb.GetHotChunksReply(server_id=self.chunks.server_id)
         return hot.reply(self.chunks.server_id)
 
+    # worker peers
+    def AnnouncePeer(self, request: pb.AnnouncePeerRequest, context: grpc.ServicerContext) -> pb.AnnouncePeerReply:
+        """Keep what a worker says it holds or loads, for a lease (any valid token: a read)."""
+        try:
+            return self.peers.announce(request)
+        except BadRequest as exc:
+            invalid(context, f"AnnouncePeer: {exc}")
+
+    def FindPeers(self, request: pb.FindPeersRequest, context: grpc.ServicerContext) -> pb.FindPeersReply:
+        """The earliest loaders of a version, then a shuffled sample of its other peers."""
+        try:
+            return self.peers.find(request)
+        except BadRequest as exc:
+            invalid(context, f"FindPeers: {exc}")
+
     # operations
     def ServerStatus(self, request: pb.ServerStatusRequest, context: grpc.ServicerContext) -> pb.ServerStatusReply:
         stats = self.chunks.store.stats()
@@ -164,6 +186,9 @@ class ParamServerServicer(pb_grpc.ParamServerServicer):
                 capacity_bytes=c.capacity_bytes, used_bytes=c.used_bytes, entries=c.entries,
                 hits=c.hits, misses=c.misses, evictions=c.evictions,
             ),
+            # the bulk port's sessions count into the same ServedBytes (start_server's ``served``)
+            served_bytes=self.chunks.served.total(),
+            peer_entries=self.peers.entries(),
         )
         reply.extra[CLUSTER_ID_KEY] = self.cluster_id
         if self.placement is not None:
@@ -388,6 +413,8 @@ def start_server(
     hot: HotChunks | None = None,
     heat: HeatAggregator | None = None,
     placement: Callable[[], Mapping[str, str]] | None = None,
+    served: ServedBytes | None = None,
+    peers: PeerService | None = None,
 ) -> RunningServer:
     """Build, bind and start the gRPC server described by ``config`` (port 0 picks a free port).
 
@@ -395,7 +422,9 @@ def start_server(
     (paramserver.server.cluster.MemberCheck); None adds members unchecked. ``hot``: the hot-chunk
     state (paramserver.server.hot_chunks; None: hot chunks off). ``heat``: the heat aggregator
     (None: a fresh one, kept in memory only). ``placement``: ServerStatus extras saying where this
-    server's chunks are placed (``ReReplicator.placement``). The write-stream
+    server's chunks are placed (``ReReplicator.placement``). ``served``: the chunk-byte counters
+    GetChunks adds to (give the bulk port the same one: ServerStatus reports their sum).
+    ``peers``: the worker-peer directory (None: a fresh one). The write-stream
     limits and GetChunks' per-call byte limit come from the config file's extra keys
     ``max_write_streams``, ``write_stream_idle_s`` and ``get_call_bytes``."""
     config.validate()
@@ -407,13 +436,14 @@ def start_server(
         store, config.server_id, repair_queue=queue, get_message_bytes=config.get_message_bytes,
         max_message_bytes=config.max_message_bytes, auth=auth, workers=config.workers,
         write_limits=WriteLimits.from_extra(config.extra), max_call_bytes=get_call_bytes(config.extra), hot=hot,
+        served=served,
     )  # fmt: skip
     meta = None
     if metadata is not None:
         ring = RingInfo(config.vnodes, config.replication_factor, config.write_quorum)
         meta = MetadataService(metadata, store, ring, fetch_blob=fetch_blob, version_check=version_check, member_probe=member_probe)
     servicer = ParamServerServicer(chunks, meta, heat=heat, repair_queue=queue, placement=placement,
-                                   cluster_id=cluster_id(config.cluster_secret, config.vnodes))
+                                   cluster_id=cluster_id(config.cluster_secret, config.vnodes), peers=peers)
 
     limits = connection_limits(config.extra)
     server = grpc.server(

@@ -33,6 +33,7 @@ from paramserver.server.bulk_port.writes import Budget, WritePort, WriteSession
 from paramserver.wire.rate_limited_log import RateLimitedLog
 from paramserver.server.errors import ConfigError
 from paramserver.server.repair import RepairQueue
+from paramserver.server.served_bytes import ServedBytes
 from paramserver.server.store import ChunkStore
 from paramserver.wire.address import split_host_port
 from paramserver.wire.bulk_frames import (
@@ -52,13 +53,15 @@ class BulkServer:
     ``repair_queue``: told when a fresh verified copy of a chunk arrived (as PutChunks does).
     ``forward_to``: the bulk addresses a PUT may be forwarded to (the other members'); None: this
     server does not forward (chain hops are answered FAILED and the client sends to them itself).
+    ``served``: counts the chunk bytes read sessions send (path "bulk"; None: a counter of its own).
     """
 
     def __init__(self, store: ChunkStore, auth: AuthConfig, listen: str = "127.0.0.1:0",
                  config: BulkServerConfig = _DEFAULTS, *, server_id: str = "",
                  repair_queue: RepairQueue | None = None, forward_to: Callable[[], Collection[str]] | None = None,
-                 on_read: Callable[[str], None] | None = None) -> None:
+                 on_read: Callable[[str], None] | None = None, served: ServedBytes | None = None) -> None:
         self.store = store
+        self.served = served or ServedBytes()  # chunk bytes the read sessions sent
         self.on_read = on_read  # told the id of every chunk served (hot-chunk read rates)
         self.auth = auth.validate()
         self.config = config.validate()
@@ -85,7 +88,7 @@ class BulkServer:
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name="bulk-accept", daemon=True)
-        self._reads = ReadSessions(store, self.config, self._stopped, on_read)
+        self._reads = ReadSessions(store, self.config, self._stopped, on_read, self.served)
         where = f"server {self.server_id}" if self.server_id else f"bulk server {self.address}"
         self._writes = WritePort(store, self.config, where, self.address, repair_queue, forward_to, self._stopped,
                                  self._lock, self._refusals, Budget(self.config.write_buffer_bytes))

@@ -17,6 +17,7 @@ import numpy as np
 from chunking.hashing import hex_ids
 from paramserver.server.bulk_port.config import BulkServerConfig
 from paramserver.server.errors import ChunkCorruptError, ChunkError
+from paramserver.server.served_bytes import ServedBytes
 from paramserver.server.store import ChunkStore
 from paramserver.wire.bulk_frames import (
     CORRUPT, ERROR, ID_BYTES, MAX_IDS, MISSING, OK, REQUEST, SEND_BATCH_BYTES, encode_batch, encode_header, encode_message,
@@ -35,8 +36,9 @@ class ReadSessions:
     """Serves the read connections of one bulk server (one ``serve`` call per connection, on its thread)."""
 
     def __init__(self, store: ChunkStore, config: BulkServerConfig, stopped: threading.Event,
-                 on_read: Callable[[str], None] | None) -> None:
+                 on_read: Callable[[str], None] | None, served: ServedBytes | None = None) -> None:
         self.store = store
+        self.served = served or ServedBytes()  # chunk bytes sent (paramserver_served_bytes_total{path="bulk"})
         self.config = config
         self.stopped = stopped
         self.on_read = on_read  # told the id of every chunk served (hot-chunk read rates)
@@ -83,6 +85,7 @@ class ReadSessions:
             block = ids[start:stop]
             headers: list[bytes] = []
             payloads: list[bytes | memoryview] = []
+            sent = 0  # chunk bytes in this batch (not error messages)
             for chunk_id, chunk in zip(block, self.store.get_many(block)):
                 if isinstance(chunk, ChunkCorruptError):  # the store quarantined it and queued a repair
                     payload = encode_message(str(chunk))
@@ -93,11 +96,13 @@ class ReadSessions:
                 else:
                     payload = chunk.data
                     head = encode_header(OK, chunk.codec, chunk.raw_size, len(payload), chunk.crc32c)
+                    sent += len(payload)
                     if self.on_read is not None:
                         self.on_read(chunk_id)
                 headers.append(head)
                 payloads.append(payload)
             send_all(conn, encode_batch(headers, payloads))
+            self.served.add("bulk", sent)  # once the batch is out: a reader that went away mid-send counts nothing
             start = stop
 
 
