@@ -211,7 +211,7 @@ def main() -> int:
 
     from safetensors.torch import save_file
 
-    import fanout_model
+    from bench import fanout_model
     from deploy.local import LocalCluster, LocalClusterConfig
     from paramserver.client.push import push
 

@@ -27,7 +27,8 @@ class Wide(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             x = layer(x)
-        return x * self.scale
+        scale = self.get_buffer("scale")
+        return x * scale
 
 
 def state_dict(layers: int, seed: int = 0) -> dict[str, torch.Tensor]:
