@@ -101,6 +101,7 @@ class EngineOptions:
 
 
 Report = Callable[[str, tuple[str, ...], str], None]  # (server, chunk ids, reason): tell the server
+PEER_LANES = 2  # reads in flight per worker peer and fetch (a peer port caps connections per source address)
 
 
 class _Fetch:
@@ -362,4 +363,4 @@ class FetchEngine:
             return _Fetch(self, chunks, wants, members, sink, tensors_of, verifier or self.verifier, salt).run()
 
 
-__all__ = ["ChunkSink", "EngineOptions", "FetchEngine", "FetchStats"]
+__all__ = ["PEER_LANES", "ChunkSink", "EngineOptions", "FetchEngine", "FetchStats"]

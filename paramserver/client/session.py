@@ -39,8 +39,8 @@ from paramserver.client.errors import (
     rpc_code,
     rpc_details,
 )
-from paramserver.client.fetch import ChunkSink, EngineOptions, FetchEngine, FetchStats
-from paramserver.client.fetch_plan import Wants
+from paramserver.client.fetch import PEER_LANES, ChunkSink, EngineOptions, FetchEngine, FetchStats
+from paramserver.client.fetch_plan import Wants, is_peer
 from paramserver.client.manifests import read_manifest
 from paramserver.client.monotonic import MonotonicReads, Resolution
 from paramserver.client.refs import ModelRef
@@ -232,6 +232,8 @@ class ClusterClient:
             return found
 
     def _lanes(self, server: str) -> int:
+        if is_peer(server):  # a worker's peer port: few connections (a fleet on one host shares its per-source cap)
+            return PEER_LANES
         if self.transport.uses_bulk(server):
             return self.config.bulk_streams_per_server
         return self.config.grpc_streams_per_server
