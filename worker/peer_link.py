@@ -63,7 +63,7 @@ def _address(value: str, flag: str) -> str:
     try:
         split_host_port(value)
     except ValueError as exc:
-        raise ConfigError(f"{flag} {value!r}: {exc}; give HOST:PORT, e.g. 0.0.0.0:7070 (port 0 picks a free one)") from None
+        raise ConfigError(f"{flag}: {exc}; port 0 picks a free one") from None
     return value
 
 

@@ -173,7 +173,7 @@ def test_peers_env_and_config_refuse_bad_values_in_one_line() -> None:
     assert PeerLinkConfig.from_env({"PARAMS_PEER_LISTEN": "127.0.0.2:7070"}, listen="127.0.0.3:0").listen == "127.0.0.3:0"
     assert not PeerLinkConfig.from_env({"PARAMS_PEERS": "off"}).enabled
     assert not PeerLinkConfig.from_env({}, enabled=False).enabled
-    with pytest.raises(ConfigError, match="--peer-listen 'nonsense'"):
+    with pytest.raises(ConfigError, match="--peer-listen: 'nonsense'"):
         PeerLinkConfig.from_env({}, listen="nonsense")
     with pytest.raises(ConfigError, match="--peer-advertise"):
         PeerLinkConfig.from_env({}, listen="0.0.0.0:7070")  # a wildcard bind needs an address peers can dial
