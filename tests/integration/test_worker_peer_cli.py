@@ -4,12 +4,29 @@ a loopback port nothing listens on). The peer port off loopback follows the one 
 rule (``paramserver.wire.exposure``): the read token, or ``--insecure``."""
 from __future__ import annotations
 
+import socket
+from collections.abc import Iterator
+
 import pytest
 
+from deploy.local import free_port
 from paramserver.client.exit_codes import BAD_ARGUMENTS
-from tests.integration.test_worker_cli_input import cli, dead_cluster, one_line, taken_port  # noqa: F401 - fixtures
+from tests.integration.test_worker_cli_input import cli, one_line
 
 pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def dead_cluster() -> str:
+    return f"127.0.0.1:{free_port()}"
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
 
 
 def load(cluster: str, *args: str, extra_env: dict[str, str] | None = None) -> object:
@@ -55,7 +72,7 @@ def test_no_peers_skips_the_peer_port_check(dead_cluster: str) -> None:
         assert r.returncode != 0 and "peer port" not in r.stderr and "Traceback" not in r.stderr, r.stderr  # type: ignore[attr-defined]
 
 
-def test_peer_port_in_use_is_one_line_exit_2(dead_cluster: str, taken_port: int) -> None:  # noqa: F811 - a fixture
+def test_peer_port_in_use_is_one_line_exit_2(dead_cluster: str, taken_port: int) -> None:
     r = load(dead_cluster, "--peer-listen", f"127.0.0.1:{taken_port}")
     one_line(r, "paramworker", BAD_ARGUMENTS, str(taken_port))  # type: ignore[arg-type]
 
