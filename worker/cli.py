@@ -273,23 +273,24 @@ def peer_config_from_args(args: argparse.Namespace, settings: ClientSettings,
 
 
 def start_peers(client: ClusterClient, cache: TieredCache | None, config: PeerLinkConfig,
-                worker_id: str | None = None) -> PeerLink | None:
+                worker_id: str | None = None) -> tuple[PeerLink | None, str | None]:
     """The process's peer link for ``client`` (attached: every load on it shares through it), or
-    None with --no-peers. A TLS cluster without this worker's certificate runs without peers (one
-    warning line: peers need it); a peer port that cannot listen is a one-line error."""
+    None with --no-peers, and a warning to print once the first load is in (None: none). A TLS
+    cluster without this worker's certificate runs without peers (the warning says so; printed
+    after the load, so a load refused for that same certificate stays one error line); a peer
+    port that cannot listen is a one-line error."""
     import errno
 
     from worker.peer_link import PeerLink, attach
 
     if not config.enabled:
         attach(client, None)
-        return None
+        return None, None
     try:
         PeerLink.tls_files(client)
     except ConfigError as exc:
-        print(f"paramworker: warning: {exc}; running without peers", file=sys.stderr, flush=True)
         attach(client, None)
-        return None
+        return None, f"paramworker: warning: {exc}; running without peers"
     try:
         link = PeerLink(client, cache, config, worker_id=worker_id).start()
     except OSError as exc:
@@ -297,7 +298,7 @@ def start_peers(client: ClusterClient, cache: TieredCache | None, config: PeerLi
         raise ConfigError(f"--peer-listen {config.listen}: cannot listen there ({why}); pick another HOST:PORT "
                           "(port 0 picks a free one) or pass --no-peers") from None
     attach(client, link)
-    return link
+    return link, None
 
 
 def _setup(args: argparse.Namespace, settings: ClientSettings) -> tuple[ClusterClient, TieredCache | None, PrefetchConfig]:
@@ -331,7 +332,7 @@ def cmd_load(args: argparse.Namespace, settings: ClientSettings) -> int:
     client, cache, prefetch = _setup(args, settings)
     link: PeerLink | None = None
     try:
-        link = start_peers(client, cache, peer_config)
+        link, note = start_peers(client, cache, peer_config)
         device = resolve_device(args.device)
         for _ in range(max(1, args.repeat)):
             info = resolve_ref(client, ref)
@@ -348,6 +349,8 @@ def cmd_load(args: argparse.Namespace, settings: ClientSettings) -> int:
                 print(json.dumps(report.to_dict(), sort_keys=True))
             else:
                 print(report.summary())
+        if note is not None:
+            print(note, file=sys.stderr, flush=True)
     finally:
         if link is not None:
             link.close()
@@ -391,7 +394,7 @@ def cmd_serve(args: argparse.Namespace, settings: ClientSettings) -> int:
     client, cache, prefetch = _setup(args, settings)
     link: PeerLink | None = None
     try:
-        link = start_peers(client, cache, peer_config, args.worker_id)
+        link, note = start_peers(client, cache, peer_config, args.worker_id)
         server = ModelServer(client, args.model, factory, args.device, cache, prefetch, heat_report_s=args.heat_report_s,
                              serve=serve_config, factory_name=args.factory or "", hf=hf, other_versions=args.other_versions,
                              cold_start=not args.no_cold_start, admin_token=admin_token, peers=link)
@@ -418,6 +421,8 @@ def cmd_serve(args: argparse.Namespace, settings: ClientSettings) -> int:
             server.wait_loaded()
             if server.load_exception is None:
                 print(server.snapshot()[1].report.summary(), flush=True)
+                if note is not None:
+                    print(note, file=sys.stderr, flush=True)
             stop.set() if server.load_exception is not None else None
 
         threading.Thread(target=when_loaded, name="paramworker-loaded", daemon=True).start()
