@@ -178,7 +178,10 @@ class ModelLifecycle:
         self.metrics.loaded(r.bytes_memory, r.bytes_disk, r.bytes_network, r.bytes_peer)
         self.metrics.version.labels(new.info.model).set(new.info.number)
         if old_heat is not None and old_heat.retire():  # else the last request still on the old module reports it
-            self._report_final(old_heat)
+            # By the heat loop, not here: the swap is complete (and counted) without waiting on an RPC.
+            with self._lock:
+                self._heat_due.append(old_heat)
+            self._heat_wake.set()
 
     def _report_heat(self, heat: ForwardHeat | None, force: bool = False) -> None:
         if heat is None:
