@@ -131,7 +131,7 @@ class Prefetcher:
         ``private_arena``: ``targets`` are never handed to the caller (``worker.upload``): the
         group the tier keeps of this load is private. ``swarm``: the process's swarm (chunks from
         peers and servers) instead of ``client.fetch``; ``shelf_entry``: this load on the peer
-        shelf, told of every chunk that lands (``share``), ended when ``run()`` finishes."""
+        shelf, told of every chunk that lands (``_share``), ended when ``run()`` finishes."""
         self.manifest = manifest
         self.config = config.validate()
         self.client = client
