@@ -56,6 +56,6 @@ ENV PATH=/opt/pdparams/bin:${PATH} \
     PYTHONDONTWRITEBYTECODE=1
 USER 10001:10001
 WORKDIR /var/lib/paramserver
-# gRPC, Raft (members only), bulk reads, worker HTTP, metrics
-EXPOSE 7000 7100 7200 8080 9100
+# gRPC, Raft (members only), bulk reads, worker HTTP, worker peer port (other workers only), metrics
+EXPOSE 7000 7100 7200 7300 8080 9100
 CMD ["paramserver", "serve", "--help"]

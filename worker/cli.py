@@ -35,6 +35,7 @@ from worker.config import MAX_BODY_BYTES, MIB, CacheConfig, PrefetchConfig
 from worker.errors import ConfigError, WorkerError
 
 if TYPE_CHECKING:  # imported where used: `paramworker --help` stays quick
+    from worker.peer_link import PeerLink, PeerLinkConfig
     from worker.serve import ServeConfig
     from paramserver.client.session import ClusterClient
     from worker.tiered_cache import TieredCache
@@ -59,6 +60,19 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-bulk", action="store_true", help="read chunk bytes over gRPC GetChunks only, not the servers' bulk ports")
     p.add_argument("--monotonic-file", default=None, metavar="FILE",
                    help="persist the newest tag resolutions seen, so a restart cannot be rolled back (default: memory only)")
+    peers = p.add_argument_group("peers (workers read chunks from each other; docs/workers.md, Peers)")
+    peers.add_argument("--peer-listen", default=None, metavar="HOST:PORT",
+                       help="the peer port other workers read this one's chunks from (its loads in progress, memory and "
+                            "disk tiers; the cluster's read token required, under TLS this worker's certificate); off "
+                            "loopback it needs a read token or --insecure; env PARAMS_PEER_LISTEN (default 127.0.0.1:0)")
+    peers.add_argument("--peer-advertise", default=None, metavar="HOST:PORT",
+                       help="the address other workers dial for the peer port (default: the address --peer-listen bound; "
+                            "required when it binds 0.0.0.0)")
+    peers.add_argument("--no-peers", action="store_true",
+                       help="neither read from nor serve other workers: every chunk from the servers (env PARAMS_PEERS=off)")
+    peers.add_argument("--peer-max-connections-per-source", type=int_in(1, 100000, "--peer-max-connections-per-source"),
+                       default=None, metavar="N",
+                       help="open peer-port connections one address may hold; beyond, refused (default 16)")
 
 
 EPILOG = f"""\
@@ -99,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                       default=1, help="load this many times in one process (shows the cache tiers; default 1)")
     load.add_argument("--json", action="store_true", help="print the summary as JSON lines instead of text")
     load.add_argument("--no-progress", action="store_true", help="no progress bar")
+    load.add_argument("--insecure", action="store_true",
+                      help="let --peer-listen listen off loopback without a read token (a warning at start)")
     serve = sub.add_parser("serve", help="keep a module loaded, follow tag moves, answer inference over HTTP",
                            description="Serve MODEL:TAG: POST /infer with a JSON list, GET /healthz. Tag moves are hot-swapped.",
                            epilog=HF_SERVE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -233,6 +249,58 @@ def serve_config_from_args(args: argparse.Namespace, environ: Mapping[str, str] 
     ).validate()
 
 
+def peer_config_from_args(args: argparse.Namespace, settings: ClientSettings,
+                          environ: Mapping[str, str] = os.environ) -> PeerLinkConfig:
+    """The peer flags (> PARAMS_PEER_LISTEN / PARAMS_PEERS), validated, after the safe-default check
+    of the peer port (off loopback: the read token this worker uses, or --insecure with a warning).
+    Checked before anything touches the cluster."""
+    from paramserver.wire.errors import ConfigError as WireConfigError
+    from paramserver.wire.exposure import check_listeners
+    from worker.peer_link import PeerLinkConfig
+
+    config = PeerLinkConfig.from_env(environ, enabled=not args.no_peers, listen=args.peer_listen,
+                                     advertise=args.peer_advertise,
+                                     max_connections_per_source=args.peer_max_connections_per_source,
+                                     insecure=args.insecure)
+    if config.enabled:
+        try:
+            warnings = check_listeners([config.listener(settings.token_for(write=False))], insecure=args.insecure)
+        except WireConfigError as exc:
+            raise ConfigError(str(exc)) from None  # exit 2, one line
+        for warning in warnings:
+            print(f"paramworker: warning: {warning}", file=sys.stderr, flush=True)
+    return config
+
+
+def start_peers(client: ClusterClient, cache: TieredCache | None, config: PeerLinkConfig,
+                worker_id: str | None = None) -> tuple[PeerLink | None, str | None]:
+    """The process's peer link for ``client`` (attached: every load on it shares through it), or
+    None with --no-peers, and a warning to print once the first load is in (None: none). A TLS
+    cluster without this worker's certificate runs without peers (the warning says so; printed
+    after the load, so a load refused for that same certificate stays one error line); a peer
+    port that cannot listen is a one-line error."""
+    import errno
+
+    from worker.peer_link import PeerLink, attach
+
+    if not config.enabled:
+        attach(client, None)
+        return None, None
+    try:
+        PeerLink.tls_files(client)
+    except ConfigError as exc:
+        attach(client, None)
+        return None, f"paramworker: warning: {exc}; running without peers"
+    try:
+        link = PeerLink(client, cache, config, worker_id=worker_id).start()
+    except OSError as exc:
+        why = "the port is in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+        raise ConfigError(f"--peer-listen {config.listen}: cannot listen there ({why}); pick another HOST:PORT "
+                          "(port 0 picks a free one) or pass --no-peers") from None
+    attach(client, link)
+    return link, None
+
+
 def _setup(args: argparse.Namespace, settings: ClientSettings) -> tuple[ClusterClient, TieredCache | None, PrefetchConfig]:
     from paramserver.client.session import ClusterClient, SessionConfig
     from worker.tiered_cache import TieredCache
@@ -260,8 +328,11 @@ def cmd_load(args: argparse.Namespace, settings: ClientSettings) -> int:
 
     console = Console(stderr=True)
     ref = ModelRef.parse(args.model)
+    peer_config = peer_config_from_args(args, settings)
     client, cache, prefetch = _setup(args, settings)
+    link: PeerLink | None = None
     try:
+        link, note = start_peers(client, cache, peer_config)
         device = resolve_device(args.device)
         for _ in range(max(1, args.repeat)):
             info = resolve_ref(client, ref)
@@ -278,7 +349,11 @@ def cmd_load(args: argparse.Namespace, settings: ClientSettings) -> int:
                 print(json.dumps(report.to_dict(), sort_keys=True))
             else:
                 print(report.summary())
+        if note is not None:
+            print(note, file=sys.stderr, flush=True)
     finally:
+        if link is not None:
+            link.close()
         client.close()
     return 0
 
@@ -315,10 +390,19 @@ def cmd_serve(args: argparse.Namespace, settings: ClientSettings) -> int:
         hf.check()  # transformers installed and the class known, before touching the cluster
     admin_token, worker_token = _credentials(args, settings)
     serve_config = serve_config_from_args(args)
+    peer_config = peer_config_from_args(args, settings)
     client, cache, prefetch = _setup(args, settings)
-    server = ModelServer(client, args.model, factory, args.device, cache, prefetch, heat_report_s=args.heat_report_s,
-                         serve=serve_config, factory_name=args.factory or "", hf=hf, other_versions=args.other_versions,
-                         cold_start=not args.no_cold_start, admin_token=admin_token)
+    link: PeerLink | None = None
+    try:
+        link, note = start_peers(client, cache, peer_config, args.worker_id)
+        server = ModelServer(client, args.model, factory, args.device, cache, prefetch, heat_report_s=args.heat_report_s,
+                             serve=serve_config, factory_name=args.factory or "", hf=hf, other_versions=args.other_versions,
+                             cold_start=not args.no_cold_start, admin_token=admin_token, peers=link)
+    except BaseException:
+        if link is not None:
+            link.close()
+        client.close()
+        raise
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -337,6 +421,8 @@ def cmd_serve(args: argparse.Namespace, settings: ClientSettings) -> int:
             server.wait_loaded()
             if server.load_exception is None:
                 print(server.snapshot()[1].report.summary(), flush=True)
+                if note is not None:
+                    print(note, file=sys.stderr, flush=True)
             stop.set() if server.load_exception is not None else None
 
         threading.Thread(target=when_loaded, name="paramworker-loaded", daemon=True).start()
@@ -345,6 +431,8 @@ def cmd_serve(args: argparse.Namespace, settings: ClientSettings) -> int:
             raise server.load_exception  # the first load failed: exit with its code and one line
     finally:
         server.stop()
+        if link is not None:
+            link.close()  # the leaving announce: peers stop asking this worker at once
         client.close()
     return 0
 

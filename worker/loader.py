@@ -10,6 +10,11 @@ says when no leader answered and a member's answer was taken.
 One load pins one manifest: the tag is resolved once, the manifest is proven by its content id,
 and every chunk is checked against that manifest before its bytes reach a tensor, so a loaded
 model never mixes chunks of two versions and never holds bytes that failed verification.
+
+Loads share with the other workers of the cluster (``worker.peer_link``): a load reads what
+peers hold through the process's swarm and serves its own chunks to them as they land
+(``peers=False`` or ``PARAMS_PEERS=off``: servers only). A peer's bytes are verified by content
+id like any others; ``LoadReport.bytes_peer`` counts them, ``bytes_network`` the servers' share.
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ from worker.config import CacheConfig, PrefetchConfig
 from worker.errors import FillError
 from worker.heatmap import HeatmapRecorder, HeatReport
 from worker.module_fill import FillReport, check_fillable, empty_weights, fill_module, plan_fill
+from worker.peer_link import PeerLink, close_link, link_for
 from worker.prefetch import LoadCounters, LocalSource, Prefetcher
 from worker.tiered_cache import HeldGroup, TieredCache
 from worker.upload import DeviceUpload
@@ -73,6 +79,8 @@ class LoadReport:
     # when a first resolution found no leader to ask; "" for MODEL@N and MODEL) and how long that took.
     resolved_by: str = ""
     resolve_s: float = 0.0
+    # Raw bytes read from other workers (peers); bytes_network is the servers' share alone.
+    bytes_peer: int = 0
 
     @property
     def gbps(self) -> float:
@@ -88,10 +96,11 @@ class LoadReport:
         ttft = f"{self.first_tensor_s * 1000:.1f} ms" if self.first_tensor_s is not None else "n/a"
         # A resolution without the leader may have missed the last tag move: the report says so.
         warn = f"; tag resolved by a {self.resolved_by}" if self.resolved_by == READ_FALLBACK else ""
+        peers = f", peers {gib(self.bytes_peer)}" if self.bytes_peer else ""
         return (
             f"{self.model} v{self.version}{f' ({self.tag})' if self.tag else ''} on {self.device}: {gib(self.bytes_total)} "
             f"in {self.seconds:.3f} s = {self.gbps:.2f} GB/s; network {gib(self.bytes_network)} "
-            f"({gib(self.bytes_network_stored)} on the wire), disk tier {gib(self.bytes_disk)}, memory tier "
+            f"({gib(self.bytes_network_stored)} on the wire){peers}, disk tier {gib(self.bytes_disk)}, memory tier "
             f"{gib(self.bytes_memory)}, reused {gib(self.bytes_local)}; time to first tensor {ttft}; "
             f"{self.chunks} chunks, {self.failovers} failovers, {self.corrupt_reports} corrupt replicas reported{warn}"
         )
@@ -103,7 +112,7 @@ def make_report(info: VersionInfo, manifest: Manifest, device: torch.device, c: 
         chunks=len(manifest.chunks), bytes_total=sum(c.bytes.values()), bytes_network=c.bytes["network"],
         bytes_network_stored=c.network_stored_bytes, bytes_memory=c.bytes["memory"], bytes_disk=c.bytes["disk"],
         bytes_local=c.bytes["local"], seconds=seconds, first_tensor_s=c.first_tensor_s, failovers=c.failovers,
-        corrupt_reports=c.corrupt_reports, resolved_by=info.read, resolve_s=info.resolve_s,
+        corrupt_reports=c.corrupt_reports, resolved_by=info.read, resolve_s=info.resolve_s, bytes_peer=c.bytes["peer"],
     )
 
 
@@ -186,14 +195,17 @@ def _heat_of(client: ClusterClient, info: VersionInfo) -> HeatReport | None:
 
 
 def _send_heat(client: ClusterClient, model: str, number: int, recorder: HeatmapRecorder | None, owned: bool,
-               sent: threading.Event) -> None:
+               sent: threading.Event, link: PeerLink | None = None) -> None:
     try:
+        if link is not None and not owned:
+            link.announce()  # the load ended: peers learn it (complete, or no longer loading) now
         if recorder is not None:
             client.report_heat(model, number, recorder.wire_entries())
     except Exception:  # noqa: BLE001 - heat is advisory; never fail a load for it
         pass
     finally:
         if owned:
+            close_link(client)  # its leaving announce, then the port
             client.close()
         sent.set()
 
@@ -203,8 +215,9 @@ class LoadHandle:
 
     def __init__(self, prefetcher: Prefetcher, info: VersionInfo, manifest: Manifest, targets: dict[str, torch.Tensor],
                  device: torch.device, client: ClusterClient, owned: bool, report_heat: bool,
-                 host: Targets | None = None, upload: DeviceUpload | None = None) -> None:
-        """``upload``: the load lands in ``host`` and each tensor goes up to ``targets`` from there."""
+                 host: Targets | None = None, upload: DeviceUpload | None = None, link: PeerLink | None = None) -> None:
+        """``upload``: the load lands in ``host`` and each tensor goes up to ``targets`` from there.
+        ``link``: the peer runtime the load shares through (announced at its start and end)."""
         self.prefetcher = prefetcher
         self.upload = upload
         self.readiness = upload.readiness if upload is not None else prefetcher.readiness
@@ -216,6 +229,7 @@ class LoadHandle:
         self._owned = owned
         self._report_heat = report_heat
         self._host = host
+        self._link = link
         self._done = threading.Event()
         self._heat_sent = threading.Event()
         self._error: BaseException | None = None
@@ -233,6 +247,8 @@ class LoadHandle:
             pinner = start_background(partial(_pin_then_go, self._host, upload, pin_error), "paramworker-pin")
         elif self._host is not None:
             prefault = self._host.prefaulter().start()
+        if self._link is not None:
+            self._link.announce()  # on this thread: the caller is not held, and peers know before the first read
         try:
             counters = self.prefetcher.run()
             if upload is not None:
@@ -264,7 +280,7 @@ class LoadHandle:
         # drops them frees (or lets the memory tier reuse) their memory at once.
         recorder = self.prefetcher.recorder if self._report_heat and self._error is None else None
         start_background(_send_heat, "paramworker-heat", self._client, self.info.model, self.info.number, recorder,
-                         self._owned, self._heat_sent)
+                         self._owned, self._heat_sent, self._link)
         self._done.set()
 
     def heat_sent(self, timeout: float | None = None) -> bool:
@@ -299,11 +315,14 @@ def start_load(
     manifest: Manifest | None = None,
     report_heat: bool = True,
     on_progress: Callable[[int], None] | None = None,
+    peers: bool | PeerLink | None = None,
 ) -> LoadHandle:
     """Resolve ``ref``, fetch its manifest and start filling tensors in the background.
 
     ``start_load(ref, ...)``: the cluster, the read token, TLS and the verify mode come as for
     ``paramworker load`` (arguments > environment > ``PARAMS_CONFIG`` file > defaults).
+    ``peers``: share with the cluster's other workers through the client's peer link (None: the
+    one attached to the client, else a new one unless ``PARAMS_PEERS=off``; False: servers only).
     """
     at, ref = split_cluster_arg(cluster, ref, what="ref")
     client, owned = client_for(at, token)
@@ -346,11 +365,17 @@ def start_load(
                 adopted=adopted, private_arena=staged,
             )
             upload = DeviceUpload(host.tensors, tensors, prefetcher.readiness, dev) if staged and host is not None else None
+            # Last: nothing after it may fail, or the shelf would keep an entry no run() ever ends.
+            link = link_for(client, tiered, peers)
+            if link is not None:
+                prefetcher.swarm = link.swarm
+                prefetcher.shelf_entry = link.begin(manifest, prefetcher.locate)
     except BaseException:
         if owned:
+            close_link(client)
             client.close()
         raise
-    return LoadHandle(prefetcher, info, manifest, tensors, dev, client, owned, report_heat, host, upload)
+    return LoadHandle(prefetcher, info, manifest, tensors, dev, client, owned, report_heat, host, upload, link)
 
 
 @dataclass
@@ -433,11 +458,13 @@ def close_after_heat(client: ClusterClient, loaded: LoadedModel | None) -> None:
     """Close a client this module opened once its load's heat report is out (behind the load, never in its way)."""
     handle = loaded.handle if loaded is not None else None
     if handle is None:
+        close_link(client)
         client.close()
         return
 
     def close() -> None:
         handle.heat_sent(10.0)
+        close_link(client)
         client.close()
 
     threading.Thread(target=close, name="paramworker-close", daemon=True).start()

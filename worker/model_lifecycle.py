@@ -74,7 +74,7 @@ class Prewarm:
 
 def tiers(r: LoadReport) -> dict[str, Any]:
     """Where one load's bytes came from (``/healthz``: a swap with ``network == 0`` was fully pre-warmed)."""
-    return {"version": r.version, "total": r.bytes_total, "network": r.bytes_network, "disk": r.bytes_disk,
+    return {"version": r.version, "total": r.bytes_total, "network": r.bytes_network, "peer": r.bytes_peer, "disk": r.bytes_disk,
             "memory": r.bytes_memory, "local": r.bytes_local, "seconds": round(r.seconds, 4)}
 
 
@@ -175,10 +175,13 @@ class ModelLifecycle:
         self.last_load = r
         if old is not None:
             self.last_swap = r
-        self.metrics.loaded(r.bytes_memory, r.bytes_disk, r.bytes_network)
+        self.metrics.loaded(r.bytes_memory, r.bytes_disk, r.bytes_network, r.bytes_peer)
         self.metrics.version.labels(new.info.model).set(new.info.number)
         if old_heat is not None and old_heat.retire():  # else the last request still on the old module reports it
-            self._report_final(old_heat)
+            # By the heat loop, not here: the swap is complete (and counted) without waiting on an RPC.
+            with self._lock:
+                self._heat_due.append(old_heat)
+            self._heat_wake.set()
 
     def _report_heat(self, heat: ForwardHeat | None, force: bool = False) -> None:
         if heat is None:
@@ -357,7 +360,7 @@ class ModelLifecycle:
                     raise UnknownVersion(f"{want}: the cluster has no such version ({exc})") from None
                 built = Serving(self._build(new), new, None)  # versions on demand record no heat
                 r = new.report
-                self.metrics.loaded(r.bytes_memory, r.bytes_disk, r.bytes_network)
+                self.metrics.loaded(r.bytes_memory, r.bytes_disk, r.bytes_network, r.bytes_peer)
                 with self._others_lock:
                     self._others[key] = built
                     while len(self._others) > self.other_versions:
@@ -396,7 +399,7 @@ class ModelLifecycle:
                                 config=self.swapper.config, info=info, manifest=entry.manifest, report_heat=False)
             _tensors, entry.report = handle.result()
             r = entry.report
-            self.metrics.loaded(r.bytes_memory, r.bytes_disk, r.bytes_network)
+            self.metrics.loaded(r.bytes_memory, r.bytes_disk, r.bytes_network, r.bytes_peer)
             entry.state = "done"
         except Exception as exc:  # noqa: BLE001 - reported in /healthz and the heartbeat; serving goes on
             entry.error = f"{type(exc).__name__}: {str(exc)[:300]}"

@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -37,17 +37,19 @@ from chunking.codec import as_u8
 from chunking.hashing import Buffer, crc32c
 from chunking.manifest import ChunkRef, Manifest
 from paramserver.client.hostmem import ArenaView
+from worker.chunk_writer import ChunkWriter
 from worker.config import PrefetchConfig
 from worker.heatmap import HeatmapRecorder, HeatReport, prefetch_order
 from worker.readiness import TensorReadiness
-from worker.staging import COMPLETED, Copier, StagingPool, byte_view
+from worker.staging import COMPLETED, StagingPool
 from worker.tiered_cache import HeldChunk, HeldGroup, Locate, TieredCache
 
 # A local source of raw chunk bytes (e.g. the tensors of the version being replaced); it must
 # return only bytes it has verified against the chunk id, or None.
 LocalSource = Callable[[ChunkRef], Buffer | None]
 
-TIERS = ("network", "memory", "disk", "local")
+# "network": the servers; "peer": other workers of the cluster (paramserver.client.swarm_fetch).
+TIERS = ("network", "peer", "memory", "disk", "local")
 HIT_THREADS = max(1, min(4, os.cpu_count() or 1))
 HIT_BLOCK = 32  # chunks a hit-landing thread takes at a time (one lookup, one landing), roughly in fetch order
 TRUSTED_BATCH = 1024  # chunks of a private arena given back landed at a time (each batch readies its tensors)
@@ -56,7 +58,8 @@ TRUSTED_BATCH = 1024  # chunks of a private arena given back landed at a time (e
 @dataclass
 class LoadCounters:
     """Bytes and chunks per source. ``bytes`` are raw (decoded) bytes written into tensors;
-    ``network_stored_bytes`` are the bytes that crossed the wire."""
+    ``network_stored_bytes`` are the bytes that crossed the wire from the servers (a peer's bytes
+    are counted under ``bytes["peer"]`` only: the servers' share is what fan-out saves)."""
 
     bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     chunks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
@@ -66,127 +69,22 @@ class LoadCounters:
     first_tensor_s: float | None = None
 
 
-class ChunkWriter:
-    """Writes verified raw chunk bytes into the destination tensors of one manifest. Thread-safe."""
+class SwarmFetch(Protocol):
+    """What a load needs of the process's swarm (``paramserver.client.swarm_fetch.Swarm``)."""
 
-    def __init__(self, manifest: Manifest, targets: Mapping[str, torch.Tensor], readiness: TensorReadiness,
-                 config: PrefetchConfig, pool: StagingPool | None = None, arena: ArenaView | None = None) -> None:
-        """``arena``: where the CPU targets lie in one host arena (``arena_locate`` then slices it)."""
-        self.manifest = manifest
-        self.arena = arena
-        self.readiness = readiness
-        self.config = config
-        self._plan = manifest.plan
-        self._cpu: list[np.ndarray | None] = []
-        self._dev: list[torch.Tensor | None] = []
-        cuda = False
-        for entry in manifest.tensors:
-            u8 = byte_view(targets[entry.name].detach())
-            if u8.device.type == "cpu":
-                self._cpu.append(u8.numpy())
-                self._dev.append(None)
-            else:
-                cuda = True
-                self._cpu.append(None)
-                self._dev.append(u8)
-        self.whole = self._whole_chunks()
-        self._whole: list[int] = self.whole.tolist()  # region() reads one entry per chunk: a list is faster
-        # With an arena, each whole chunk's place in it, worked out for all chunks at once: region()
-        # is then one slice (it is asked for every chunk received, half a million of 4 KiB).
-        # ``arena_locate(index)``: that slice, or None. A function holding the arena's view and the
-        # offsets, not this writer (so not the tensors): the memory tier keeps it after the load.
-        self.arena_locate: Locate | None = None
-        self.arena_at: np.ndarray | None = None  # per row: where its bytes start in the arena, or -1
-        if arena is not None:
-            base = np.array([arena.offsets.get(e.name, -1) for e in manifest.tensors] or [-1], dtype=np.int64)
-            t = np.maximum(self.whole, 0)
-            at = base[t] + self._plan.whole_at
-            at[(self.whole < 0) | (base[t] < 0)] = -1
-            self.arena_at = at
-            self.arena_locate = _slicer(arena.view, at.tolist(), list(self._plan.raw_sizes))
-        self.pool = pool
-        self.copier: Copier | None = None
-        if cuda:
-            device = next(t.device for t in self._dev if t is not None)
-            self.pool = pool or StagingPool.from_config(config)
-            self.copier = Copier(device)
-
-    def write(self, index: int, raw: Buffer) -> None:
-        src = as_u8(raw)
-        if len(src) != self._plan.raw_sizes[index]:
-            raise ValueError(f"chunk #{index} is {len(src)} bytes; the manifest says {self._plan.raw_sizes[index]}")
-        segs = self._plan.segments[index]
-        fence = COMPLETED
-        if self.copier is not None and any(self._dev[s.tensor] is not None for s in segs):
-            assert self.pool is not None
-            buf = self.pool.acquire(self.config.acquire_timeout_s)
-            try:
-                buf.write(0, src)
-            except BaseException:
-                buf.release()
-                raise
-            copies = []
-            for s in segs:
-                dev = self._dev[s.tensor]
-                if dev is not None:
-                    copies.append((s.chunk_offset, dev[s.tensor_offset : s.tensor_offset + s.length]))
-                else:
-                    cpu = self._cpu[s.tensor]
-                    assert cpu is not None
-                    cpu[s.tensor_offset : s.tensor_offset + s.length] = src[s.chunk_offset : s.chunk_offset + s.length]
-            fence = self.copier.copy_from(buf, copies)
-        else:
-            for s in segs:
-                cpu = self._cpu[s.tensor]
-                assert cpu is not None
-                cpu[s.tensor_offset : s.tensor_offset + s.length] = src[s.chunk_offset : s.chunk_offset + s.length]
-        self.readiness.mark_landed(index, fence)
-
-    def _span(self, index: int) -> tuple[int, int, int] | None:
-        """(tensor, start, stop) of the tensor bytes chunk ``index`` fills when they are one whole region."""
-        t = self._whole[index]
-        if t < 0:
-            return None
-        start = int(self._plan.whole_at[index])
-        return t, start, start + self._plan.raw_sizes[index]
-
-    def region(self, index: int) -> memoryview | None:
-        """The CPU tensor bytes chunk ``index`` fills when they are one whole region, else None
-        (with an arena: as a slice of the arena's view, ``arena_locate``)."""
-        if self.arena_locate is not None:
-            view = self.arena_locate(index)
-            if view is not None:
-                return view
-        span = self._span(index)
-        if span is None:
-            return None
-        t, start, stop = span
-        cpu = self._cpu[t]
-        assert cpu is not None
-        return cpu[start:stop].data
-
-    def _whole_chunks(self) -> np.ndarray:
-        """Per chunk: the CPU tensor whose bytes it is exactly (``ChunkPlan.whole``), or -1."""
-        cpu = np.array([c is not None for c in self._cpu] or [False], dtype=bool)
-        whole = self._plan.whole
-        return np.where((whole >= 0) & cpu[np.maximum(whole, 0)], whole, -1)
-
-    def synchronize(self) -> None:
-        if self.copier is not None:
-            self.copier.synchronize()
-
-    def release_targets(self) -> None:
-        """Forget the targets (their numpy views keep the memory in use); the writer is done."""
-        self._cpu = [None] * len(self._cpu)
-        self._dev = [None] * len(self._dev)
+    def fetch(self, manifest_id: str, chunks: ChunkRows, sink: Any, *, algorithm: str = "blake3",
+              tensors_of: Callable[[int], Sequence[str]] | None = None) -> Any: ...
 
 
-def _slicer(view: memoryview, offsets: list[int], sizes: list[int]) -> Locate:
-    def locate(index: int) -> memoryview | None:
-        at = offsets[index]
-        return view[at : at + sizes[index]] if at >= 0 else None
+class ShelfEntry(Protocol):
+    """One load on the peer shelf (``worker.peer_shelf.LoadEntry``): its chunks become servable to
+    other workers as they land."""
 
-    return locate
+    def landed(self, rows: np.ndarray) -> None: ...
+
+    def keep(self, row: int, raw: bytes) -> None: ...
+
+    def end(self, complete: bool) -> None: ...
 
 
 def unique_order(manifest: Manifest, heat: HeatReport | None) -> np.ndarray:
@@ -222,6 +120,8 @@ class Prefetcher:
         arena: ArenaView | None = None,
         adopted: HeldGroup | None = None,
         private_arena: bool = False,
+        swarm: SwarmFetch | None = None,
+        shelf_entry: ShelfEntry | None = None,
     ) -> None:
         """``heat``: the version's heatmap, or a function that gives it (asked only when some chunk
         must come from the network: it orders the fetch). ``arena``: where ``targets`` lie in a
@@ -229,10 +129,14 @@ class Prefetcher:
         arena ``targets`` were made on (``hostmem.retarget``): its chunks are verified in place
         instead of copied, or, when the group is private, taken as they are.
         ``private_arena``: ``targets`` are never handed to the caller (``worker.upload``): the
-        group the tier keeps of this load is private."""
+        group the tier keeps of this load is private. ``swarm``: the process's swarm (chunks from
+        peers and servers) instead of ``client.fetch``; ``shelf_entry``: this load on the peer
+        shelf, told of every chunk that lands (``_share``), ended when ``run()`` finishes."""
         self.manifest = manifest
         self.config = config.validate()
         self.client = client
+        self.swarm = swarm
+        self.shelf_entry = shelf_entry
         self.cache = cache
         self.version = manifest.version if version is None else version
         self.heat = heat
@@ -327,21 +231,49 @@ class Prefetcher:
         return [None if d or a < 0 else view[a : a + n]
                 for a, n, d in zip(at[rows].tolist(), self._table.raw_size[rows].tolist(), done)]
 
-    def landed_in_place(self, rows: np.ndarray) -> None:
-        self._land(rows, "network")
+    def landed_in_place(self, rows: np.ndarray, source: str = "network") -> None:
+        """``source``: "network" (a server) or "peer" (another worker); counted by where it came from."""
+        peer = source == "peer"
+        self._land(rows, "peer" if peer else "network")
         self._keep_in_place(rows, raw=True)
-        with self._lock:
-            self.counters.network_stored_bytes += int(self._table.stored_size[rows].sum())
+        self._share(rows)
+        if not peer:
+            with self._lock:
+                self.counters.network_stored_bytes += int(self._table.stored_size[rows].sum())
 
-    def write(self, row: int, raw: Buffer) -> None:
+    def write(self, row: int, raw: Buffer, source: str = "network") -> None:
+        peer = source == "peer"
         rows = np.array([row], dtype=np.int64)
-        self._land(rows, "network", [raw])
+        self._land(rows, "peer" if peer else "network", [raw])
         if self._region(row) is not None:  # it lies whole in one CPU tensor: the tier keeps a view
             self._keep_in_place(rows, raw=bool(self._table.raw_rows[row]))
+            self._share(rows)
         else:
-            self._keep_copy(row, as_u8(raw).data)
-        with self._lock:
-            self.counters.network_stored_bytes += int(self._table.stored_size[row])
+            copy = self._keep_copy(row, as_u8(raw).data)
+            self._share(rows, [copy] if copy is not None else [raw])
+        if not peer:
+            with self._lock:
+                self.counters.network_stored_bytes += int(self._table.stored_size[row])
+
+    def _share(self, rows: np.ndarray, raws: Sequence[Buffer] | None = None) -> None:
+        """Tell the peer shelf that ``rows`` landed: in place (the shelf reads them where they lie,
+        ``locate``) or, for a chunk that is not (``raws``: on CUDA, or spread over tensors), with a
+        copy that stays valid after this call (an immutable ``bytes`` is reused as it is)."""
+        entry = self.shelf_entry
+        if entry is None:
+            return
+        if raws is not None:
+            region = self._region
+            for row, raw in zip(rows.tolist(), raws):
+                if region(row) is None:
+                    entry.keep(row, raw if isinstance(raw, bytes) else bytes(as_u8(raw).data))
+        entry.landed(rows)
+
+    @property
+    def locate(self) -> Locate:
+        """Where a landed chunk's raw bytes lie whole (a table row -> a view, or None): the peer
+        shelf's ``begin_load`` reads landed chunks through it."""
+        return self._region
 
     def _keep_in_place(self, rows: np.ndarray, *, raw: bool) -> None:
         """Fetched chunks that lie in the tensors go in the tiers: on CPU as views of those bytes."""
@@ -364,16 +296,18 @@ class Prefetcher:
                 assert view is not None
                 self._to_disk(self._table.ids[row], bytes(view))
 
-    def _keep_copy(self, row: int, view: memoryview) -> None:
-        """A chunk that does not lie whole in one CPU tensor (or a CUDA staging copy): one copy."""
+    def _keep_copy(self, row: int, view: memoryview) -> bytes | None:
+        """A chunk that does not lie whole in one CPU tensor (or a CUDA staging copy): one copy,
+        returned (the peer shelf keeps the same one); None when nothing kept it."""
         if self.cache is None:
-            return
+            return None
         copy = bytes(view)  # a received buffer is reused after this call
         key = self._table.ids[row]
         if self._views:
             self.cache.memory.put(key, copy)
         if self.cache.disk is not None:
             self._to_disk(key, copy)
+        return copy
 
     def _to_disk(self, key: str, data: bytes) -> None:
         # Disk-tier writes happen behind the fetch (write-behind) so file I/O overlaps the streams;
@@ -405,15 +339,19 @@ class Prefetcher:
 
     def run(self) -> LoadCounters:
         self._t0 = time.perf_counter()
+        ok = False
         try:
             with collector_paused(self.config.pause_collector):
                 self._run()
             self._group.private = self._private_arena
+            ok = True
         except BaseException as exc:
             for index in range(len(self._table)):
                 self.readiness.mark_failed(index, exc)
             raise
         finally:
+            if self.shelf_entry is not None:  # peers stop waiting on this load's missing chunks
+                self.shelf_entry.end(complete=ok)
             self._finish_disk()
             # Also after a failure: what landed is verified, and a retry is given it.
             if self.cache is not None and self._views and self._group.count():
@@ -439,6 +377,7 @@ class Prefetcher:
         rows = rows[self._adopted.held[rows]]
         for start in range(0, len(rows), TRUSTED_BATCH):
             self._land(rows[start : start + TRUSTED_BATCH], "memory")
+            self._share(rows[start : start + TRUSTED_BATCH])
         if self.cache is not None:
             self.cache.touch_group(self._adopted, len(rows))
 
@@ -532,8 +471,10 @@ class Prefetcher:
                             raws.append(value)
                     if placed:
                         self._land(np.array(placed, dtype=np.int64), "memory")
+                        self._share(np.array(placed, dtype=np.int64))
                     for tier, (rows_, raws) in copied.items():
                         self._land(np.array(rows_, dtype=np.int64), tier, raws)
+                        self._share(np.array(rows_, dtype=np.int64), raws)
                     if gone:
                         with lock:
                             late.extend(gone)
@@ -558,18 +499,25 @@ class Prefetcher:
         if raw is None:
             return False
         self._land(np.array([row], dtype=np.int64), "local", [raw])
+        kept: Buffer = raw
         if self.cache is not None and not self.cache.contains(ref.id):
-            self.cache.put(ref.id, raw if isinstance(raw, bytes) else as_u8(raw).tobytes())
+            kept = raw if isinstance(raw, bytes) else as_u8(raw).tobytes()
+            self.cache.put(ref.id, kept)
+        self._share(np.array([row], dtype=np.int64), [kept])
         return True
 
     def _fetch(self, rows: np.ndarray, errors: list[BaseException] | None) -> None:
         try:
-            if self.client is None:
+            chunks = ChunkRows(self._table, rows)
+            algorithm, tensors_of = self.manifest.hash_algorithm, self.manifest.tensors_of_chunk
+            if self.swarm is not None:  # peers first where they have it, the servers for the rest
+                stats = self.swarm.fetch(self.manifest.id, chunks, self, algorithm=algorithm, tensors_of=tensors_of)
+            elif self.client is None:
                 from chunking.errors import ChunkMissing
 
                 raise ChunkMissing([self._table.ids[r] for r in rows.tolist()])
-            stats = self.client.fetch(ChunkRows(self._table, rows), self, algorithm=self.manifest.hash_algorithm,
-                                      tensors_of=self.manifest.tensors_of_chunk)
+            else:
+                stats = self.client.fetch(chunks, self, algorithm=algorithm, tensors_of=tensors_of)
             with self._lock:
                 self.counters.failovers += stats.failovers
                 self.counters.corrupt_reports += stats.corrupt_reports
@@ -579,4 +527,4 @@ class Prefetcher:
             errors.append(exc)
 
 
-__all__ = ["ChunkWriter", "LoadCounters", "LocalSource", "Prefetcher", "TIERS", "unique_order"]
+__all__ = ["ChunkWriter", "LoadCounters", "LocalSource", "Prefetcher", "ShelfEntry", "SwarmFetch", "TIERS", "unique_order"]

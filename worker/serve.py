@@ -9,6 +9,8 @@ Endpoints (stdlib ``http.server``, HTTP/1.1 keep-alive, JSON):
 - ``POST /prewarm`` with ``{"model", "version"}``: fetch that version into the cache tiers.
 - ``GET /healthz``: ``{"model", "tag", "version", "swaps", "last_error", ...}``.
 - ``GET /metrics``: Prometheus text (``worker.serve_metrics``).
+- ``GET /weights/digest?model=NAME[&version=N]`` (admin token): per-tensor BLAKE3 of the tensors
+  held (``worker.weights_digest``), to check them against the pushed file.
 
 This module is the facade of the names callers import; the work is split by job:
 

@@ -16,10 +16,12 @@ import torch
 from paramserver.client.session import ClusterClient
 from worker.admission import Admission
 from worker.config import PrefetchConfig
+from worker.errors import ConfigError, UnknownVersion
 from worker.hf import HFServing
 from worker.inference import Inference, open_result_store
 from worker.loader import LoadedModel
 from worker.model_lifecycle import ModelLifecycle, Prewarm, Serving, tiers
+from worker.peer_link import PeerLink, PeerStats, link_of
 from worker.result_service import Answer, ResultService
 from worker.result_store import ResultStore
 from worker.router_link import RouterLink
@@ -27,6 +29,7 @@ from worker.serve_http import HTTPFront, ServeConfig, answer_infer, bind
 from worker.serve_metrics import ServeMetrics
 from worker.swap import HotSwapper
 from worker.tiered_cache import TieredCache
+from worker.weights_digest import digest_answer
 
 DEFAULT_SERVE = ServeConfig()  # frozen: one shared default is safe
 
@@ -37,7 +40,9 @@ class ModelServer:
     ``factory_name`` is part of every result key (two factories over the same weights are two
     models); ``store`` overrides the Redis store the config names (tests pass an in-memory one).
     ``hf`` instead of a factory serves a transformers model built from each version's config.json.
-    ``admin_token``: what ``POST /prewarm`` must carry (None: pre-warm is refused).
+    ``admin_token``: what ``POST /prewarm`` and ``GET /weights/digest`` must carry (None: refused).
+    ``peers``: the process's peer link (``worker.peer_link``; None: the one its client's loads
+    start, if any): its counters are on /metrics, its address in /healthz.
     """
 
     def __init__(self, client: ClusterClient, ref: str, factory: Callable[[], torch.nn.Module] | None,
@@ -45,10 +50,13 @@ class ModelServer:
                  config: PrefetchConfig = PrefetchConfig(), heat_report_s: float = 60.0,
                  serve: ServeConfig = DEFAULT_SERVE, factory_name: str = "", store: ResultStore | None = None,
                  hf: HFServing | None = None, other_versions: int = 0, cold_start: bool = True,
-                 admin_token: str | None = None) -> None:
+                 admin_token: str | None = None, peers: PeerLink | None = None) -> None:
         self.serve_config = serve.validate()
         self._admin_token = admin_token
+        self._client = client
+        self._peers = peers
         self.metrics = ServeMetrics()
+        self.metrics.watch_peers(self._peer_stats)
         # One stop for the whole worker: it ends following the tag and beating to routers at once.
         self._stop = threading.Event()
         self.models = ModelLifecycle(client, ref, factory, device, cache, config, self.metrics,
@@ -65,6 +73,28 @@ class ModelServer:
         self._http: HTTPFront | None = None
 
     # ------------------------------------------------------------------ what callers ask of the parts
+
+    @property
+    def peers(self) -> PeerLink | None:
+        return self._peers or link_of(self._client)
+
+    def _peer_stats(self) -> PeerStats | None:
+        link = self.peers
+        return link.stats() if link is not None else None
+
+    def weights_digest(self, model: str, version: int | None) -> dict[str, Any]:
+        """Per-tensor BLAKE3 of the tensors of ``model`` (``version``, else the one served) this worker
+        holds, to check them bit for bit against the pushed file (``worker.weights_digest``)."""
+        loading, cold = self.models.current()
+        for loaded in self.models.held():
+            if loaded.info.model != model or (version is not None and loaded.info.number != version):
+                continue
+            if cold is not None and loaded is loading:
+                raise ConfigError(f"{model} v{loaded.info.number} is still loading ({cold.progress():.0%}); ask again "
+                                  "once /healthz says ready")
+            return digest_answer(model, loaded.info.number, loaded.info.manifest_id, loaded.tensors)
+        want = f"{model}@{version}" if version is not None else model
+        raise UnknownVersion(f"this worker holds no {want}; GET /healthz says what it serves")
 
     @property
     def swapper(self) -> HotSwapper:
@@ -131,7 +161,8 @@ class ModelServer:
                 "last_swap": tiers(models.last_swap) if models.last_swap is not None else None,
                 "prewarm": [p.to_json() for p in models.prewarm_list()],
                 "other_versions": [f"{m}@{v}" for m, v in models.other_keys()],
-                "router": self.link.health()}
+                "router": self.link.health(),
+                "peers": {"address": self.peers.address} if self.peers is not None else None}
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -196,6 +196,9 @@ class App(Protocol):
     def identity(self, nonce: str) -> dict[str, Any] | None:
         """``GET /identity``'s answer (None: not registered with a router)."""
 
+    def weights_digest(self, model: str, version: int | None) -> dict[str, Any]:
+        """``GET /weights/digest``'s answer (``worker.weights_digest``); UnknownVersion when not held."""
+
 
 class HTTPFront(ThreadingHTTPServer):
     """One thread per connection, at most ``max_connections`` (``paramserver.wire.conn_limits``): at
@@ -417,6 +420,8 @@ def _handler(server: App, config: ServeConfig) -> type[BaseHTTPRequestHandler]:
                 self._json(200, server.health())
             elif path == "/metrics":
                 self._send(200, server.metrics.render(), content_type=CONTENT_TYPE)
+            elif path == "/weights/digest":
+                self._digest()
             else:
                 self._json(404, {"error": f"no endpoint {self.path}; use POST /infer, GET /healthz or GET /metrics"})
 
@@ -481,6 +486,25 @@ def _handler(server: App, config: ServeConfig) -> type[BaseHTTPRequestHandler]:
                 self._json(404, {"error": "this worker is not registered with a router (paramworker serve --router URL)"})
                 return
             self._json(200, answer)
+
+        def _digest(self) -> None:
+            """Per-tensor BLAKE3 of a held version's tensors (admin token: it reads the whole model)."""
+            why = refusal(self.headers.get(AUTH_HEADER), server.admin_token, "GET /weights/digest",
+                          "the admin token (paramworker serve --admin-token-file)")
+            if why is not None:
+                self._json(401, {"error": why})
+                return
+            query = parse_qs(urlsplit(self.path).query)
+            model, version = query.get("model", [""])[0], query.get("version", [""])[0]
+            if not model or (version and not (version.isdigit() and int(version) >= 1)):
+                self._json(400, {"error": "send GET /weights/digest?model=NAME[&version=N] (N >= 1)"})
+                return
+            try:
+                self._json(200, server.weights_digest(model, int(version) if version else None))
+            except UnknownVersion as exc:
+                self._json(404, {"error": str(exc)})
+            except ConfigError as exc:  # still loading
+                self._json(409, {"error": str(exc)})
 
         def _prewarm(self) -> None:
             why = refusal(self.headers.get(AUTH_HEADER), server.admin_token, "POST /prewarm",

@@ -1,17 +1,49 @@
 """What ``paramworker serve`` exports at ``GET /metrics`` (Prometheus text, ``prometheus-client``).
 
 One registry per server, so several servers in one process (tests) do not share counters.
+The peer port's and the swarm's counters (``worker.peer_link.PeerStats``) are read when scraped.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from worker.peer_link import PeerStats
+
 OUTCOMES = ("hit_l1", "hit_l2", "computed", "joined", "shed", "error")
-TIERS = ("memory", "disk", "network")
+TIERS = ("memory", "disk", "network", "peer")  # network: the servers; peer: other workers
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class PeerCollector:
+    """``pdparams_peer_*`` from the process's peer link at scrape time (zeros without one)."""
+
+    def __init__(self, stats: Callable[[], PeerStats | None]) -> None:
+        self._stats = stats
+
+    def _families(self, s: PeerStats) -> list[Metric]:
+        served = CounterMetricFamily("pdparams_peer_served_bytes", "Chunk bytes this worker sent to other workers "
+                                     "(its peer port)", value=s.served_bytes)
+        dropped = CounterMetricFamily("pdparams_peer_dropped", "Peers this worker's loads stopped reading from, by why "
+                                      "(bad bytes, refused, slow, gone)", labels=["reason"])
+        for reason, n in sorted(s.dropped.items()):
+            dropped.add_metric([reason], n)
+        connections = GaugeMetricFamily("pdparams_peer_connections", "Open connections to this worker's peer port",
+                                        value=s.connections)
+        return [served, dropped, connections]
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(self._families(PeerStats()))
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats = self._stats() or PeerStats()
+        except Exception:  # noqa: BLE001 - a scrape never fails for the peers' counters
+            stats = PeerStats()
+        return iter(self._families(stats))
 
 
 class ServeMetrics:
@@ -52,8 +84,11 @@ class ServeMetrics:
         self.breaker_transitions.labels(new).inc()
         self.breaker_open.set(0 if new == "closed" else 1)
 
-    def loaded(self, memory: int, disk: int, network: int) -> None:
-        for tier, n in zip(TIERS, (memory, disk, network), strict=True):
+    def watch_peers(self, stats: Callable[[], PeerStats | None]) -> None:
+        self.registry.register(PeerCollector(stats))
+
+    def loaded(self, memory: int, disk: int, network: int, peer: int = 0) -> None:
+        for tier, n in zip(TIERS, (memory, disk, network, peer), strict=True):
             if n > 0:
                 self.load_bytes.labels(tier).inc(n)
 
@@ -61,4 +96,4 @@ class ServeMetrics:
         return generate_latest(self.registry)
 
 
-__all__ = ["CONTENT_TYPE", "OUTCOMES", "ServeMetrics", "TIERS"]
+__all__ = ["CONTENT_TYPE", "OUTCOMES", "PeerCollector", "ServeMetrics", "TIERS"]

@@ -456,6 +456,24 @@ def test_workers_register_with_every_router_pod_at_their_own_ip(k8s: dict[tuple[
     assert expanded.advertise == "10.1.2.3:8080" and not expanded.advertise.startswith("0.0.0.0:")
 
 
+def test_workers_serve_peers_on_their_peer_port_at_their_own_ip(k8s: dict[tuple[str, str], dict[str, Any]]) -> None:
+    """Fleet fan-out (issue 42): the peer port listens on every address, is a named containerPort, and
+    is advertised at the pod's own IP; the flags pass the worker's own checks once expanded."""
+    from worker.peer_link import PeerLinkConfig
+
+    container = _container(k8s[("Deployment", "paramworker")])
+    port = _ports(container)["peer"]
+    args = paramworker_parser().parse_args(container["args"])
+    assert not args.no_peers
+    assert args.peer_listen == f"0.0.0.0:{port}" and args.peer_advertise == f"$(POD_IP):{port}"
+    expanded = paramworker_parser().parse_args([a.replace("$(POD_IP)", "10.1.2.3") for a in container["args"]])
+    config = PeerLinkConfig.from_env({}, listen=expanded.peer_listen, advertise=expanded.peer_advertise)
+    assert config.enabled and config.advertise == f"10.1.2.3:{port}"
+    # Off loopback the peer port needs the read token: the worker has one (its client config), never --insecure.
+    assert not args.insecure
+    assert "read_token_file" in k8s[("ConfigMap", "paramworker-config")]["data"]["client.toml"]
+
+
 def _peer_allows(peer: dict[str, Any], policy_ns: str, pod_labels: dict[str, str], ns_labels: dict[str, str]) -> bool:
     """Whether one NetworkPolicy ``from`` peer admits a pod (matchLabels only, as these manifests use)."""
     assert set(peer) <= {"podSelector", "namespaceSelector"}, peer
@@ -495,6 +513,9 @@ def test_network_policies_let_workers_routers_and_clients_reach_each_other(k8s: 
     assert _allowed(k8s, "paramrouter", "http", client), "labelled clients reach the routers"
     assert _allowed(k8s, "paramrouter", "http", {}, "apps", client), "pods of a labelled namespace reach the routers"
     assert _allowed(k8s, "paramworker", "http", client), "labelled clients may call the workers directly"
+    assert _allowed(k8s, "paramworker", "peer", labels["paramworker"]), "workers read chunks from each other"
+    for who, ns in ((labels["paramrouter"], NAMESPACE), (client, NAMESPACE), ({}, "monitoring"), (labels["paramworker"], "apps")):
+        assert not _allowed(k8s, "paramworker", "peer", who, ns), f"only the workers reach the peer port, not {who} in {ns}"
     assert _allowed(k8s, "paramserver", "grpc", labels["paramrouter"]), "routers resolve tags over the servers' gRPC"
     assert not _allowed(k8s, "paramserver", "raft", labels["paramrouter"])
     for name in ("paramworker", "paramrouter"):
@@ -676,6 +697,11 @@ def test_worker_unit_runs_the_cli_with_its_env_file_and_client_config(tmp_path: 
     writable = [Path(p) for p in values(unit, "ReadWritePaths")]
     assert any(Path(args.disk_cache).is_relative_to(p) for p in writable)
     assert any(Path(args.monotonic_file).is_relative_to(p) for p in writable)
+    # the peer port (issue 42): off loopback, at an address the other workers dial, the read token its credential
+    from worker.peer_link import PeerLinkConfig
+
+    peers = PeerLinkConfig.from_env({}, listen=args.peer_listen, advertise=args.peer_advertise)
+    assert peers.enabled and peers.listener("read-token").reachable and not peers.listener("read-token").open
     credentials = dict(v.split(":", 1) for v in values(unit, "LoadCredential"))
     assert Path(args.config_file).name in credentials
     # the worker token and the pre-warm token (its --listen is not loopback) as credentials too

@@ -218,7 +218,7 @@ def test_server_exports_disk_usage_and_quorum_with_sane_values(live: tuple[Scrap
     assert 0 < server.value("paramserver_disk_free_bytes") <= server.value("paramserver_disk_capacity_bytes")
     # a one-server cluster is its own majority and its leader
     assert server.value("paramserver_raft_has_quorum") == 1.0 and server.value("paramserver_is_leader") == 1.0
-    assert {labels["tier"] for labels in worker.labels("pdparams_load_bytes_total")} == {"memory", "disk", "network"}
+    assert {labels["tier"] for labels in worker.labels("pdparams_load_bytes_total")} == {"memory", "disk", "network", "peer"}
     assert "shed" in {labels["outcome"] for labels in worker.labels("pdparams_infer_requests_total")}
 
 

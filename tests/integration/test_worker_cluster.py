@@ -488,6 +488,7 @@ def test_cli_load_prints_tiers(cluster: Cluster) -> None:
     first, second = (json.loads(line) for line in out.stdout.strip().splitlines())
     assert first["bytes_network"] == first["bytes_total"] > 0
     assert second["bytes_network"] == 0 and second["bytes_memory"] == second["bytes_total"]
+    assert first["bytes_peer"] == second["bytes_peer"] == 0  # no other worker holds it: nothing from peers
     bad = subprocess.run([sys.executable, "-m", "worker", "load", "nope", "--cluster", cluster.seed],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 3 and "does not exist" in bad.stderr  # "nope" names its latest version
