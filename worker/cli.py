@@ -72,7 +72,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                        help="neither read from nor serve other workers: every chunk from the servers (env PARAMS_PEERS=off)")
     peers.add_argument("--peer-max-connections-per-source", type=int_in(1, 100000, "--peer-max-connections-per-source"),
                        default=None, metavar="N",
-                       help="open peer-port connections one address may hold; beyond, refused (default 16)")
+                       help="open peer-port connections one address may hold; beyond, refused (default 64)")
 
 
 EPILOG = f"""\

@@ -21,7 +21,7 @@ MISSING_MESSAGE = "not on this peer (or not landed in time): read it from the se
 class PeerPortConfig:
     listen: str = "127.0.0.1:0"  # loopback by default; exposing it goes through paramserver.wire.exposure
     max_connections: int = 256  # open connections in all (those that never said hello give way first)
-    max_connections_per_source: int = 32  # connections past their hello from one address
+    max_connections_per_source: int = 64  # connections past their hello from one address
     max_sessions: int = 16  # batches (or GetChunks calls) being answered at once: bounds bytes in flight
     peer_wait_s: float = 5.0  # a chunk a load is still fetching is waited for at most this long
     io_timeout_s: float = 30.0  # one send, or the rest of a request, must not take longer

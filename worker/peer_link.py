@@ -20,7 +20,6 @@ with peers off never loads them.
 from __future__ import annotations
 
 import atexit
-import importlib
 import logging
 import os
 import threading
@@ -43,7 +42,7 @@ log = logging.getLogger(__name__)
 PEERS_ENV = "PARAMS_PEERS"  # "off": no peer port, no peer reads
 PEER_LISTEN_ENV = "PARAMS_PEER_LISTEN"
 DEFAULT_PEER_LISTEN = "127.0.0.1:0"  # loopback: safe; a fleet sets --peer-listen 0.0.0.0:PORT + --peer-advertise
-DEFAULT_MAX_CONNECTIONS_PER_SOURCE = 16
+DEFAULT_MAX_CONNECTIONS_PER_SOURCE = 64
 _OFF = ("off", "0", "false", "no")
 _ON = ("on", "1", "true", "yes", "")
 WILDCARDS = ("0.0.0.0", "::", "")
@@ -170,12 +169,9 @@ class PeerLink:
         return Path(options.tls_ca), Path(options.tls_cert), Path(options.tls_key)
 
     def start(self) -> PeerLink:
-        # By name (written beside this module, issue 42): typed as Any here, checked by their own tests.
-        swarm_fetch = importlib.import_module("paramserver.client.swarm_fetch")
-        peer_port = importlib.import_module("worker.peer_port")
-        Swarm, SwarmOptions = swarm_fetch.Swarm, swarm_fetch.SwarmOptions  # noqa: N806 - classes
-        PeerPort, PeerPortConfig = peer_port.PeerPort, peer_port.PeerPortConfig  # noqa: N806 - classes
-        PeerShelf = importlib.import_module("worker.peer_shelf").PeerShelf  # noqa: N806 - a class
+        from paramserver.client.swarm_fetch import Swarm, SwarmOptions
+        from worker.peer_port import PeerPort, PeerPortConfig
+        from worker.peer_shelf import PeerShelf
 
         options = getattr(self.client, "options", None)
         token = options.token if options is not None else None

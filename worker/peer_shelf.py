@@ -263,7 +263,7 @@ class PeerShelf:
         found: dict[str, PeerVersion] = {}
         gone = []
         for manifest_id, started_at in completed:
-            if self.cache is not None and self.cache.holds_whole(manifest_id):
+            if self.cache is not None and self.cache.holds_most(manifest_id):
                 found[manifest_id] = PeerVersion(manifest_id, True, started_at)
             else:
                 gone.append((manifest_id, started_at))  # evicted: no longer announced

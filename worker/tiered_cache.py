@@ -258,6 +258,21 @@ class TieredCache:
             return False
         return bool(group.held[group.table.first_rows].all())
 
+    def holds_most(self, manifest_id: str) -> bool:
+        """Whether a held group of ``manifest_id`` has every chunk that lies whole in its tensors, and the
+        memory tier every other one (a completed load of it, nothing of it evicted): what a worker
+        announces to its peers as a version it holds whole."""
+        with self._lock:
+            group = self._groups.get(manifest_id)
+        if group is None or group.table is None:
+            return False
+        rows = group.table.first_rows
+        missing = rows[~group.held[rows]]
+        if not len(missing):
+            return True
+        ids = group.table.ids
+        return all(self.in_memory_many([ids[r] for r in missing.tolist()]))
+
     def touch_group(self, group: HeldGroup, hits: int) -> None:
         """Count ``hits`` chunks of ``group`` served at once: one reference of its tier entry."""
         if hits:
