@@ -78,9 +78,9 @@ def test_bulk_reads_are_bit_exact_in_batches_and_missing_is_answered(shelf: Peer
     while port.served_chunks < len(want) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert port.served_chunks == len(want) and port.served_bytes == sum(map(len, want))
-    # the client's transport, as the swarm fetch uses it (a peer is a member with a bulk address)
-    transport = ClusterTransport(lambda: {"peer:w1": pb.Member(bulk_address=port.address)}, token=TOKEN,
-                                 tls=False, max_message_bytes=64 * MiB)
+    # the client's transport, as the swarm fetch uses it (peer:ID -> the address it announced)
+    transport = ClusterTransport(lambda: {}, token=TOKEN, tls=False, max_message_bytes=64 * MiB)
+    transport.peer_addresses["peer:w1"] = port.address
     try:
         got: dict[int, bytes] = {}
         for arrivals in transport.read("peer:w1", ReadIds.of_hex(ids[:3] + [nobody]), None, 10.0):
@@ -161,10 +161,10 @@ def test_tls_get_chunks_with_mutual_tls(tmp_path: Path, shelf: PeerShelf) -> Non
         assert got == {m.chunks.ids[k]: datas[k] for k in range(4)}
         assert errors == {nobody: pb.MISSING}
         assert messages >= 4  # about max_message_bytes per message: 700 kB chunks one or two a message
-        # the transport the swarm uses, under TLS: GetChunks on the member's gRPC address
-        transport = ClusterTransport(lambda: {"peer:w1": pb.Member(grpc_address=port.address)}, token=TOKEN,
-                                     tls=True, tls_ca=ca.cert, tls_cert=theirs.cert, tls_key=theirs.key,
-                                     max_message_bytes=64 * MiB)
+        # the transport the swarm uses, under TLS: GetChunks at the address the peer announced
+        transport = ClusterTransport(lambda: {}, token=TOKEN, tls=True, tls_ca=ca.cert, tls_cert=theirs.cert,
+                                     tls_key=theirs.key, max_message_bytes=64 * MiB)
+        transport.peer_addresses["peer:w1"] = port.address
         arrived = {}
         for arrivals in transport.read("peer:w1", ReadIds.of_hex(list(m.chunks.ids[:2])), None, 10.0):
             arrived.update({p: bytes(d) for p, d, ok in zip(arrivals.positions.tolist(), arrivals.data, arrivals.ok) if ok})

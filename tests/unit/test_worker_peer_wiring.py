@@ -36,14 +36,14 @@ class FromPeers:
     def regions(self, rows: np.ndarray) -> Any:
         return self.sink.regions(rows)
 
-    def landed_in_place(self, rows: np.ndarray) -> None:
+    def landed_in_place(self, rows: np.ndarray, source: str = "network") -> None:
         peer = np.array([r in self.peer_rows for r in rows.tolist()], dtype=bool)
         if peer.any():
             self.sink.landed_in_place(rows[peer], source="peer")
         if (~peer).any():
             self.sink.landed_in_place(rows[~peer], source="network")
 
-    def write(self, row: int, raw: Any) -> None:
+    def write(self, row: int, raw: Any, source: str = "network") -> None:
         self.sink.write(row, raw, source="peer" if row in self.peer_rows else "network")
 
 
