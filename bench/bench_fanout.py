@@ -26,6 +26,7 @@ import argparse
 import http.client
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -66,6 +67,8 @@ class Worker:
         self.proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.address = ""
         self.ready_s: float | None = None
+        self.listening_s: float | None = None  # spawn -> its HTTP port up (process start, imports, cluster view)
+        self.load_s: float | None = None  # the load itself, as its report says
         self.report = ""
         self.lines: list[str] = []
         self._ready = threading.Event()
@@ -79,9 +82,12 @@ class Worker:
                 self.lines.append(line)
                 if line.startswith("LISTENING") and not self.address:
                     self.address = line.split()[1]
+                    self.listening_s = time.perf_counter() - self.t0
                 if line.startswith(f"{MODEL} v") and self.ready_s is None:  # the load report (LoadReport.summary)
                     self.ready_s = time.perf_counter() - self.t0
                     self.report = line.strip()
+                    m = re.search(r" in ([0-9.]+) s = ", line)
+                    self.load_s = float(m.group(1)) if m else None
                     self._ready.set()
         self._ready.set()
 
@@ -125,6 +131,17 @@ class Worker:
                 self.proc.wait(10)
 
 
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU seconds of a live process (/proc/PID/stat), 0 when it is gone."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def served_bytes(cluster: Any) -> int:
     """The chunk bytes every server has sent since it started (ServerStatus.served_bytes)."""
     from paramserver.client.rpc import ClientConfig, ParamServerClient
@@ -162,13 +179,18 @@ def check_digests(w: Worker, want: dict[str, str]) -> str | None:
 def run_fleet(n: int, mode: str, env: dict[str, str], logs: Path, admin: str | None, cluster: Any, model_bytes: int,
               want: dict[str, str], late: bool, timeout: float, tag: str) -> dict[str, Any]:
     before = served_bytes(cluster)
+    servers_cpu = sum(cpu_seconds(slot.pid) for slot in cluster.slots)
     workers = [Worker(f"{tag}-w{i}", mode == "peers", env, logs / f"{tag}-w{i}.log", admin) for i in range(n)]
     result: dict[str, Any] = {"workers": n, "mode": mode}
     try:
         times = [w.wait(timeout) for w in workers]
         after = served_bytes(cluster)
+        # CPU the fleet and the servers spent until the last worker was ready (2 cores run all of it here).
+        result["cpu_s"] = {"workers": sum(cpu_seconds(w.proc.pid) for w in workers),
+                           "servers": sum(cpu_seconds(slot.pid) for slot in cluster.slots) - servers_cpu}
         result.update(last_s=max(times), median_s=statistics.median(times), egress_copies=(after - before) / model_bytes,
-                      reports=[w.report for w in workers])
+                      reports=[w.report for w in workers], listening_s=[w.listening_s for w in workers],
+                      load_s=[w.load_s for w in workers])
         result["digest_errors"] = [e for e in (check_digests(w, want) for w in workers) if e]
         shares = []
         for w in workers:
@@ -251,9 +273,13 @@ def main() -> int:
                 failures += r["digest_errors"]
                 late = (f"; late worker {r['late_s']:.2f} s, {r['late_peer_share']:.1%} from peers, servers "
                         f"{r['late_egress_copies']:.2f}x") if "late_s" in r else ""
-                print(f"round {rnd + 1} {n} worker(s) {mode:8s}: last ready {r['last_s']:6.2f} s, median {r['median_s']:6.2f} s, "
+                loads = [x for x in r["load_s"] if x is not None]
+                print(f"round {rnd + 1} {n} worker(s) {mode:8s}: last ready {r['last_s']:6.2f} s, median {r['median_s']:6.2f} s "
+                      f"(the load itself: median {statistics.median(loads) if loads else float('nan'):5.2f} s, "
+                      f"max {max(loads) if loads else float('nan'):5.2f} s), "
                       f"servers sent {r['egress_copies']:5.2f}x the model, peer share "
-                      f"{statistics.mean(r['peer_share']):.1%}{late}; digests "
+                      f"{statistics.mean(r['peer_share']):.1%}{late}; CPU s workers {r['cpu_s']['workers']:.1f} servers "
+                      f"{r['cpu_s']['servers']:.1f}; digests "
                       f"{'ok' if not r['digest_errors'] else 'DIFFER'}", flush=True)
     except BenchError as exc:
         failures.append(str(exc))

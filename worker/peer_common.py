@@ -13,7 +13,7 @@ from paramserver.wire.auth import READ_TOKEN_ENV, tokens_match
 from worker.errors import ConfigError
 
 TLSFiles = tuple[str | Path, str | Path, str | Path]  # (CA, certificate, key) files
-PEER_NICE = 10  # serving threads' niceness: below the worker's own loads and requests
+PEER_NICE = 5  # serving threads' niceness: below the worker's own loads and requests
 MISSING_MESSAGE = "not on this peer (or not landed in time): read it from the servers"
 
 
