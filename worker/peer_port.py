@@ -34,7 +34,7 @@ from paramserver.wire.address import split_host_port
 from paramserver.wire.bulk_frames import (
     ERROR, HELLO, ID_BYTES, MAGIC, MAX_IDS, MAX_TOKEN_BYTES, MISSING, OK, READ_VERSIONS, REQUEST, SEND_BATCH_BYTES,
     SOCKET_BUFFER_BYTES, W_BAD_HELLO, W_OK, W_UNAUTHENTICATED, WRITE_MAGIC, ProtocolError, batch_items, encode_batch,
-    encode_header, encode_message, encode_welcome, encode_write_welcome, recv_exact_by, send_all,
+    encode_header, encode_message, encode_welcome, encode_write_welcome, recv_by, send_all,
 )
 from paramserver.wire.conn_limits import ConnectionLimits, ConnectionTable
 from paramserver.wire.rate_limited_log import RateLimitedLog
@@ -229,7 +229,7 @@ class PeerPort:
     def _handshake(self, conn: socket.socket, source: str) -> int | None:
         """The read protocol version once welcomed; None when turned away (answered and counted)."""
         deadline = time.monotonic() + self.config.hello_timeout_s
-        magic, version, token_len = HELLO.unpack(_recv_by(conn, HELLO.size, deadline))
+        magic, version, token_len = HELLO.unpack(recv_by(conn, HELLO.size, deadline))
         version = int(version)
         if magic == WRITE_MAGIC:
             message = "a worker's peer port serves reads only; write to the servers"
@@ -247,7 +247,7 @@ class PeerPort:
             self._turn_away(conn, source, W_BAD_HELLO, "bad_hello", f"the hello declares a token of {token_len} bytes, "
                             f"over the limit of {MAX_TOKEN_BYTES}; send the cluster's read token")
             return None
-        token = _recv_by(conn, token_len, deadline).decode("utf-8", "replace")
+        token = recv_by(conn, token_len, deadline).decode("utf-8", "replace")
         problem = check_token(token, self.token)
         if problem is not None:
             self._turn_away(conn, source, W_UNAUTHENTICATED, "unauthenticated", problem)
@@ -272,7 +272,7 @@ class PeerPort:
                 return
             deadline = time.monotonic() + self.config.io_timeout_s  # for the rest of the request
             if len(first) < REQUEST.size:
-                first += _recv_by(conn, REQUEST.size - len(first), deadline)
+                first += recv_by(conn, REQUEST.size - len(first), deadline)
             (count,) = REQUEST.unpack(first)
             if count == 0:
                 return  # a polite goodbye
@@ -281,7 +281,7 @@ class PeerPort:
                 conn.settimeout(self.config.io_timeout_s)
                 send_all(conn, encode_batch([encode_header(ERROR, stored_size=len(raw))], [raw]))
                 return
-            ids = hex_ids(_recv_by(conn, count * ID_BYTES, deadline))
+            ids = hex_ids(recv_by(conn, count * ID_BYTES, deadline))
             conn.settimeout(self.config.io_timeout_s)
             self._answer(conn, ids, max_items)
 
@@ -331,13 +331,6 @@ class PeerPort:
                 self._sessions.release()
             self.counters.served(ok_chunks, ok_bytes, len(headers) - ok_chunks)
             start = k
-
-
-def _recv_by(conn: socket.socket, n: int, deadline: float) -> bytes:
-    """``n`` bytes that must all arrive before ``deadline``: TimeoutError else (twin of the server's recv_by)."""
-    buf = bytearray(n)
-    recv_exact_by(conn, memoryview(buf), deadline)
-    return bytes(buf)
 
 
 def _shutdown(conn: socket.socket) -> None:

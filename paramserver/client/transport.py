@@ -30,7 +30,7 @@ import numpy as np
 
 from chunking.hashing import Buffer
 from paramserver.client.arrivals import Arrivals, Into, ReadIds
-from paramserver.client.bulk_transport import BulkError, BulkPool, BulkUnauthenticated
+from paramserver.client.bulk_transport import BulkBatch, BulkError, BulkPool, BulkUnauthenticated
 from paramserver.client.errors import AuthFailed, ReadBroken, from_rpc, rpc_code, rpc_details
 from paramserver.client.fetch_plan import is_peer
 from paramserver.client.getchunks_transport import get_chunks_raw, open_channel
@@ -111,19 +111,12 @@ class ClusterTransport:
         answered = 0
         got = 0
         try:
-            ok = bulk_frames.OK
             for batch in client.fetch_batches(ids, into):
-                h = batch.headers
-                good = h.status == ok
-                n = len(batch.data)
-                got += int(h.stored_size[good].sum())
-                messages = [""] * n
-                for k in np.flatnonzero(~good).tolist():
-                    messages[k] = f"{bulk_frames.STATUS_NAMES[int(h.status[k])]} " + bytes(batch.data[k]).decode("utf-8", "replace")
-                yield Arrivals(np.arange(batch.first, batch.first + n, dtype=np.int64), good, h.status == bulk_frames.CORRUPT,
-                               h.codecs, h.crc32c, batch.data, batch.in_place, messages)
+                arrivals, nbytes = _arrivals(batch)
+                got += nbytes
+                yield arrivals
                 # Counted as answered only once handed over: a batch the engine never took is owed still.
-                answered = batch.first + n
+                answered = batch.first + len(batch.data)
         except BulkUnauthenticated as exc:
             raise AuthFailed(str(exc)) from None
         except BulkError:
@@ -150,19 +143,12 @@ class ClusterTransport:
             raise ReadBroken(f"{peer} failed recently")
         deadline = time.monotonic() + timeout_s
         got = 0
-        ok = bulk_frames.OK
         try:
             for batch in client.fetch_batches(ids, into):
-                h = batch.headers
-                good = h.status == ok
-                n = len(batch.data)
-                got += int(h.stored_size[good].sum())
-                messages = [""] * n
-                for k in np.flatnonzero(~good).tolist():
-                    messages[k] = f"{bulk_frames.STATUS_NAMES[int(h.status[k])]} " + bytes(batch.data[k]).decode("utf-8", "replace")
-                yield Arrivals(np.arange(batch.first, batch.first + n, dtype=np.int64), good, h.status == bulk_frames.CORRUPT,
-                               h.codecs, h.crc32c, batch.data, batch.in_place, messages)
-                if time.monotonic() > deadline and batch.first + n < len(ids):
+                arrivals, nbytes = _arrivals(batch)
+                got += nbytes
+                yield arrivals
+                if time.monotonic() > deadline and batch.first + len(batch.data) < len(ids):
                     raise ReadBroken(f"{peer} ran past its deadline ({timeout_s:.1f} s)")
         except BulkError as exc:  # includes a refused token: the servers serve the rest
             self.peer_bulk.mark_broken(address)
@@ -209,6 +195,19 @@ class ClusterTransport:
                     self.stats.peer_bytes += got
                 else:
                     self.stats.grpc_bytes += got
+
+
+def _arrivals(batch: BulkBatch) -> tuple[Arrivals, int]:
+    """One bulk batch as the engine takes it, and the stored bytes of its good chunks."""
+    h = batch.headers
+    good = h.status == bulk_frames.OK
+    n = len(batch.data)
+    messages = [""] * n
+    for k in np.flatnonzero(~good).tolist():
+        messages[k] = f"{bulk_frames.STATUS_NAMES[int(h.status[k])]} " + bytes(batch.data[k]).decode("utf-8", "replace")
+    arrivals = Arrivals(np.arange(batch.first, batch.first + n, dtype=np.int64), good, h.status == bulk_frames.CORRUPT,
+                        h.codecs, h.crc32c, batch.data, batch.in_place, messages)
+    return arrivals, int(h.stored_size[good].sum())
 
 
 @dataclass

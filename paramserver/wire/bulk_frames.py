@@ -456,6 +456,13 @@ def recv_exact_by(sock: socket.socket, view: memoryview, deadline: float) -> Non
         got += k
 
 
+def recv_by(sock: socket.socket, n: int, deadline: float) -> bytes:
+    """``n`` bytes that must all arrive before ``deadline`` (time.monotonic): TimeoutError else."""
+    buf = bytearray(n)
+    recv_exact_by(sock, memoryview(buf), deadline)
+    return bytes(buf)
+
+
 class AckFrame:
     """An ACKS or ERROR frame as read off a write connection (``recv_ack_frame``)."""
 
@@ -495,7 +502,7 @@ __all__ = [
     "W_UNAUTHENTICATED", "ProtocolError", "decode_header",
     "decode_headers", "encode_batch", "encode_header", "encode_hello", "encode_message",
     "encode_request",
-    "encode_welcome", "recv_bytes", "recv_exact", "recv_into_all", "send_all",
+    "encode_welcome", "recv_by", "recv_bytes", "recv_exact", "recv_into_all", "send_all",
     "A_ACKS", "A_ERROR", "ACK_HEAD", "ACK_ITEM", "ACK_ITEM_DTYPE", "ACK_NAMES", "ACK_OK", "ALREADY_PRESENT", "CORRUPT_IN_TRANSIT",
     "DEFAULT_WRITE_WINDOW", "E_BUSY", "E_MALFORMED", "FAILED", "FULL", "INVALID", "MAX_PUT_BYTES", "MAX_PUT_ITEMS",
     "MAX_ROUTE_BYTES", "MAX_ROUTE_HOPS",

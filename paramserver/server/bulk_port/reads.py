@@ -21,15 +21,8 @@ from paramserver.server.served_bytes import ServedBytes
 from paramserver.server.store import ChunkStore
 from paramserver.wire.bulk_frames import (
     CORRUPT, ERROR, ID_BYTES, MAX_IDS, MISSING, OK, REQUEST, SEND_BATCH_BYTES, encode_batch, encode_header, encode_message,
-    recv_exact_by, send_all,
+    recv_by, send_all,
 )
-
-
-def recv_by(conn: socket.socket, n: int, deadline: float) -> bytes:
-    """``n`` bytes that must all arrive before ``deadline`` (time.monotonic): TimeoutError else."""
-    buf = bytearray(n)
-    recv_exact_by(conn, memoryview(buf), deadline)
-    return bytes(buf)
 
 
 class ReadSessions:
