@@ -29,12 +29,11 @@ import time
 
 import numpy as np
 
-from chunking.hashing import hex_ids
 from paramserver.wire.address import split_host_port
 from paramserver.wire.bulk_frames import (
-    ERROR, HELLO, ID_BYTES, MAGIC, MAX_IDS, MAX_TOKEN_BYTES, MISSING, OK, READ_VERSIONS, REQUEST, SEND_BATCH_BYTES,
+    HELLO, MAGIC, MAX_TOKEN_BYTES, MISSING, OK, READ_VERSIONS, SEND_BATCH_BYTES,
     SOCKET_BUFFER_BYTES, W_BAD_HELLO, W_OK, W_UNAUTHENTICATED, WRITE_MAGIC, ProtocolError, batch_items, encode_batch,
-    encode_header, encode_message, encode_welcome, encode_write_welcome, recv_by, send_all,
+    encode_header, encode_message, encode_welcome, encode_write_welcome, next_request, recv_by, send_all,
 )
 from paramserver.wire.conn_limits import ConnectionLimits, ConnectionTable
 from paramserver.wire.rate_limited_log import RateLimitedLog
@@ -263,26 +262,9 @@ class PeerPort:
 
     def _session(self, conn: socket.socket, max_items: int) -> None:
         while not self._stopped.is_set():
-            conn.settimeout(self.config.idle_timeout_s)
-            try:
-                first = conn.recv(REQUEST.size, socket.MSG_WAITALL)
-            except TimeoutError:
-                return  # idle: the reader reconnects when it needs us again
-            if not first:
+            ids = next_request(conn, self.config.idle_timeout_s, self.config.io_timeout_s)
+            if ids is None:
                 return
-            deadline = time.monotonic() + self.config.io_timeout_s  # for the rest of the request
-            if len(first) < REQUEST.size:
-                first += recv_by(conn, REQUEST.size - len(first), deadline)
-            (count,) = REQUEST.unpack(first)
-            if count == 0:
-                return  # a polite goodbye
-            if count > MAX_IDS:
-                raw = encode_message(f"a bulk request carries at most {MAX_IDS} ids, got {count}; split it")
-                conn.settimeout(self.config.io_timeout_s)
-                send_all(conn, encode_batch([encode_header(ERROR, stored_size=len(raw))], [raw]))
-                return
-            ids = hex_ids(recv_by(conn, count * ID_BYTES, deadline))
-            conn.settimeout(self.config.io_timeout_s)
             self._answer(conn, ids, max_items)
 
     def _answer(self, conn: socket.socket, ids: list[str], max_items: int) -> None:

@@ -87,6 +87,7 @@ from typing import Sequence
 
 import numpy as np
 
+from chunking.hashing import hex_ids
 from paramserver.wire.chunk_record import ChunkRecord
 from paramserver.wire.errors import ConfigError, ProtocolError  # ProtocolError: re-exported, its home is errors
 from paramserver.wire.limits import MAX_CODEC_LEN
@@ -463,6 +464,37 @@ def recv_by(sock: socket.socket, n: int, deadline: float) -> bytes:
     return bytes(buf)
 
 
+def next_request(conn: socket.socket, idle_timeout_s: float, io_timeout_s: float) -> list[str] | None:
+    """The ids of the next read request on a read session (hex), or None when the session is over:
+    idle for ``idle_timeout_s`` (the client reconnects when it needs the port again), closed, a
+    polite goodbye (a request of 0 ids), a truncated request, or one of more than MAX_IDS ids (then
+    answered with an ERROR batch first). The rest of a request must arrive within ``io_timeout_s``."""
+    conn.settimeout(idle_timeout_s)
+    try:
+        first = conn.recv(REQUEST.size, socket.MSG_WAITALL)
+    except TimeoutError:
+        return None
+    if not first:
+        return None
+    deadline = time.monotonic() + io_timeout_s  # for the rest of the request, all of it
+    try:
+        if len(first) < REQUEST.size:
+            first += recv_by(conn, REQUEST.size - len(first), deadline)
+        (count,) = REQUEST.unpack(first)
+        if count == 0:
+            return None
+        if count > MAX_IDS:
+            raw = encode_message(f"a bulk request carries at most {MAX_IDS} ids, got {count}; split it")
+            conn.settimeout(io_timeout_s)
+            send_all(conn, encode_batch([encode_header(ERROR, stored_size=len(raw))], [raw]))
+            return None
+        raw_ids = recv_by(conn, count * ID_BYTES, deadline)
+    except EOFError:
+        return None  # truncated: nothing to answer
+    conn.settimeout(io_timeout_s)
+    return hex_ids(raw_ids)
+
+
 class AckFrame:
     """An ACKS or ERROR frame as read off a write connection (``recv_ack_frame``)."""
 
@@ -502,7 +534,7 @@ __all__ = [
     "W_UNAUTHENTICATED", "ProtocolError", "decode_header",
     "decode_headers", "encode_batch", "encode_header", "encode_hello", "encode_message",
     "encode_request",
-    "encode_welcome", "recv_by", "recv_bytes", "recv_exact", "recv_into_all", "send_all",
+    "encode_welcome", "next_request", "recv_by", "recv_bytes", "recv_exact", "recv_into_all", "send_all",
     "A_ACKS", "A_ERROR", "ACK_HEAD", "ACK_ITEM", "ACK_ITEM_DTYPE", "ACK_NAMES", "ACK_OK", "ALREADY_PRESENT", "CORRUPT_IN_TRANSIT",
     "DEFAULT_WRITE_WINDOW", "E_BUSY", "E_MALFORMED", "FAILED", "FULL", "INVALID", "MAX_PUT_BYTES", "MAX_PUT_ITEMS",
     "MAX_ROUTE_BYTES", "MAX_ROUTE_HOPS",

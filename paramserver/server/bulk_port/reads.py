@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Callable
 
 import numpy as np
 
-from chunking.hashing import hex_ids
 from paramserver.server.bulk_port.config import BulkServerConfig
 from paramserver.server.errors import ChunkCorruptError, ChunkError
 from paramserver.server.served_bytes import ServedBytes
 from paramserver.server.store import ChunkStore
 from paramserver.wire.bulk_frames import (
-    CORRUPT, ERROR, ID_BYTES, MAX_IDS, MISSING, OK, REQUEST, SEND_BATCH_BYTES, encode_batch, encode_header, encode_message,
-    recv_by, send_all,
+    CORRUPT, MISSING, OK, SEND_BATCH_BYTES, encode_batch, encode_header, encode_message,
+    next_request, recv_by, send_all,
 )
 
 
@@ -36,34 +34,12 @@ class ReadSessions:
         self.stopped = stopped
         self.on_read = on_read  # told the id of every chunk served (hot-chunk read rates)
 
-    def _error(self, conn: socket.socket, message: str) -> None:
-        raw = encode_message(message)
-        send_all(conn, encode_batch([encode_header(ERROR, stored_size=len(raw))], [raw]))
-
     def serve(self, conn: socket.socket, max_items: int) -> None:
         while not self.stopped.is_set():
-            conn.settimeout(self.config.idle_timeout_s)
-            try:
-                first = conn.recv(REQUEST.size, socket.MSG_WAITALL)
-            except TimeoutError:
-                return  # idle: the client reconnects when it needs us again
-            if not first:
+            ids = next_request(conn, self.config.idle_timeout_s, self.config.io_timeout_s)
+            if ids is None:
                 return
-            deadline = time.monotonic() + self.config.io_timeout_s  # for the rest of the request, all of it
-            if len(first) < REQUEST.size:
-                first += recv_by(conn, REQUEST.size - len(first), deadline)
-            (count,) = REQUEST.unpack(first)
-            if count == 0:
-                return
-            if count > MAX_IDS:
-                self._error(conn, f"a bulk request carries at most {MAX_IDS} ids, got {count}; split it")
-                return
-            try:
-                raw_ids = recv_by(conn, count * ID_BYTES, deadline)
-            except EOFError:
-                return  # truncated request: nothing to answer
-            conn.settimeout(self.config.io_timeout_s)
-            self._answer(conn, hex_ids(raw_ids), max_items)
+            self._answer(conn, ids, max_items)
 
     def _answer(self, conn: socket.socket, ids: list[str], max_items: int) -> None:
         # Each batch is read from the store in one call (adjacent small records in one pread), so
