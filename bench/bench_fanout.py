@@ -153,19 +153,6 @@ def served_bytes(cluster: Any) -> int:
     return total
 
 
-def file_digests(path: Path) -> dict[str, str]:
-    from safetensors import safe_open
-
-    from chunking.hashing import content_id
-
-    out: dict[str, str] = {}
-    with safe_open(str(path), "pt") as f:
-        for name in f.keys():
-            t = f.get_tensor(name).contiguous()
-            out[name] = content_id(t.reshape(-1).view(__import__("torch").uint8).numpy().tobytes())
-    return out
-
-
 def check_digests(w: Worker, want: dict[str, str]) -> str | None:
     got = json.loads(w.get(f"/weights/digest?model={MODEL}"))
     tensors = got.get("tensors", got)
@@ -235,6 +222,7 @@ def main() -> int:
 
     from bench import fanout_model
     from deploy.local import LocalCluster, LocalClusterConfig
+    from worker.weights_digest import file_digests
     from paramserver.client.push import push
 
     layers = args.model_mb // 64
@@ -253,7 +241,7 @@ def main() -> int:
         cluster.up(wait=120)
         weights = root / "model.safetensors"
         save_file(fanout_model.state_dict(layers), str(weights))
-        want = file_digests(weights)
+        want = file_digests(weights)  # BLAKE3 of each tensor's bytes in the pushed file
         model_bytes = weights.stat().st_size
         push(cluster.seed, weights, model=MODEL, tag="prod", token=cluster.config.admin_token)
         path = [str(BENCH), str(REPO)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
