@@ -160,9 +160,10 @@ def test_a_holder_killed_while_serving_leaves_every_load_bit_exact(fleet: Fleet,
 
 
 def test_a_peer_serving_corrupt_bytes_is_caught_dropped_counted_and_not_asked_again(fleet: Fleet, procs: list[Proc]) -> None:
-    """tests/fake_peer.py holds v1 and v2 of a model and serves every chunk with a byte flipped and
-    the CRC of the flipped bytes. A real ``paramworker serve`` (the only other worker) loads v1
-    through it, then follows the tag to v2 in the same process."""
+    """tests/fake_peer.py holds v1 and v2 of a model and serves every chunk with a bit flipped and four
+    bytes changed so that its CRC32C is still the manifest's (checked here by reading it directly): only
+    the content id can catch it. A real ``paramworker serve`` (the only other worker) loads v1 through
+    it, then follows the tag to v2 in the same process: the dropped peer is not asked again."""
     layers = 2  # 32 MiB per version
     _, want1, _ = fleet.push("liar", layers, seed=3)
     _, want2, _ = fleet.push("liar", layers, seed=4, tag=None)  # v2, not tagged yet
