@@ -292,8 +292,9 @@ class _Fetch:
             good = verifier.check_in_place(self.crc[ps], a.crcs[placed], views, ids)
             in_place = placed[good]
             landed[in_place] = True
+            check = "CRC32C or content id" if verifier.mode == "content" else "CRC32C"
             for k in placed[~good].tolist():
-                refused.append(Refused(read.read, int(slots[k]), "corrupt bytes (CRC32C of the received bytes does not "
+                refused.append(Refused(read.read, int(slots[k]), f"corrupt bytes ({check} of the received bytes does not "
                                                                  "match the manifest)", corrupt=True, report=True))
         bounced = np.flatnonzero(fresh & ~a.in_place)
         for k in bounced.tolist():
