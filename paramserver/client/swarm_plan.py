@@ -4,17 +4,20 @@ Workers that load one version at the same time split it, and a worker that comes
 those that came before. Every worker decides alone, from its own view of the version's peers
 (``FindPeers``: the earliest loaders first, then a sample), yet the decisions fit together:
 
-- **Holders** (workers that hold the whole version) in view: each block of chunks goes to one of
-  them, chosen by rendezvous hashing, so a fleet's late joiners spread over every holder.
-- **Seeds**: the loaders that started within ``seed_window_s`` of the earliest one (at most
-  ``max_seeds``), this worker included when it is one. Each block goes to the seed with the highest
-  rendezvous score; the one that wins its own blocks reads them from the servers. So the seeds
-  together fetch the version from the servers about once, each a different share, and the rest
-  from each other.
-- **Followers** (loaders that started later): each block goes to a loader that started before
-  this one, chosen by rendezvous among the later half of those, so the early ones are not asked by
-  everyone (a parent's children are those that started up to about twice as late) and the chain
-  from the seeds stays about log2(N) deep.
+- **Seeds**: the workers that started loading within ``seed_window_s`` of the earliest one (at
+  most ``max_seeds``), this worker included when it is one. Each block goes to the seed with the
+  highest rendezvous score; the one that wins its own blocks reads them from the servers. So the
+  seeds together fetch the version from the servers about once, each a different share, and the
+  rest from each other.
+- **Followers** (workers that started later): each block goes, by rendezvous, to one of the
+  non-seed workers that started before this one and that FindPeers named: the servers name those
+  that rank between half this worker's rank and its rank (paramserver.server.peer_directory), so a
+  worker is asked by those that started up to about twice as late as it, about 1.4 copies of the
+  version in all, and the chain from the seeds stays about log2(N) deep. A follower that sees no
+  such worker reads from the seeds.
+- **Holders** (workers that hold the whole version) rank as the loaders they were while any loader
+  is in view: the early ones finish first, and would be asked by everyone otherwise. Once only
+  holders are in view (a worker that comes after the swarm), blocks spread over all of them.
 
 A chunk that is not there in time, or fails, goes to the servers (the fetch planner's failover),
 never to another peer. Why this cannot deadlock: a worker waits on a peer only for a chunk that
@@ -97,19 +100,22 @@ def choose_sources(me: SwarmMember, view: Sequence[SwarmMember], blocks: np.ndar
     """Where each slot (``blocks``: its block number, from its manifest row) is read first.
 
     ``me``: this worker, loading; ``view``: the other workers this one knows of for the version
-    (dropped ones already left out); ``salt``: the version's (e.g. from its manifest id), the same
-    on every worker."""
+    (dropped ones already left out; FindPeers names the seeds first, then those that rank between
+    half this worker's rank and its rank); ``salt``: the version's (e.g. from its manifest id), the
+    same on every worker."""
     others = [m for m in view if m.worker_id != me.worker_id]
     none = np.full(len(blocks), -1, dtype=np.int64)
-    holders = sorted((m for m in others if m.complete), key=lambda m: m.worker_id)
-    if holders:
+    if others and all(m.complete for m in others):  # the swarm is over: spread over every holder
+        holders = sorted(others, key=lambda m: m.worker_id)
         names = tuple(PEER_PREFIX + m.worker_id for m in holders)
         return SwarmChoice(names, rendezvous(blocks, salt, [m.worker_id for m in holders]), "from-holders")
-    loaders = sorted([*(m for m in others if not m.complete), me], key=_order)
-    if len(loaders) == 1:
+    # While any loader is in view, a holder ranks as the loader it was (when it started): the early
+    # ones finish first, and if every later worker turned to them they would be asked by all.
+    everyone = sorted([*others, me], key=_order)
+    if len(everyone) == 1:
         return SwarmChoice((), none, "alone")
-    earliest = loaders[0].started_at
-    seeds = [m for m in loaders if m.started_at <= earliest + seed_window_s][:max(1, max_seeds)]
+    earliest = everyone[0].started_at
+    seeds = [m for m in everyone if m.started_at <= earliest + seed_window_s][:max(1, max_seeds)]
     if me in seeds:
         ids = [m.worker_id for m in seeds]
         winner = rendezvous(blocks, salt, ids)
@@ -118,8 +124,9 @@ def choose_sources(me: SwarmMember, view: Sequence[SwarmMember], blocks: np.ndar
         index = np.full(len(ids), -1, dtype=np.int64)
         index[peers] = np.arange(len(peers), dtype=np.int64)
         return SwarmChoice(tuple(PEER_PREFIX + ids[i] for i in peers), index[winner], "seed", len(seeds))
-    before = [m for m in loaders if _order(m) < _order(me)]
-    pool = before[len(before) // 2:]
+    seed_ids = {m.worker_id for m in seeds}
+    before = [m for m in everyone if _order(m) < _order(me)]
+    pool = [m for m in before if m.worker_id not in seed_ids] or [m for m in before if m.worker_id in seed_ids]
     ids = [m.worker_id for m in pool]
     return SwarmChoice(tuple(PEER_PREFIX + i for i in ids), rendezvous(blocks, salt, ids), "follower", len(seeds))
 

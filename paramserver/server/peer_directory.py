@@ -19,6 +19,7 @@ the live workers, so a flood of announces cannot grow it either.
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections import OrderedDict
@@ -120,6 +121,9 @@ class PeerDirectory:
         self._workers: OrderedDict[str, _Worker] = OrderedDict()
         # Per version, its workers by last announce, oldest first.
         self._by_version: dict[str, OrderedDict[str, None]] = {}
+        # Per version, its entries' (started_at, worker_id), sorted: a worker's rank in the version's
+        # swarm, kept as entries come and go (a re-announce removes and inserts one key: O(n) moves).
+        self._order: dict[str, list[tuple[float, str]]] = {}
         self._expiry: list[tuple[float, str]] = []  # (expires_at, worker_id); stale items skipped when popped
         self._entries = 0  # (worker, version) pairs kept
         self.evicted = 0  # entries dropped for a bound (not for expiry)
@@ -166,6 +170,7 @@ class PeerDirectory:
             worker.versions[v.manifest_id] = v
             holders = self._by_version.setdefault(v.manifest_id, OrderedDict())
             holders[a.worker_id] = None
+            bisect.insort(self._order.setdefault(v.manifest_id, []), (v.started_at, a.worker_id))
             self._entries += 1
             while len(holders) > self.limits.max_per_version:
                 oldest, _ = holders.popitem(last=False)
@@ -181,13 +186,15 @@ class PeerDirectory:
 
     def _forget_version(self, worker: _Worker, manifest_id: str, *, unlink: bool = True) -> None:
         """Drop one version of ``worker`` (and the worker, when it was its last)."""
-        if worker.versions.pop(manifest_id, None) is None:
+        version = worker.versions.pop(manifest_id, None)
+        if version is None:
             return
         self._entries -= 1
         if unlink:
             self._unlink(manifest_id, worker.worker_id)
         elif not self._by_version.get(manifest_id):
             self._by_version.pop(manifest_id, None)
+        self._unorder(manifest_id, version.started_at, worker.worker_id)
         if not worker.versions:
             self._workers.pop(worker.worker_id, None)
 
@@ -199,9 +206,20 @@ class PeerDirectory:
         if not holders:
             del self._by_version[manifest_id]
 
+    def _unorder(self, manifest_id: str, started_at: float, worker_id: str) -> None:
+        keys = self._order.get(manifest_id)
+        if keys is None:
+            return
+        at = bisect.bisect_left(keys, (started_at, worker_id))
+        if at < len(keys) and keys[at] == (started_at, worker_id):
+            del keys[at]
+        if not keys:
+            del self._order[manifest_id]
+
     def _drop(self, worker: _Worker) -> None:
-        for manifest_id in worker.versions:
+        for manifest_id, version in worker.versions.items():
             self._unlink(manifest_id, worker.worker_id)
+            self._unorder(manifest_id, version.started_at, worker.worker_id)
         self._entries -= len(worker.versions)
         worker.versions.clear()
         self._workers.pop(worker.worker_id, None)
@@ -230,22 +248,39 @@ class PeerDirectory:
     # ------------------------------------------------------------ find
 
     def find(self, manifest_id: str, limit: int, exclude_worker: str, now: float, rng: Sampler) -> list[PeerEntry]:
-        """Live entries of ``manifest_id``: the earliest loaders (by started_at, then worker id; at
-        most ``seeds``) first, then a shuffled sample of the others (holders and later loaders);
-        at most ``limit`` (0: the default) and never more than ``max_found``; never ``exclude_worker``."""
+        """Live entries of ``manifest_id``, at most ``limit`` (0: the default) and never more than
+        ``max_found``, never ``exclude_worker`` (the asker):
+
+        - first the ``seeds`` earliest (by started_at, then worker id; holders and loaders alike: a
+          holder is a loader that finished), so every worker of a swarm knows the same seeds;
+        - then, when the asker has an entry of the version (it announced it), a sample of those that
+          rank between half its rank and its rank: the ones a late loader reads from
+          (paramserver.client.swarm_plan), so each worker is asked by about as many as it asks and
+          the chain from the seeds stays about log2(N) deep;
+        - then a sample of the others (when the asker has an entry: of those after it), to fill ``limit``."""
         self.expire(now)
         want = min(limit or self.limits.default_found, self.limits.max_found)
-        holders = self._by_version.get(manifest_id)
-        if not holders or want <= 0:
+        keys = self._order.get(manifest_id)
+        if not keys or want <= 0:
             return []
-        workers = [self._workers[w] for w in holders if w != exclude_worker]
-        loaders = [w for w in workers if not w.versions[manifest_id].complete]
-        seeds = heapq.nsmallest(min(self.limits.seeds, want), loaders,
-                                key=lambda w: (w.versions[manifest_id].started_at, w.worker_id))
-        chosen = {w.worker_id for w in seeds}
-        rest = [w for w in workers if w.worker_id not in chosen]
-        picked = seeds + rng.sample(rest, min(len(rest), want - len(seeds)))
-        return [self._entry(w, manifest_id, now) for w in picked]
+        n_seeds = min(self.limits.seeds, want)
+        seeds = [k for k in keys[: n_seeds + 1] if k[1] != exclude_worker][:n_seeds]
+        chosen = {k[1] for k in seeds}
+        picked = list(seeds)
+        asker = self._workers.get(exclude_worker)
+        mine = asker.versions.get(manifest_id) if asker is not None else None
+        rest = keys
+        if mine is not None:
+            rank = bisect.bisect_left(keys, (mine.started_at, exclude_worker))
+            lo = max(len(seeds), rank // 2)
+            parents = [k for k in keys[lo:rank] if k[1] not in chosen]
+            picked += rng.sample(parents, min(len(parents), want - len(picked)))
+            chosen.update(k[1] for k in picked)
+            rest = keys[rank + 1:]  # never more of the early ones than the rule gives: they would be asked by all
+        if len(picked) < want:
+            others = [k for k in rest if k[1] not in chosen and k[1] != exclude_worker]
+            picked += rng.sample(others, min(len(others), want - len(picked)))
+        return [self._entry(self._workers[k[1]], manifest_id, now) for k in picked]
 
     def _entry(self, w: _Worker, manifest_id: str, now: float) -> PeerEntry:
         v = w.versions[manifest_id]

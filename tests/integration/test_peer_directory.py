@@ -80,12 +80,12 @@ def test_announce_to_every_server_find_from_each_and_the_asker_is_excluded(clust
         reply = announce(address, "w-load", pb.PeerVersion(manifest_id=M1, complete=False, started_at=100.0), lease=0.2)
         assert reply.versions == 1 and reply.lease_s == 1.0  # clamped to the shortest lease
         assert announce(address, "w-load", pb.PeerVersion(manifest_id=M1, started_at=100.0)).lease_s == 30.0
-        announce(address, "w-hold", pb.PeerVersion(manifest_id=M1, complete=True))
+        announce(address, "w-hold", pb.PeerVersion(manifest_id=M1, complete=True, started_at=200.0))
     for address in cluster.addresses:
         with client(address) as c:
             reply = c.find_peers(M1)
         assert reply.known == 2 and reply.server_id in {s.server_id for s in cluster.slots}
-        assert [p.worker_id for p in reply.peers][0] == "w-load"  # the loader first (a seed)
+        assert [p.worker_id for p in reply.peers][0] == "w-load"  # the earliest first (a seed)
         assert {p.worker_id for p in reply.peers} == {"w-load", "w-hold"}
         assert found(address, M1, exclude_worker="w-load") == ["w-hold"]
         assert found(address, M2) == []

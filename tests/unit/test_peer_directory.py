@@ -136,13 +136,14 @@ def test_workers_in_all_are_bounded_and_memory_stays_bounded_under_a_flood() -> 
     assert d.expire(1e6) == 50 and d.entries() == 0 and d.versions() == 0
 
 
-def test_the_earliest_loaders_come_first_in_order_then_a_shuffled_sample() -> None:
+def test_the_earliest_come_first_in_order_then_a_shuffled_sample() -> None:
     d = PeerDirectory()
-    # 20 loaders started at 100 - i (so w19 is the earliest), ties broken by worker id; 30 holders
+    # 20 loaders started at 100 - i (so w19 is the earliest), ties broken by worker id; 30 holders that
+    # started later (a holder is a loader that finished: it ranks by when it started)
     for i in range(20):
         d.announce(ann(f"l{i:02d}", loading(M1, 100.0 - (i // 2))), 0.0)
     for i in range(30):
-        d.announce(ann(f"h{i:02d}", holding(M1)), 0.0)
+        d.announce(ann(f"h{i:02d}", Version(M1, True, 200.0 + i)), 0.0)
     found = d.find(M1, 0, "", 1.0, random.Random(1))
     seeds = [e.worker_id for e in found[:PEER_SEEDS]]
     assert seeds == ["l18", "l19", "l16", "l17", "l14", "l15", "l12", "l13"]  # by (started_at, worker id)
@@ -153,6 +154,23 @@ def test_the_earliest_loaders_come_first_in_order_then_a_shuffled_sample() -> No
     others = [names(d, M1, 1.0, seed=s)[PEER_SEEDS:] for s in range(2, 6)]
     assert any(o != rest for o in others)  # shuffled: another draw, another sample
     assert all(n[:PEER_SEEDS] == seeds for n in (names(d, M1, 1.0, seed=s) for s in range(6)))  # seeds always the same
+
+
+def test_an_asker_gets_those_between_half_its_rank_and_its_rank() -> None:
+    d = PeerDirectory()
+    for i in range(200):
+        d.announce(ann(f"w{i:03d}", loading(M1, float(i))), 0.0)
+    for rank in (20, 100, 199):
+        found = names(d, M1, 1.0, limit=24, exclude=f"w{rank:03d}")
+        assert found[:PEER_SEEDS] == [f"w{i:03d}" for i in range(PEER_SEEDS)]
+        parents = found[PEER_SEEDS:]
+        window = {f"w{i:03d}" for i in range(max(PEER_SEEDS, rank // 2), rank)}
+        assert len(parents) == 16 and len(set(parents)) == 16
+        # the ranks a late loader reads from come first, as many as fit; the rest filled from anyone
+        take = min(len(window), 16)
+        assert set(parents[:take]) <= window
+    # a worker that announced nothing (it serves nobody) gets the seeds and a plain sample
+    assert len(names(d, M1, 1.0, limit=24, exclude="stranger")) == 24
 
 
 def test_the_answer_is_bounded_by_the_limit_and_the_maximum() -> None:

@@ -43,18 +43,23 @@ def test_a_late_loader_follows_earlier_ones_and_never_the_servers() -> None:
     choice = choose_sources(late, view, BLOCKS, SALT)
     assert choice.role == "follower" and (choice.peer_of >= 0).all()
     asked = {choice.peers[int(i)] for i in np.unique(choice.peer_of)}
-    assert asked == {"peer:f0", "peer:f1", "peer:f2", "peer:f3"}  # the later half of the 7 before it
-    # a follower never asks a peer that started after it
+    assert asked == {"peer:f0", "peer:f1", "peer:f2", "peer:f3"}  # the non-seeds before it that FindPeers named
+    # a follower never asks a peer that started after it, nor a seed while it sees a non-seed before it
     mid = choose_sources(member("f1", 6.0), view, BLOCKS, SALT)
-    assert all(p in ("peer:s1", "peer:s2", "peer:f0") for p in mid.peers)
+    assert mid.peers == ("peer:f0",)
+    first = choose_sources(member("f0", 5.0), view, BLOCKS, SALT)  # no non-seed before it: the seeds
+    assert set(first.peers) == {"peer:s0", "peer:s1", "peer:s2"}
 
 
-def test_holders_are_preferred_and_spread() -> None:
-    view = [member("h1", 0.0, True), member("h2", 1.0, True), member("l", 2.0)]
-    choice = choose_sources(member("me", 3.0), view, BLOCKS, SALT)
-    assert choice.role == "from-holders" and set(choice.peers) == {"peer:h1", "peer:h2"}
-    counts = np.bincount(choice.peer_of, minlength=2)
-    assert counts.min() > len(BLOCKS) * 0.35
+def test_holders_rank_as_loaders_while_a_swarm_runs_and_are_spread_after() -> None:
+    running = [member("h1", 0.0, True), member("h2", 0.5, True), member("l1", 5.0), member("l2", 6.0)]
+    choice = choose_sources(member("me", 9.0), running, BLOCKS, SALT)
+    assert choice.role == "follower" and set(choice.peers) == {"peer:l1", "peer:l2"}  # not the early holders
+    over = [member("h1", 0.0, True), member("h2", 1.0, True), member("h3", 5.0, True)]
+    choice = choose_sources(member("me", 30.0), over, BLOCKS, SALT)
+    assert choice.role == "from-holders" and set(choice.peers) == {"peer:h1", "peer:h2", "peer:h3"}
+    counts = np.bincount(choice.peer_of, minlength=3)
+    assert counts.min() > len(BLOCKS) * 0.25
 
 
 def test_rendezvous_moves_only_the_newcomers_blocks() -> None:
