@@ -60,27 +60,22 @@ Policy = Callable[..., SwarmChoice]  # choose_sources(me, view, blocks, salt, *,
 
 
 def variant_policy(me: SwarmMember, view: Sequence[SwarmMember], blocks: np.ndarray, salt: int, *, seed_window_s: float,
-                   pool_size: int = 4) -> SwarmChoice:
+                   pool_size: int = 1) -> SwarmChoice:
     """LOCAL EXPERIMENT (``--variant``, with FindPeers naming the 28 loaders that started just before
     the asker), NOT swarm_plan.py: (1) while a loader is in view, holders count as the loaders they
     were, instead of everyone reading from the few holders all see (the 8 earliest, first to
-    complete); (2) a follower reads from the ``pool_size`` latest non-seeds that started before it,
-    the servers standing in for those it lacks (the seeds serve each other only), so each worker
-    is in about ``pool_size`` pools at 1/``pool_size`` each: about one copy of upload."""
+    complete); (2) no seeds: each loader reads from the ``pool_size`` loaders that started just
+    before it (1: a chain, cut-through at every hop), the servers standing in for those it lacks,
+    so each worker uploads about one copy and the servers send about one."""
     others = [m for m in view if m.worker_id != me.worker_id]
     if not any(not m.complete for m in others):
         return choose_sources(me, others, blocks, salt, seed_window_s=seed_window_s)
     members = sorted([*(replace(m, complete=False) for m in others), me], key=lambda m: (m.started_at, m.worker_id))
-    earliest = members[0].started_at
-    seeds = [m for m in members if m.started_at <= earliest + seed_window_s][:PEER_SEEDS]
-    if me in seeds:
-        return choose_sources(me, members, blocks, salt, seed_window_s=seed_window_s)
-    before = members[:members.index(me)]
-    pool = [m.worker_id for m in before if m not in seeds][-pool_size:]
-    # places a short pool lacks are the servers' (the seeds only serve each other)
+    pool = [m.worker_id for m in members[:members.index(me)]][-pool_size:]
+    # places a short pool lacks are the servers'
     ids = pool + [f"servers#{k}" for k in range(pool_size - len(pool))]
     index = np.array([*range(len(pool)), *([-1] * (pool_size - len(pool)))], dtype=np.int64)
-    return SwarmChoice(tuple(PEER_PREFIX + i for i in pool), index[rendezvous(blocks, salt, ids)], "follower", len(seeds))
+    return SwarmChoice(tuple(PEER_PREFIX + i for i in pool), index[rendezvous(blocks, salt, ids)], "follower")
 
 
 @dataclass(frozen=True)
@@ -545,11 +540,11 @@ GRID_MODELS = (1.0, 14.0, 140.0)
 
 
 def table(base: SimConfig, out: Callable[[str], None] = print) -> list[SimResult]:
-    """The standard grid, peers on and off, then the 140 GB points under the LOCAL VARIANT (labelled)."""
+    """The standard grid, peers on and off, then four points under the LOCAL VARIANT (labelled)."""
     out("| workers | model | peers | unit | last ready (s) | ideal (s) | ratio | servers' egress (copies) | busiest uploader (copies) |")
     out("|---:|---:|:---:|---:|---:|---:|---:|---:|---:|")
     points = [replace(base, workers=w, model_gb=m, peers=p) for w in GRID_WORKERS for m in GRID_MODELS for p in (True, False)]
-    points += [replace(base, workers=w, model_gb=140.0, variant=True) for w in (1000, 2000)]
+    points += [replace(base, workers=w, model_gb=m, variant=True) for w, m in ((1000, 1.0), (1000, 14.0), (1000, 140.0), (2000, 140.0))]
     results = []
     for config in points:
         r = simulate(config)

@@ -58,3 +58,9 @@ def test_links_are_shared_and_never_overfull() -> None:
     assert np.bincount(dst, weights=rate, minlength=3)[2] <= 4.0 + 1e-9
     # host 2's downlink (4) is split 2 + 2; host 0 gives its other flow what is left of its uplink (8)
     assert np.allclose(rate, [8.0, 2.0, 2.0])
+
+
+def test_the_local_variant_policy_runs_and_keeps_uploads_near_one_copy() -> None:
+    result = sim_fleet.simulate(replace(SMALL, variant=True))
+    assert result.ready == 20 and result.unfinished == 0 and result.gave_up == 0
+    assert result.server_copies < 1.5 and result.max_upload_copies <= 1.5
