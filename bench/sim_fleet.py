@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import functools
 import heapq
+import random
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -47,13 +48,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from paramserver.client.fetch_plan import PEER_PREFIX, FetchPlanner, GiveUp, Landed, Read, ReadFailed, Refused, Wants
 from paramserver.client import swarm_plan
 from paramserver.client.swarm_plan import SwarmChoice, SwarmMember, choose_sources, rendezvous, version_salt
-from paramserver.wire.limits import MAX_PEERS_FOUND, PEER_SEEDS
+from paramserver.server.peer_directory import Announcement, Limits, PeerDirectory, Version
+from paramserver.wire.limits import MAX_PEERS_FOUND, MAX_PEERS_PER_VERSION, PEER_LEASE_MAX_S, PEER_SEEDS
 from paramserver.wire.ring import Ring
 
 GBIT = 1e9 / 8  # bytes per second in one Gbit/s
 MIB = 1 << 20
 REAL_WINDOW = 32 * MIB  # the worker's fetch window (SwarmOptions.window_bytes): the ideal's pipeline fill
-SALT = version_salt("5a" * 32)
+SIM_MANIFEST = "5a" * 32  # the version the fleet loads
+SALT = version_salt(SIM_MANIFEST)
 # worker_key is pure (FNV over the id); remembering it only saves the simulation time
 swarm_plan.worker_key = functools.lru_cache(maxsize=1 << 16)(swarm_plan.worker_key)
 Policy = Callable[..., SwarmChoice]  # choose_sources(me, view, blocks, salt, *, seed_window_s=...)
@@ -94,7 +97,7 @@ class SimConfig:
     fail_at: float = 0.5
     unit_mb: int = 0                     # 0: by model size (unit_bytes)
     window_units: int = 6
-    windows_in_flight: int = 2
+    windows_in_flight: int = 4
     find_every_s: float = 0.3
     peer_wait_s: float = 5.0
     seed_window_s: float = 1.0
@@ -184,6 +187,7 @@ class _Worker:
         self.landed = self.next_unit = self.uploaded = 0
         self.windows: list[_Window] = []
         self.view: list[SwarmMember] = []
+        self.rank: int | None = None  # its place in the swarm, as FindPeers says
         self.view_at, self.ready_at = -1e18, -1.0
         self.dropped: set[str] = set()              # peers that failed this worker: out of its view
         self.waiters: dict[int, list[int]] = {}   # unit -> reads waiting for it here
@@ -240,6 +244,9 @@ class FleetSim:
         self.rank = np.empty(cfg.workers, dtype=np.int64)
         self.rank[self.order] = np.arange(cfg.workers)
         self.listed = np.zeros(cfg.workers, dtype=bool)   # in the directory (joined, lease not run out)
+        # The real directory a version's ring owner keeps: announces at join and when ready, a goodbye at expiry.
+        self.directory = PeerDirectory(Limits(max_per_version=max(MAX_PEERS_PER_VERSION, cfg.workers)))
+        self.pyrng = random.Random(cfg.seed)
         self.listed_order: np.ndarray | None = None
         self.t, self.seq, self.next_gid = 0.0, 0, 0
         self.timers: list[tuple[float, int, str, int]] = []
@@ -281,6 +288,10 @@ class FleetSim:
             self.f_parent[self.f_parent == k] = -1
 
     def _find(self, me: _Worker) -> list[SwarmMember]:
+        if not self.cfg.variant:  # the servers' own FindPeers (paramserver.server.peer_directory), as a swarm gets it
+            found = self.directory.find(SIM_MANIFEST, MAX_PEERS_FOUND, me.wid, self.t, self.pyrng)
+            me.rank = self.directory.rank(SIM_MANIFEST, me.wid)
+            return [SwarmMember(e.worker_id, e.complete, e.started_at) for e in found]
         if self.listed_order is None:
             self.listed_order = self.order[self.listed[self.order]]
         listed = self.listed_order[self.listed_order != me.idx]
@@ -295,6 +306,10 @@ class FleetSim:
         members = self.members
         return [members[k][self.workers[k].ready_at >= 0] for k in np.concatenate([picked, rest]).tolist()]
 
+    def _announce(self, w: _Worker, *, complete: bool, leaving: bool = False) -> None:
+        version = Version(SIM_MANIFEST, complete, w.join)
+        self.directory.announce(Announcement(w.wid, "sim:1", "i", "sim", (version,), PEER_LEASE_MAX_S, leaving), self.t)
+
     def _next_windows(self, w: _Worker) -> None:
         cfg = self.cfg
         while w.alive and len(w.windows) < cfg.windows_in_flight and w.next_unit < len(self.sizes):
@@ -307,7 +322,8 @@ class FleetSim:
                     w.view = self._find(w)
                     w.view_at = self.t
                 view = [m for m in w.view if PEER_PREFIX + m.worker_id not in w.dropped]
-                choice = self.policy(self.members[w.idx][0], view, units, SALT, seed_window_s=cfg.seed_window_s)
+                ranked = {} if cfg.variant else {"rank": w.rank}
+                choice = self.policy(self.members[w.idx][0], view, units, SALT, seed_window_s=cfg.seed_window_s, **ranked)
                 peers, peer_of = choice.peers, choice.peer_of
                 self.counts[f"role:{choice.role}"] = self.counts.get(f"role:{choice.role}", 0) + 1
             wants = Wants(self.sizes[units], self.replica_sets, self.set_of[units], peers=peers, peer_of=peer_of)
@@ -422,6 +438,7 @@ class FleetSim:
             self._next_windows(w)
         if w.landed == len(self.sizes) and w.ready_at < 0:
             w.ready_at = finished_at
+            self._announce(w, complete=True)
 
     def _kill(self) -> None:
         loading = [w for w in self.workers if w.alive and w.joined and w.ready_at < 0]
@@ -445,6 +462,7 @@ class FleetSim:
         if kind in ("join", "expire"):  # in the directory from its first announce until its lease runs out
             self.workers[arg].joined = True
             self.listed[arg], self.listed_order = kind == "join", None
+            self._announce(self.workers[arg], complete=False, leaving=kind == "expire")
         elif kind == "start":
             self._next_windows(self.workers[arg])
         elif kind == "deadline":

@@ -49,6 +49,15 @@ class PeerEntry:
     host_id: str
 
 
+@dataclass(frozen=True)
+class PeerView:
+    """A FindPeers answer: the other workers, and this worker's rank in the version's swarm (0: the
+    earliest to start; None when the servers have no entry of it, e.g. it serves nobody)."""
+
+    peers: list[PeerEntry]
+    rank: int | None = None
+
+
 def host_id() -> str:
     """This machine: its boot id (a loopback address of a peer is reachable only on the same machine)."""
     try:
@@ -115,9 +124,9 @@ class PeerDirectory:
             log.debug("peer announce to %s failed: %s", server, exc)
             return False
 
-    def find(self, manifest_id: str, limit: int = MAX_PEERS_FOUND) -> list[PeerEntry]:
+    def find(self, manifest_id: str, limit: int = MAX_PEERS_FOUND) -> PeerView:
         """Other workers that hold or load ``manifest_id``: the first owner that answers (ring order);
-        [] when none does (then every chunk comes from the servers)."""
+        none when none does (then every chunk comes from the servers)."""
         for server in self.owners(manifest_id):
             member = self._call_at(server)
             if member is None:
@@ -128,12 +137,13 @@ class PeerDirectory:
             except grpc.RpcError as exc:
                 log.debug("FindPeers at %s failed: %s", server, exc)
                 continue
-            return [PeerEntry(p.worker_id, p.address, p.complete, p.started_at, p.host_id) for p in reply.peers
-                    if p.worker_id != self.worker_id]
-        return []
+            peers = [PeerEntry(p.worker_id, p.address, p.complete, p.started_at, p.host_id) for p in reply.peers
+                     if p.worker_id != self.worker_id]
+            return PeerView(peers, reply.rank if reply.HasField("rank") else None)
+        return PeerView([])
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-__all__ = ["PeerDirectory", "PeerEntry", "PeerVersion", "host_id"]
+__all__ = ["PeerDirectory", "PeerEntry", "PeerVersion", "PeerView", "host_id"]

@@ -31,7 +31,7 @@ from chunking.chunk_table import ChunkRows, ChunkTable
 from paramserver.client.errors import ConfigError
 from paramserver.client.fetch import ChunkSink, FetchStats
 from paramserver.client.fetch_plan import PEER_PREFIX, Wants
-from paramserver.client.peers import PeerDirectory, PeerEntry, PeerVersion
+from paramserver.client.peers import PeerDirectory, PeerEntry, PeerVersion, PeerView
 from paramserver.client.swarm_plan import SwarmMember, choose_sources, version_salt
 from paramserver.wire.exposure import is_loopback_host
 from paramserver.wire.address import split_host_port
@@ -91,7 +91,7 @@ class Swarm:
         self.directory = PeerDirectory(client, self.worker_id, lease_s=self.options.lease_s)
         self.counters = SwarmCounters()
         self._lock = threading.Lock()
-        self._views: dict[str, tuple[float, list[PeerEntry]]] = {}
+        self._views: dict[str, tuple[float, PeerView]] = {}
         self._dropped: dict[str, float] = {}  # worker id -> until (monotonic)
         self._started: dict[str, float] = {}  # manifest id -> when this process started loading it
         self._address = ""
@@ -164,7 +164,9 @@ class Swarm:
             log.warning("peer %s served bytes that failed verification (%s, chunk %s): not asked again for %g s",
                         worker, reason[:200], ids[0][:16] if ids else "?", self.options.drop_s)
 
-    def _view(self, manifest_id: str) -> list[PeerEntry]:
+    def _view(self, manifest_id: str) -> tuple[list[PeerEntry], int | None]:
+        """The peers of ``manifest_id`` this process may ask (FindPeers at most every ``refresh_s``; dropped
+        and unreachable ones left out), and this worker's rank in the swarm."""
         now = time.monotonic()
         with self._lock:
             cached = self._views.get(manifest_id)
@@ -173,14 +175,15 @@ class Swarm:
                 found = self.directory.find(manifest_id, self.options.max_peers)
             except Exception as exc:  # noqa: BLE001 - no view: the servers serve everything
                 log.debug("FindPeers failed: %s", exc)
-                found = cached[1] if cached else []
+                found = cached[1] if cached else PeerView([])
             with self._lock:
                 self._views[manifest_id] = (now, found)
             cached = (now, found)
         mine = self.directory.host_id
         with self._lock:
             dropped = {w for w, until in self._dropped.items() if until > now}
-        return [p for p in cached[1] if p.worker_id not in dropped and _reachable(p, mine)]
+        view = cached[1]
+        return [p for p in view.peers if p.worker_id not in dropped and _reachable(p, mine)], view.rank
 
     def _blocks(self, table: ChunkTable, rows: np.ndarray) -> np.ndarray:
         key = id(table)
@@ -206,10 +209,10 @@ class Swarm:
 
         def one(window: np.ndarray) -> FetchStats:
             def with_peers(wants: Wants) -> Wants:
-                view = self._view(manifest_id)
+                view, rank = self._view(manifest_id)
                 members = [SwarmMember(p.worker_id, p.complete, p.started_at) for p in view]
                 choice = choose_sources(me, members, self._blocks(table, window), salt,
-                                        seed_window_s=self.options.seed_window_s)
+                                        seed_window_s=self.options.seed_window_s, rank=rank if serving else None)
                 with self._lock:
                     self.counters.windows += 1
                     self.counters.roles[choice.role] = self.counters.roles.get(choice.role, 0) + 1

@@ -9,12 +9,11 @@ those that came before. Every worker decides alone, from its own view of the ver
   highest rendezvous score; the one that wins its own blocks reads them from the servers. So the
   seeds together fetch the version from the servers about once, each a different share, and the
   rest from each other.
-- **Followers** (workers that started later): each block goes, by rendezvous, to one of the
-  non-seed workers that started before this one and that FindPeers named: the servers name those
-  that rank between half this worker's rank and its rank (paramserver.server.peer_directory), so a
-  worker is asked by those that started up to about twice as late as it, about 1.4 copies of the
-  version in all, and the chain from the seeds stays about log2(N) deep. A follower that sees no
-  such worker reads from the seeds.
+- **Followers** (workers that started later), in line after the seeds: the r-th reads each block,
+  by rendezvous, from one of those between r/2 and r in line (FindPeers names a sample of them,
+  paramserver.server.peer_directory, with this worker's rank); the first in line reads from the
+  seeds. A worker is then asked by those up to about twice as far in line as it, about 1.4 copies of
+  the version in all, and the chain from the seeds stays about log2(N) deep.
 - **Holders** (workers that hold the whole version) rank as the loaders they were while any loader
   is in view: the early ones finish first, and would be asked by everyone otherwise. Once only
   holders are in view (a worker that comes after the swarm), blocks spread over all of them.
@@ -96,13 +95,14 @@ def _order(m: SwarmMember) -> tuple[float, str]:
 
 
 def choose_sources(me: SwarmMember, view: Sequence[SwarmMember], blocks: np.ndarray, salt: int, *,
-                   seed_window_s: float = 1.0, max_seeds: int = PEER_SEEDS) -> SwarmChoice:
+                   seed_window_s: float = 1.0, max_seeds: int = PEER_SEEDS, rank: int | None = None) -> SwarmChoice:
     """Where each slot (``blocks``: its block number, from its manifest row) is read first.
 
     ``me``: this worker, loading; ``view``: the other workers this one knows of for the version
     (dropped ones already left out; FindPeers names the seeds first, then those that rank between
-    half this worker's rank and its rank); ``salt``: the version's (e.g. from its manifest id), the
-    same on every worker."""
+    the seeds plus half this worker's rank past them and this worker); ``salt``: the version's (e.g.
+    from its manifest id), the same on every worker; ``rank``: this worker's rank in the swarm, as
+    FindPeers said (None: unknown)."""
     others = [m for m in view if m.worker_id != me.worker_id]
     none = np.full(len(blocks), -1, dtype=np.int64)
     if others and all(m.complete for m in others):  # the swarm is over: spread over every holder
@@ -126,7 +126,17 @@ def choose_sources(me: SwarmMember, view: Sequence[SwarmMember], blocks: np.ndar
         return SwarmChoice(tuple(PEER_PREFIX + ids[i] for i in peers), index[winner], "seed", len(seeds))
     seed_ids = {m.worker_id for m in seeds}
     before = [m for m in everyone if _order(m) < _order(me)]
-    pool = [m for m in before if m.worker_id not in seed_ids] or [m for m in before if m.worker_id in seed_ids]
+    followers = [m for m in before if m.worker_id not in seed_ids]
+    # Past the seeds, a worker r-th in line reads from those between r/2 and r (in line): each is
+    # then asked by those up to about twice as far in line as it (about 1.4 copies), and the first
+    # in line reads from the seeds (one copy spread over them, beside their own exchange).
+    r = rank - len(seeds) if rank is not None else len(followers)
+    if r <= 0 or not followers:
+        pool = [m for m in before if m.worker_id in seed_ids]
+    elif len(followers) >= r:  # every one before it is in view: take the later half of them
+        pool = followers[r // 2:]
+    else:  # a sample FindPeers drew from that later half already
+        pool = followers
     ids = [m.worker_id for m in pool]
     return SwarmChoice(tuple(PEER_PREFIX + i for i in ids), rendezvous(blocks, salt, ids), "follower", len(seeds))
 

@@ -254,9 +254,9 @@ class PeerDirectory:
         - first the ``seeds`` earliest (by started_at, then worker id; holders and loaders alike: a
           holder is a loader that finished), so every worker of a swarm knows the same seeds;
         - then, when the asker has an entry of the version (it announced it), a sample of those that
-          rank between half its rank and its rank: the ones a late loader reads from
-          (paramserver.client.swarm_plan), so each worker is asked by about as many as it asks and
-          the chain from the seeds stays about log2(N) deep;
+          rank between the seeds plus half the asker's rank past them, and the asker: the ones a
+          late loader reads from (paramserver.client.swarm_plan), so each worker is asked by about
+          as many as it asks and the chain from the seeds stays about log2(N) deep;
         - then a sample of the others (when the asker has an entry: of those after it), to fill ``limit``."""
         self.expire(now)
         want = min(limit or self.limits.default_found, self.limits.max_found)
@@ -272,7 +272,7 @@ class PeerDirectory:
         rest = keys
         if mine is not None:
             rank = bisect.bisect_left(keys, (mine.started_at, exclude_worker))
-            lo = max(len(seeds), rank // 2)
+            lo = len(seeds) + max(0, rank - len(seeds)) // 2
             parents = [k for k in keys[lo:rank] if k[1] not in chosen]
             picked += rng.sample(parents, min(len(parents), want - len(picked)))
             chosen.update(k[1] for k in picked)
@@ -281,6 +281,14 @@ class PeerDirectory:
             others = [k for k in rest if k[1] not in chosen and k[1] != exclude_worker]
             picked += rng.sample(others, min(len(others), want - len(picked)))
         return [self._entry(self._workers[k[1]], manifest_id, now) for k in picked]
+
+    def rank(self, manifest_id: str, worker_id: str) -> int | None:
+        """``worker_id``'s rank among the entries of ``manifest_id`` (0: the earliest), None without one."""
+        worker = self._workers.get(worker_id)
+        mine = worker.versions.get(manifest_id) if worker is not None else None
+        if mine is None:
+            return None
+        return bisect.bisect_left(self._order.get(manifest_id, []), (mine.started_at, worker_id))
 
     def _entry(self, w: _Worker, manifest_id: str, now: float) -> PeerEntry:
         v = w.versions[manifest_id]

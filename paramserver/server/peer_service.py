@@ -111,7 +111,10 @@ class PeerService:
             now = self.clock()
             found = self.directory.find(mid, request.limit, exclude, now, self.rng)
             known = self.directory.known(mid, now)
+            rank = self.directory.rank(mid, exclude)
         reply = pb.FindPeersReply(server_id=self.server_id, known=known)
+        if rank is not None:
+            reply.rank = rank
         for e in found:
             reply.peers.add(worker_id=e.worker_id, address=e.address, complete=e.complete, started_at=e.started_at,
                             host_id=e.host_id, lease_left_s=e.lease_left_s)

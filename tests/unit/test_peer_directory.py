@@ -156,7 +156,7 @@ def test_the_earliest_come_first_in_order_then_a_shuffled_sample() -> None:
     assert all(n[:PEER_SEEDS] == seeds for n in (names(d, M1, 1.0, seed=s) for s in range(6)))  # seeds always the same
 
 
-def test_an_asker_gets_those_between_half_its_rank_and_its_rank() -> None:
+def test_an_asker_gets_those_between_half_its_place_in_line_and_it() -> None:
     d = PeerDirectory()
     for i in range(200):
         d.announce(ann(f"w{i:03d}", loading(M1, float(i))), 0.0)
@@ -164,13 +164,14 @@ def test_an_asker_gets_those_between_half_its_rank_and_its_rank() -> None:
         found = names(d, M1, 1.0, limit=24, exclude=f"w{rank:03d}")
         assert found[:PEER_SEEDS] == [f"w{i:03d}" for i in range(PEER_SEEDS)]
         parents = found[PEER_SEEDS:]
-        window = {f"w{i:03d}" for i in range(max(PEER_SEEDS, rank // 2), rank)}
+        window = {f"w{i:03d}" for i in range(PEER_SEEDS + (rank - PEER_SEEDS) // 2, rank)}
         assert len(parents) == 16 and len(set(parents)) == 16
         # the ranks a late loader reads from come first, as many as fit; the rest filled from anyone
         take = min(len(window), 16)
         assert set(parents[:take]) <= window
-    # a worker that announced nothing (it serves nobody) gets the seeds and a plain sample
-    assert len(names(d, M1, 1.0, limit=24, exclude="stranger")) == 24
+        assert d.rank(M1, f"w{rank:03d}") == rank
+    # a worker that announced nothing (it serves nobody) gets the seeds and a plain sample, and no rank
+    assert len(names(d, M1, 1.0, limit=24, exclude="stranger")) == 24 and d.rank(M1, "stranger") is None
 
 
 def test_the_answer_is_bounded_by_the_limit_and_the_maximum() -> None:

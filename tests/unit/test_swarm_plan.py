@@ -43,7 +43,9 @@ def test_a_late_loader_follows_earlier_ones_and_never_the_servers() -> None:
     choice = choose_sources(late, view, BLOCKS, SALT)
     assert choice.role == "follower" and (choice.peer_of >= 0).all()
     asked = {choice.peers[int(i)] for i in np.unique(choice.peer_of)}
-    assert asked == {"peer:f0", "peer:f1", "peer:f2", "peer:f3"}  # the non-seeds before it that FindPeers named
+    assert asked == {"peer:f2", "peer:f3"}  # 4th in line past the seeds: those 2nd and 3rd in line
+    ranked = choose_sources(late, view, BLOCKS, SALT, rank=40)  # far down the line: what FindPeers sampled
+    assert set(ranked.peers) == {"peer:f0", "peer:f1", "peer:f2", "peer:f3"}
     # a follower never asks a peer that started after it, nor a seed while it sees a non-seed before it
     mid = choose_sources(member("f1", 6.0), view, BLOCKS, SALT)
     assert mid.peers == ("peer:f0",)
@@ -54,7 +56,7 @@ def test_a_late_loader_follows_earlier_ones_and_never_the_servers() -> None:
 def test_holders_rank_as_loaders_while_a_swarm_runs_and_are_spread_after() -> None:
     running = [member("h1", 0.0, True), member("h2", 0.5, True), member("l1", 5.0), member("l2", 6.0)]
     choice = choose_sources(member("me", 9.0), running, BLOCKS, SALT)
-    assert choice.role == "follower" and set(choice.peers) == {"peer:l1", "peer:l2"}  # not the early holders
+    assert choice.role == "follower" and set(choice.peers) == {"peer:l2"}  # not the early holders
     over = [member("h1", 0.0, True), member("h2", 1.0, True), member("h3", 5.0, True)]
     choice = choose_sources(member("me", 30.0), over, BLOCKS, SALT)
     assert choice.role == "from-holders" and set(choice.peers) == {"peer:h1", "peer:h2", "peer:h3"}

@@ -255,14 +255,16 @@ class PeerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., complete: _Optional[bool] = ..., started_at: _Optional[float] = ..., host_id: _Optional[str] = ..., lease_left_s: _Optional[float] = ...) -> None: ...
 
 class FindPeersReply(_message.Message):
-    __slots__ = ("server_id", "peers", "known")
+    __slots__ = ("server_id", "peers", "known", "rank")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
     KNOWN_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     peers: _containers.RepeatedCompositeFieldContainer[PeerInfo]
     known: int
-    def __init__(self, server_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., known: _Optional[int] = ...) -> None: ...
+    rank: int
+    def __init__(self, server_id: _Optional[str] = ..., peers: _Optional[_Iterable[_Union[PeerInfo, _Mapping]]] = ..., known: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class ReadInfo(_message.Message):
     __slots__ = ("commit_index", "server_id", "linearizable")
