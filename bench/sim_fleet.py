@@ -97,7 +97,7 @@ class SimConfig:
     fail_at: float = 0.5
     unit_mb: int = 0                     # 0: by model size (unit_bytes)
     window_units: int = 6
-    windows_in_flight: int = 4
+    windows_in_flight: int = 2
     find_every_s: float = 0.3
     peer_wait_s: float = 5.0
     seed_window_s: float = 1.0

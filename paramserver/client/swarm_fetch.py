@@ -49,8 +49,8 @@ class SwarmOptions:
     lease_s: float = 10.0  # an announcement lives this long unless repeated (every lease_s / 3)
     peer_wait_s: float = 5.0  # a peer holds a read for a chunk it is loading at most this long
     seed_window_s: float = 1.0  # loaders that start this close to the first one split the version
-    window_bytes: int = 64 << 20  # planned at a time, with the peers known then (the first ones smaller)
-    windows_in_flight: int = 4
+    window_bytes: int = 64 << 20  # planned at a time, with the peers known then (the first ones from 4 MiB up)
+    windows_in_flight: int = 2
     block_bytes: int = 1 << 20  # neighbouring chunks a peer is asked for together
     refresh_s: float = 0.3  # FindPeers at most this often per version while loading
     max_peers: int = MAX_PEERS_FOUND
@@ -240,13 +240,13 @@ class Swarm:
         return total
 
     def _windows(self, table: ChunkTable, rows: np.ndarray) -> list[np.ndarray]:
-        """``rows`` cut in fetch order into windows that grow from an eighth of ``window_bytes`` to it: the
+        """``rows`` cut in fetch order into windows that grow from a sixteenth of ``window_bytes`` to it: the
         first ones are planned before this worker may know of the others that start with it, so they
         are small (what the servers may send twice), the later ones large (fewer plans, fewer stalls)."""
         if not len(rows):
             return []
         ends = np.cumsum(table.stored_size[rows])
-        size = max(4 << 20, self.options.window_bytes // 8)
+        size = max(4 << 20, self.options.window_bytes // 16)
         marks: list[int] = []
         at = size
         while at < int(ends[-1]):
