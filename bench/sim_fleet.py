@@ -49,7 +49,7 @@ from paramserver.client.fetch_plan import PEER_PREFIX, FetchPlanner, GiveUp, Lan
 from paramserver.client import swarm_plan
 from paramserver.client.swarm_plan import SwarmChoice, SwarmMember, choose_sources, rendezvous, version_salt
 from paramserver.server.peer_directory import Announcement, Limits, PeerDirectory, Version
-from paramserver.wire.limits import MAX_PEERS_FOUND, MAX_PEERS_PER_VERSION, PEER_LEASE_MAX_S, PEER_SEEDS
+from paramserver.wire.limits import MAX_PEERS_FOUND, MAX_PEERS_PER_VERSION, PEER_SEEDS
 from paramserver.wire.ring import Ring
 
 GBIT = 1e9 / 8  # bytes per second in one Gbit/s
@@ -245,7 +245,9 @@ class FleetSim:
         self.rank[self.order] = np.arange(cfg.workers)
         self.listed = np.zeros(cfg.workers, dtype=bool)   # in the directory (joined, lease not run out)
         # The real directory a version's ring owner keeps: announces at join and when ready, a goodbye at expiry.
-        self.directory = PeerDirectory(Limits(max_per_version=max(MAX_PEERS_PER_VERSION, cfg.workers)))
+        # Live workers re-announce before their lease runs out (every lease/3): here one lease that never does,
+        # and a goodbye when a killed worker's last lease has run out.
+        self.directory = PeerDirectory(Limits(max_per_version=max(MAX_PEERS_PER_VERSION, cfg.workers), lease_max_s=1e12))
         self.pyrng = random.Random(cfg.seed)
         self.listed_order: np.ndarray | None = None
         self.t, self.seq, self.next_gid = 0.0, 0, 0
@@ -308,7 +310,7 @@ class FleetSim:
 
     def _announce(self, w: _Worker, *, complete: bool, leaving: bool = False) -> None:
         version = Version(SIM_MANIFEST, complete, w.join)
-        self.directory.announce(Announcement(w.wid, "sim:1", "i", "sim", (version,), PEER_LEASE_MAX_S, leaving), self.t)
+        self.directory.announce(Announcement(w.wid, "sim:1", "i", "sim", (version,), 1e12, leaving), self.t)
 
     def _next_windows(self, w: _Worker) -> None:
         cfg = self.cfg

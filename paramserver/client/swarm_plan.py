@@ -14,9 +14,10 @@ those that came before. Every worker decides alone, from its own view of the ver
   paramserver.server.peer_directory, with this worker's rank); the first in line reads from the
   seeds. A worker is then asked by those up to about twice as far in line as it, about 1.4 copies of
   the version in all, and the chain from the seeds stays about log2(N) deep.
-- **Holders** (workers that hold the whole version) rank as the loaders they were while any loader
-  is in view: the early ones finish first, and would be asked by everyone otherwise. Once only
-  holders are in view (a worker that comes after the swarm), blocks spread over all of them.
+- **Holders** (workers that hold the whole version) keep their place in line: the early ones
+  finish first, and would be asked by everyone otherwise; a worker that comes after the swarm is
+  last in line and reads from the later half of it. Only a worker with no place in line (it serves
+  nobody, so the servers have no entry of it) spreads its blocks over every holder it sees.
 
 A chunk that is not there in time, or fails, goes to the servers (the fetch planner's failover),
 never to another peer. Why this cannot deadlock: a worker waits on a peer only for a chunk that
@@ -105,7 +106,7 @@ def choose_sources(me: SwarmMember, view: Sequence[SwarmMember], blocks: np.ndar
     FindPeers said (None: unknown)."""
     others = [m for m in view if m.worker_id != me.worker_id]
     none = np.full(len(blocks), -1, dtype=np.int64)
-    if others and all(m.complete for m in others):  # the swarm is over: spread over every holder
+    if rank is None and others and all(m.complete for m in others):  # outside the line, the swarm over: every holder
         holders = sorted(others, key=lambda m: m.worker_id)
         names = tuple(PEER_PREFIX + m.worker_id for m in holders)
         return SwarmChoice(names, rendezvous(blocks, salt, [m.worker_id for m in holders]), "from-holders")
