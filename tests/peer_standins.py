@@ -98,6 +98,19 @@ class PeerPort:
         self._sock: socket.socket | None = None
         PeerPort.made.append(self)
 
+    # the real port's public counters (worker.peer_port.PeerPort)
+    @property
+    def served_bytes(self) -> int:
+        return self.counters.served_bytes
+
+    @property
+    def served_chunks(self) -> int:
+        return self.counters.served_chunks
+
+    @property
+    def refused(self) -> dict[str, int]:
+        return dict(self.counters.refused)
+
     def start(self) -> PeerPort:
         host, port = split_host_port(self.config.listen)
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)

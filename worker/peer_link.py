@@ -28,7 +28,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from chunking.manifest import Manifest
 from paramserver.wire.address import split_host_port
@@ -36,6 +36,11 @@ from paramserver.wire.exposure import Listener
 from worker.errors import ConfigError
 from worker.prefetch import ShelfEntry
 from worker.tiered_cache import Locate, TieredCache
+
+if TYPE_CHECKING:  # imported when a link starts (start()): a process with peers off never loads them
+    from paramserver.client.swarm_fetch import Swarm
+    from worker.peer_port import PeerPort
+    from worker.peer_shelf import PeerShelf
 
 log = logging.getLogger(__name__)
 
@@ -123,23 +128,6 @@ class PeerStats:
     peer_bytes: int = 0  # stored bytes this process's loads read from peers
 
 
-def _read(obj: Any, name: str) -> Any:
-    """A counter the port or swarm keeps, on itself or on its ``counters`` (either spelling)."""
-    for holder in (getattr(obj, "counters", None), obj):
-        if holder is not None and hasattr(holder, name):
-            value = getattr(holder, name)
-            return value() if callable(value) else value
-    return None
-
-
-def _int(value: Any) -> int:
-    return int(value) if isinstance(value, (int, float)) else 0
-
-
-def _by_reason(value: Any) -> dict[str, int]:
-    return {str(k): int(v) for k, v in value.items()} if isinstance(value, Mapping) else {}
-
-
 class PeerLink:
     """One process's peer runtime for ``client``: shelf, port and swarm. ``start()`` them, ``close()``."""
 
@@ -149,9 +137,9 @@ class PeerLink:
         self.cache = cache
         self.config = config.validate()
         self.worker_id = worker_id or str(getattr(client, "worker_id", "") or f"worker-{os.getpid()}")
-        self.shelf: Any = None
-        self.port: Any = None
-        self.swarm: Any = None
+        self.shelf: PeerShelf | None = None
+        self.port: PeerPort | None = None
+        self.swarm: Swarm | None = None
         self.address: str | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -195,6 +183,8 @@ class PeerLink:
 
     def begin(self, manifest: Manifest, locate: Locate) -> ShelfEntry:
         """This load on the shelf: its chunks are served to peers as they land."""
+        if self.shelf is None:
+            raise RuntimeError("the peer link is not started")
         entry: ShelfEntry = self.shelf.begin_load(manifest, locate, time.time())
         return entry
 
@@ -210,11 +200,13 @@ class PeerLink:
 
     def stats(self) -> PeerStats:
         port, swarm = self.port, self.swarm
-        return PeerStats(
-            served_bytes=_int(_read(port, "served_bytes")), served_chunks=_int(_read(port, "served_chunks")),
-            connections=_int(_read(port, "connections")), refused=_by_reason(_read(port, "refused")),
-            dropped=_by_reason(_read(swarm, "peers_dropped")), peer_bytes=_int(_read(swarm, "peer_bytes")),
-        )
+        stats = PeerStats()
+        if port is not None:
+            stats = replace(stats, served_bytes=port.served_bytes, served_chunks=port.served_chunks,
+                            connections=port.connections, refused=port.refused)
+        if swarm is not None:
+            stats = replace(stats, dropped=dict(swarm.counters.peers_dropped), peer_bytes=swarm.counters.peer_bytes)
+        return stats
 
     def close(self) -> None:
         """The leaving announce, then the port (peers fall back to the servers for what they read here)."""
@@ -222,11 +214,14 @@ class PeerLink:
             if self._closed:
                 return
             self._closed = True
-        for part, what in ((self.swarm, "swarm"), (self.port, "peer port")):
-            if part is None:
+        stops: list[tuple[str, Callable[[], None] | None]] = [
+            ("swarm", self.swarm.close if self.swarm is not None else None),
+            ("peer port", self.port.stop if self.port is not None else None)]
+        for what, stop in stops:
+            if stop is None:
                 continue
             try:
-                part.close() if what == "swarm" else part.stop()
+                stop()
             except Exception as exc:  # noqa: BLE001 - closing: the process goes on (or ends) either way
                 log.warning("closing the %s failed: %s", what, exc)
 
