@@ -99,7 +99,6 @@ class Swarm:
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
-        self._rows_per_block: dict[int, int] = {}
         client.engine.peer_report = self._bad_peer
 
     # ------------------------------------------------------------ being a peer
@@ -185,13 +184,10 @@ class Swarm:
         view = cached[1]
         return [p for p in view.peers if p.worker_id not in dropped and _reachable(p, mine)], view.rank
 
-    def _blocks(self, table: ChunkTable, rows: np.ndarray) -> np.ndarray:
-        key = id(table)
-        rpb = self._rows_per_block.get(key)
-        if rpb is None:
-            biggest = int(table.raw_size.max()) if len(table.raw_size) else 1
-            rpb = self._rows_per_block[key] = max(1, self.options.block_bytes // max(1, biggest))
-        return rows // rpb
+    def _rows_per_block(self, table: ChunkTable) -> int:
+        """Manifest rows per block: from the version's largest chunk, so every worker cuts the same blocks."""
+        biggest = int(table.raw_size.max()) if len(table.raw_size) else 1
+        return max(1, self.options.block_bytes // max(1, biggest))
 
     def fetch(self, manifest_id: str, chunks: ChunkRows, sink: ChunkSink, *, algorithm: str = "blake3",
               tensors_of: Callable[[int], Sequence[str]] | None = None) -> FetchStats:
@@ -205,13 +201,14 @@ class Swarm:
         salt = version_salt(manifest_id)
         table, rows = chunks.table, chunks.rows
         windows = self._windows(table, rows)
+        rows_per_block = self._rows_per_block(table)
         total = FetchStats()
 
         def one(window: np.ndarray) -> FetchStats:
             def with_peers(wants: Wants) -> Wants:
                 view, rank = self._view(manifest_id)
                 members = [SwarmMember(p.worker_id, p.complete, p.started_at) for p in view]
-                choice = choose_sources(me, members, self._blocks(table, window), salt,
+                choice = choose_sources(me, members, window // rows_per_block, salt,
                                         seed_window_s=self.options.seed_window_s, rank=rank if serving else None)
                 with self._lock:
                     self.counters.windows += 1
