@@ -71,13 +71,10 @@ class SwarmOptions:
 
 @dataclass
 class SwarmCounters:
-    peer_bytes: int = 0
-    server_bytes: int = 0
-    windows: int = 0
-    roles: dict[str, int] = field(default_factory=dict)  # windows planned as alone / seed / follower / from-holders
+    """What the worker's /metrics shows of this process's reads from peers."""
+
+    peer_bytes: int = 0  # stored bytes landed from peers
     peers_dropped: dict[str, int] = field(default_factory=dict)  # by reason
-    announces: int = 0
-    announce_failures: int = 0
 
 
 class Swarm:
@@ -132,13 +129,10 @@ class Swarm:
         if not address or versions is None:
             return
         try:
-            told = self.directory.announce(address, list(versions()), leaving=leaving)
+            if not self.directory.announce(address, list(versions()), leaving=leaving):
+                log.debug("no server took the peer announce; the next one tries again")
         except Exception as exc:  # noqa: BLE001 - soft state: the next announce tries again
-            told = 0
             log.debug("peer announce failed: %s", exc)
-        with self._lock:
-            self.counters.announces += 1
-            self.counters.announce_failures += told == 0
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -210,9 +204,6 @@ class Swarm:
                 members = [SwarmMember(p.worker_id, p.complete, p.started_at) for p in view]
                 choice = choose_sources(me, members, window // rows_per_block, salt,
                                         seed_window_s=self.options.seed_window_s, rank=rank if serving else None)
-                with self._lock:
-                    self.counters.windows += 1
-                    self.counters.roles[choice.role] = self.counters.roles.get(choice.role, 0) + 1
                 if not choice.peers:
                     return wants
                 addresses = {PEER_PREFIX + p.worker_id: p.address for p in view}
@@ -233,7 +224,6 @@ class Swarm:
             pool.shutdown(wait=True)
             with self._lock:
                 self.counters.peer_bytes += total.peer_bytes
-                self.counters.server_bytes += total.stored_bytes - total.peer_bytes
         return total
 
     def _windows(self, table: ChunkTable, rows: np.ndarray) -> list[np.ndarray]:
