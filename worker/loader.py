@@ -283,6 +283,10 @@ class LoadHandle:
                          self._owned, self._heat_sent, self._link)
         self._done.set()
 
+    def done(self) -> bool:
+        """Whether the load has ended (``result()`` then returns at once, or raises its error)."""
+        return self._done.is_set()
+
     def heat_sent(self, timeout: float | None = None) -> bool:
         """Wait until the load's heat report went out (or was skipped)."""
         return self._heat_sent.wait(timeout)

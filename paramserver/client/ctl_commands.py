@@ -54,6 +54,8 @@ def cmd_push(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> in
 def cmd_pull(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> int:
     if args.out is not None and args.out.suffix != ".safetensors":
         raise UsageError(f"--out {args.out} must end in .safetensors")
+    if args.no_weights and args.out_dir is None:
+        raise UsageError("--no-weights writes a model folder without its weights: give it with --out-dir DIR")
     if args.out_dir is not None and args.out_dir.exists():
         raise UsageError(f"--out-dir {args.out_dir} already exists; remove it or choose a new folder")
     if not 1 <= args.streams <= 16:
@@ -63,7 +65,8 @@ def cmd_pull(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> in
         with RichProgress(enabled=show) as bar:
             options = PullOptions(streams_per_server=args.streams, verify=args.settings.verify, bulk=args.settings.bulk)
             if args.out_dir is not None:
-                r = pull_folder(opts.seeds, args.ref, args.out_dir, progress=bar, options=options, cluster=opts)
+                r = pull_folder(opts.seeds, args.ref, args.out_dir, progress=bar, options=options, cluster=opts,
+                                weights=not args.no_weights)
             else:
                 r = pull(opts.seeds, args.ref, args.out, progress=bar, options=options, cluster=opts)
     except ClientError as exc:
@@ -71,6 +74,11 @@ def cmd_pull(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> in
             raise
         raise UsageError(str(exc)) from None
     ref = f"{r.model}:{r.tag}" if r.tag else r.model
+    if args.no_weights:
+        out.print(f"pulled {ref} v{r.version} without its weights -> {r.path}\n"
+                  f"  {human_bytes(r.bytes_total)} in {r.chunks_total} chunks, every file checked against its BLAKE3; "
+                  f"the weights stream at load time: --load-format pdparams with {{\"ref\": \"{args.ref}\"}}")
+        return 0
     out.print(
         f"pulled {ref} v{r.version} -> {r.path}\n"
         f"  bytes {human_bytes(r.bytes_total)}  chunks {r.chunks_total} "

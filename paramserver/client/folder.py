@@ -123,8 +123,13 @@ def pull_folder(
     progress: ProgressFn | None = None,
     options: PullOptions = PullOptions(),
     cluster: ClusterOptions | None = None,
+    weights: bool = True,
 ) -> PullReport:
-    """Pull ``ref`` as a model folder at ``out_dir`` (which must not exist yet)."""
+    """Pull ``ref`` as a model folder at ``out_dir`` (which must not exist yet).
+
+    ``weights=False`` (``--no-weights``): only the other files (config, generation config,
+    tokenizer), e.g. for ``vllm serve DIR --load-format pdparams``, which streams the weights from
+    the cluster; the weights' safetensors index is left out too, as it names shards not there."""
     t0 = time.perf_counter()
     progress = progress or no_progress
     final = Path(out_dir)
@@ -134,6 +139,16 @@ def pull_folder(
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent))
     os.chmod(staging, 0o777 & ~current_umask())  # mkdtemp's 0700 would hide the pulled folder from other users
+    if not weights:
+        try:
+            report = _pull_files_only(seeds, ref, staging, token=token, options=options, cluster=cluster)
+            _fsync_tree(staging)
+            os.rename(staging, final)
+            _fsync_dir(final.parent)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return dataclasses.replace(report, seconds=time.perf_counter() - t0, path=str(final))
     shards: list[SafetensorsOut] = []
 
     def in_shards(manifest: Manifest, version: VersionInfo) -> Targets:
@@ -179,29 +194,50 @@ def pull_folder(
                                bytes_total=report.bytes_total + files_bytes[0])
 
 
-def _pull_files(client: ClusterClient, manifest: Manifest, staging: Path) -> int:
-    """The version's non-tensor files into ``staging``, fsynced and checked against their BLAKE3."""
-    if not manifest.files:
+def _pull_files_only(seeds: str | Sequence[str], ref: str | ModelRef, staging: Path, *, token: str | None,
+                     options: PullOptions, cluster: ClusterOptions | None) -> PullReport:
+    """The version's non-weight files into ``staging`` (``pull_folder(weights=False)``)."""
+    target = ModelRef.parse(ref) if isinstance(ref, str) else ref
+    client = ClusterClient(seeds, token=token, config=options.session(), bulk=options.bulk, verify=options.verify,
+                           cluster=cluster)
+    with client:
+        version = client.resolve_ref(target, linearizable=options.linearizable)
+        manifest = client.manifest(version.manifest_id)
+        files = [f for f in manifest.files if not f.path.endswith(".safetensors.index.json")]
+        if not files:
+            raise NotFound(f"{target} (v{version.number}) was pushed from a weights file, not a model folder: it has no "
+                           "config or tokenizer files to pull; push the model folder (paramctl push DIR)")
+        size = _pull_files(client, manifest, staging, files)
+    return PullReport(model=target.model, version=version.number, tag=target.tag, manifest_id=version.manifest_id,
+                      bytes_total=size, bytes_fetched=size, chunks_total=sum(len(f.chunks) for f in files),
+                      chunks_unique=len({c.id for f in files for c in f.chunks}), seconds=0.0, fetch_seconds=0.0,
+                      save_seconds=0.0, per_server={}, retried=0)
+
+
+def _pull_files(client: ClusterClient, manifest: Manifest, staging: Path, files: Sequence[FileEntry] | None = None) -> int:
+    """The version's non-tensor files (or ``files`` of them) into ``staging``, fsynced and checked against their BLAKE3."""
+    files = manifest.files if files is None else files
+    if not files:
         return 0
     with contextlib.ExitStack() as stack:
         handles = {}
-        for f in manifest.files:
+        for f in files:
             target = staging / f.path
             target.parent.mkdir(parents=True, exist_ok=True)
             handle = stack.enter_context(open(target, "wb"))
             handles[f.path] = handle
             os.ftruncate(handle.fileno(), f.size)
         try:
-            sink = FileSink(manifest.files, manifest.chunk_size, handles)
+            sink = FileSink(files, manifest.chunk_size, handles)
             client.fetch(sink.chunks, sink, algorithm=manifest.hash_algorithm)
         except ChunkingError as exc:
             raise PullError(f"{manifest.model} v{manifest.version}: {exc}", grpc.StatusCode.DATA_LOSS) from None
         for handle in handles.values():
             handle.flush()
             os.fsync(handle.fileno())
-    for f in manifest.files:
+    for f in files:
         _check_hash(f, None, staging / f.path)
-    return sum(f.size for f in manifest.files)
+    return sum(f.size for f in files)
 
 
 def _fsync_dir(path: Path) -> None:

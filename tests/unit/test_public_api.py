@@ -50,12 +50,13 @@ def test_the_public_names_are_the_functions_whatever_was_imported_first() -> Non
         "import paramserver.client.ctl\n"
         "from paramserver.client import push, pull, ClusterClient\n"
         "import paramserver.client as pc\n"
-        "from worker import load_state_dict, load_into, empty_weights, start_load\n"
+        "from worker import load_state_dict, load_into, empty_weights, start_load, stream_weights\n"
         "import worker\n"
         "from paramserver.client.push import PushOptions\n"
         "print(json.dumps({'push': [push.__module__, push.__name__], 'pull': [pull.__module__, pull.__name__],\n"
         "    'ClusterClient': ClusterClient.__module__, 'again': pc.push is push and pc.pull is pull,\n"
-        "    'worker': sorted(f.__module__ + '.' + f.__name__ for f in (load_state_dict, load_into, empty_weights, start_load)),\n"
+        "    'worker': sorted(f.__module__ + '.' + f.__name__\n"
+        "                     for f in (load_state_dict, load_into, empty_weights, start_load, stream_weights)),\n"
         "    'all': [sorted(pc.__all__), sorted(worker.__all__)], 'options': PushOptions.__module__}))\n"
     )
     assert got == {
@@ -64,8 +65,9 @@ def test_the_public_names_are_the_functions_whatever_was_imported_first() -> Non
         "ClusterClient": "paramserver.client.session",
         "again": True,
         "worker": ["worker.loader.load_into", "worker.loader.load_state_dict", "worker.loader.start_load",
-                   "worker.module_fill.empty_weights"],
-        "all": [["ClusterClient", "pull", "push"], ["empty_weights", "load_into", "load_state_dict", "start_load"]],
+                   "worker.module_fill.empty_weights", "worker.weight_stream.stream_weights"],
+        "all": [["ClusterClient", "pull", "push"], ["empty_weights", "load_into", "load_state_dict", "start_load",
+                                                    "stream_weights"]],
         "options": "paramserver.client.push",
     }
 
