@@ -32,6 +32,7 @@ imports vLLM.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 import threading
@@ -47,6 +48,7 @@ import blake3
 from paramserver.client.config import ClientSettings, resolve_settings
 from paramserver.client.errors import ClientError
 from paramserver.client.exit_codes import BAD_ARGUMENTS, describe_failure, one_line
+from paramserver.client.hostmem import default_pool
 from paramserver.client.refs import ModelRef
 from paramserver.client.session import ClusterClient, VersionInfo
 from worker.config import MIB, CacheConfig, PrefetchConfig
@@ -82,7 +84,11 @@ class LoaderOptions:
 
     ref: str
     cluster: tuple[str, ...] = ()  # seed addresses; default: PARAMS_CLUSTER or the PARAMS_CONFIG file
-    cache_mb: int = 4096  # memory tier (LRU-K), as paramworker --cache-mb; 0: none
+    # Memory tier (LRU-K) in MiB, as paramworker --cache-mb. 0 by default, unlike paramworker: the
+    # weights live in the engine after the load, and a tier the model's size would keep a second
+    # copy in host RAM per engine process (per tensor-parallel rank) for the process's life. Set
+    # it to let peers read this process's chunks from memory after its load.
+    cache_mb: int = 0
     disk_cache: str | None = None  # disk tier directory, as paramworker --disk-cache; default none
     disk_cache_mb: int = 16384
     peers: bool | None = None  # None: on unless PARAMS_PEERS=off
@@ -173,10 +179,25 @@ def _bool_or_none(extra: Mapping[str, Any], key: str) -> bool | None:
 
 @dataclass
 class Runtime:
-    """One process's client and cache tiers, kept for its lifetime (its peer port serves from them)."""
+    """One process's client and cache tiers, kept for its lifetime (its peer port serves from them).
+
+    The tiers open on the first load (``cache()``): the configuration process only resolves, and
+    must not scan (or share) the engine processes' disk tier."""
 
     client: ClusterClient
-    cache: TieredCache | None
+    options: LoaderOptions
+    _cache: TieredCache | None = None
+    _opened: bool = False
+
+    def cache(self) -> TieredCache | None:
+        if not self._opened:
+            config = self.options.cache_config()
+            try:
+                self._cache = TieredCache.from_config(config) if config is not None else None
+            except WorkerError as exc:
+                raise PdparamsLoadError(f"disk_cache {self.options.disk_cache}: {exc}") from None
+            self._opened = True
+        return self._cache
 
 
 _runtimes: dict[tuple[Any, ...], Runtime] = {}
@@ -188,18 +209,13 @@ def runtime_for(opts: LoaderOptions) -> Runtime:
     with _runtimes_lock:
         rt = _runtimes.get(key)
         if rt is None:
-            settings = opts.settings()
-            config = opts.cache_config()
-            try:
-                cache = TieredCache.from_config(config) if config is not None else None
-            except WorkerError as exc:
-                raise PdparamsLoadError(f"disk_cache {opts.disk_cache}: {exc}") from None
-            rt = _runtimes[key] = Runtime(ClusterClient(settings=settings), cache)
+            rt = _runtimes[key] = Runtime(ClusterClient(settings=opts.settings()), opts)
         return rt
 
 
-def _failure(exc: BaseException, what: str) -> PdparamsLoadError:
-    failure = describe_failure(exc)
+def _failure(exc: BaseException, what: str, client: ClusterClient) -> PdparamsLoadError:
+    # With the settings, "unavailable" that is really a TLS refusal says so (exit 5), as paramctl does.
+    failure = describe_failure(exc, client.settings)
     return PdparamsLoadError(f"{what}: {failure.message}", failure.code)
 
 
@@ -209,7 +225,7 @@ def resolve(opts: LoaderOptions, client: ClusterClient | None = None) -> Version
     try:
         return client.resolve_ref(ModelRef.parse(opts.load_ref))
     except (ClientError, OSError) as exc:
-        raise _failure(exc, f"cannot resolve {opts.load_ref}") from None
+        raise _failure(exc, f"cannot resolve {opts.load_ref}", client) from None
 
 
 def check_folder(client: ClusterClient, info: VersionInfo, folder: str) -> None:
@@ -219,7 +235,7 @@ def check_folder(client: ClusterClient, info: VersionInfo, folder: str) -> None:
     try:
         manifest = client.manifest(info.manifest_id)
     except (ClientError, OSError) as exc:
-        raise _failure(exc, f"cannot read the manifest of {info.model} v{info.number}") from None
+        raise _failure(exc, f"cannot read the manifest of {info.model} v{info.number}", client) from None
     entry = manifest.file("config.json")
     if entry is None or not local.is_file():
         return  # pushed from a weights file (no config.json), or vLLM takes its config from elsewhere
@@ -250,10 +266,10 @@ def stream_for(opts: LoaderOptions) -> Any:
     rt = runtime_for(opts)
     info = resolve(opts, rt.client)
     try:
-        return stream_weights(rt.client, opts.load_ref, cache=rt.cache, info=info, peers=opts.peers,
+        return stream_weights(rt.client, opts.load_ref, cache=rt.cache(), info=info, peers=opts.peers,
                               config=PrefetchConfig())
     except (ClientError, OSError) as exc:
-        raise _failure(exc, f"cannot load {opts.load_ref}") from None
+        raise _failure(exc, f"cannot load {opts.load_ref}", rt.client) from None
 
 
 def check_loaded(model: Any, loaded: Iterable[str] | None, quantized: bool) -> None:
@@ -329,8 +345,13 @@ def _loader_class() -> type:
             loaded = model.load_weights(iter(stream))
             check_loaded(model, loaded, model_config.quantization is not None)
             seconds = time.perf_counter() - t0
+            summary = stream.report.summary()
+            del stream  # the engine holds its own copy now: the host arena goes back ...
+            gc.collect()
+            default_pool().release_all()  # ... to the OS at once, before vLLM measures the memory left for its KV cache
             log.info("Loading weights took %.2f seconds", seconds)
-            log.info("pdparams: %s", stream.report.summary())
+            log.info("pdparams: %s; host memory still held by pdparams: %.3f GiB", summary,
+                     sum(default_pool().held_bytes()) / (1 << 30))
 
     _LOADER = PdparamsModelLoader
     return PdparamsModelLoader

@@ -98,6 +98,13 @@ def test_vllm_from_the_cluster_generates_what_it_generates_from_local_files(
     for row in local:
         assert len(row["ids"]) == 16 and len(row["logprobs"]) == 16
     assert from_cluster == local  # the same ids and the same log-probabilities, bit for bit
+    # The engine's load was an ordinary worker load: its heat reached the servers (the next loads' order).
+    from paramserver.client.config import resolve_settings
+    from paramserver.client.session import ClusterClient
+
+    with ClusterClient(settings=resolve_settings(config_file=Path(cluster.config.root) / "client.toml")) as client:
+        heat = client.get_heat("llama", 1)
+    assert heat, "no heat report from the vLLM load"
     # No weight file was written anywhere: not in the prepared folder, not under the run's own directory.
     assert not list(cfg.glob("*.safetensors*"))
     written = [p for p in set(tmp_path.rglob("*")) - before if p.suffix in (".safetensors", ".bin", ".pt")]

@@ -25,8 +25,8 @@ def test_options_defaults_and_values() -> None:
     assert cache is not None and cache.memory_bytes == 0 and cache.disk_bytes == 100 << 20 and not cache.disk_fsync
     pinned = LoaderOptions.from_extra({"ref": "llama:prod", PINNED_KEY: "llama@7"})
     assert pinned.load_ref == "llama@7"  # every engine process loads what the configuration process resolved
-    assert LoaderOptions.from_extra({"ref": "m", "cache_mb": 0}).cache_config() is None
-    assert LoaderOptions.from_extra({"ref": "m@3"}).cache_mb == 4096
+    assert LoaderOptions.from_extra({"ref": "m@3"}).cache_config() is None  # no tier unless asked: the engine holds the weights
+    assert LoaderOptions.from_extra({"ref": "m", "cache_mb": 512}).cache_config().memory_bytes == 512 << 20  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("extra, words", [
