@@ -67,7 +67,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                             "loopback it needs a read token or --insecure; env PARAMS_PEER_LISTEN (default 127.0.0.1:0)")
     peers.add_argument("--peer-advertise", default=None, metavar="HOST:PORT",
                        help="the address other workers dial for the peer port (default: the address --peer-listen bound; "
-                            "required when it binds 0.0.0.0)")
+                            "required when it binds 0.0.0.0; port 0: the port it bound); env PARAMS_PEER_ADVERTISE")
     peers.add_argument("--no-peers", action="store_true",
                        help="neither read from nor serve other workers: every chunk from the servers (env PARAMS_PEERS=off)")
     peers.add_argument("--peer-max-connections-per-source", type=int_in(1, 100000, "--peer-max-connections-per-source"),

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 PEERS_ENV = "PARAMS_PEERS"  # "off": no peer port, no peer reads
 PEER_LISTEN_ENV = "PARAMS_PEER_LISTEN"
+PEER_ADVERTISE_ENV = "PARAMS_PEER_ADVERTISE"
 DEFAULT_PEER_LISTEN = "127.0.0.1:0"  # loopback: safe; a fleet sets --peer-listen 0.0.0.0:PORT + --peer-advertise
 DEFAULT_MAX_CONNECTIONS_PER_SOURCE = 64
 _OFF = ("off", "0", "false", "no")
@@ -75,7 +76,9 @@ def _address(value: str, flag: str) -> str:
 class PeerLinkConfig:
     """Where the peer port listens and what it tells peers to dial.
 
-    ``advertise`` None: the bound address (a wildcard bind then needs an ``advertise``).
+    ``advertise`` None: the bound address (a wildcard bind then needs an ``advertise``); port 0 in
+    it: that host with the port bound (several workers of one host each binding ``0.0.0.0:0``, e.g.
+    an engine's tensor-parallel ranks, each advertise their own port).
     ``insecure``: listen off loopback without a read token (``--insecure``; a warning at start).
     ``swarm``: keyword arguments for ``SwarmOptions`` (e.g. ``peer_wait_s``).
     """
@@ -94,19 +97,22 @@ class PeerLinkConfig:
                               "(the address other workers reach this one at), or --no-peers")
         if self.advertise is not None:
             host, port = split_host_port(_address(self.advertise, "--peer-advertise"))
-            if host in WILDCARDS or port == 0:
-                raise ConfigError(f"--peer-advertise {self.advertise}: peers cannot dial a wildcard address or port 0; "
-                                  "give the address other workers reach this one at, e.g. $(POD_IP):7070")
+            if host in WILDCARDS:
+                raise ConfigError(f"--peer-advertise {self.advertise}: peers cannot dial a wildcard address; "
+                                  "give the address other workers reach this one at, e.g. $(POD_IP):7070 "
+                                  "(port 0: the port --peer-listen bound)")
         if not 1 <= self.max_connections_per_source <= 100000:
             raise ConfigError(f"--peer-max-connections-per-source must be 1..100000, got {self.max_connections_per_source}")
         return self
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ, **given: Any) -> PeerLinkConfig:
-        """Flags (``given``, None = not given) > ``PARAMS_PEER_LISTEN`` / ``PARAMS_PEERS`` > defaults."""
+        """Flags (``given``, None = not given) > ``PARAMS_PEER_LISTEN`` / ``PARAMS_PEER_ADVERTISE`` /
+        ``PARAMS_PEERS`` > defaults."""
         values = {k: v for k, v in given.items() if v is not None}
-        if "listen" not in values and environ.get(PEER_LISTEN_ENV, "").strip():
-            values["listen"] = environ[PEER_LISTEN_ENV].strip()
+        for key, env in (("listen", PEER_LISTEN_ENV), ("advertise", PEER_ADVERTISE_ENV)):
+            if key not in values and environ.get(env, "").strip():
+                values[key] = environ[env].strip()
         values["enabled"] = bool(values.get("enabled", True)) and peers_enabled(environ)
         return cls(**values).validate()
 
@@ -156,6 +162,26 @@ class PeerLink:
                               "(--tls-ca, --tls-cert, --tls-key); give them or pass --no-peers")
         return Path(options.tls_ca), Path(options.tls_cert), Path(options.tls_key)
 
+    def check_exposure(self, token: str | None) -> list[str]:
+        """``paramserver.wire.exposure.check_listeners`` of the peer port: its warnings (``--insecure``),
+        or ConfigError (off loopback without the read token)."""
+        from paramserver.wire.errors import ConfigError as WireConfigError
+        from paramserver.wire.exposure import check_listeners
+
+        try:
+            return check_listeners([self.config.listener(token)], insecure=self.config.insecure)
+        except WireConfigError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def advertised(self, bound: str) -> str:
+        """The address peers dial: ``advertise`` (its port 0: the bound port) or the bound address."""
+        if self.config.advertise is None:
+            return bound
+        host, port = split_host_port(self.config.advertise)
+        if port == 0:
+            port = split_host_port(bound)[1]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
     def start(self) -> PeerLink:
         from paramserver.client.swarm_fetch import Swarm, SwarmOptions
         from worker.peer_port import PeerPort, PeerPortConfig
@@ -163,6 +189,9 @@ class PeerLink:
 
         options = getattr(self.client, "options", None)
         token = options.token if options is not None else None
+        # The same safe default as every listener, here too: a library load (no CLI to check the
+        # flags first) with PARAMS_PEER_LISTEN off loopback and no read token gets no open port.
+        self.check_exposure(token)
         tls = self.tls_files(self.client)
         swarm_options = SwarmOptions(**dict(self.config.swarm)).validate()
         self.shelf = PeerShelf(self.cache)
@@ -171,7 +200,7 @@ class PeerLink:
                              token, tls)
         self.port.start()
         try:
-            self.address = self.config.advertise or str(self.port.address)
+            self.address = self.advertised(str(self.port.address))
             self.swarm = Swarm(self.client, worker_id=self.worker_id, options=swarm_options)
             self.swarm.serve_at(self.address, self.shelf.versions)
         except BaseException:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import sys
 import threading
 import time
@@ -189,9 +190,13 @@ class Runtime:
     _cache: TieredCache | None = None
     _opened: bool = False
 
-    def cache(self) -> TieredCache | None:
+    def cache(self, rank: int | None = None) -> TieredCache | None:
+        """The tiers; ``rank`` (a tensor-parallel rank of several): its own disk tier directory under
+        ``disk_cache``, since a disk tier belongs to one process (it clears its ``tmp/`` on open)."""
         if not self._opened:
             config = self.options.cache_config()
+            if config is not None and config.disk_dir is not None and rank is not None:
+                config = replace(config, disk_dir=str(Path(config.disk_dir) / f"rank{rank}"))
             try:
                 self._cache = TieredCache.from_config(config) if config is not None else None
             except WorkerError as exc:
@@ -205,11 +210,14 @@ _runtimes_lock = threading.Lock()
 
 
 def runtime_for(opts: LoaderOptions) -> Runtime:
-    key = (opts.cluster, opts.verify, opts.cache_mb, opts.disk_cache, opts.disk_cache_mb)
+    """The process's runtime for these options and the settings they resolve to now (a changed
+    PARAMS_CONFIG or token between two engines of one process gets a new client)."""
+    settings = opts.settings()
+    key = (settings, opts.cache_mb, opts.disk_cache, opts.disk_cache_mb)
     with _runtimes_lock:
         rt = _runtimes.get(key)
         if rt is None:
-            rt = _runtimes[key] = Runtime(ClusterClient(settings=opts.settings()), opts)
+            rt = _runtimes[key] = Runtime(ClusterClient(settings=settings), opts)
         return rt
 
 
@@ -220,36 +228,83 @@ def _failure(exc: BaseException, what: str, client: ClusterClient) -> PdparamsLo
 
 
 def resolve(opts: LoaderOptions, client: ClusterClient | None = None) -> VersionInfo:
-    """Resolve the options' reference (a tag at the leader); expected failures are one line."""
+    """Resolve the options' reference, a tag at the leader (linearizable: a start right after a tag
+    move sees it, even from a client that resolved the tag before); expected failures are one line."""
     client = client or runtime_for(opts).client
     try:
-        return client.resolve_ref(ModelRef.parse(opts.load_ref))
+        return client.resolve_ref(ModelRef.parse(opts.load_ref), linearizable=True)
     except (ClientError, OSError) as exc:
         raise _failure(exc, f"cannot resolve {opts.load_ref}", client) from None
 
 
 def check_folder(client: ClusterClient, info: VersionInfo, folder: str) -> None:
-    """The model folder vLLM reads its config from must hold this version's ``config.json``: a
-    folder pulled before the tag moved would describe another model than the weights loaded."""
-    local = Path(folder) / "config.json"
+    """The model folder vLLM reads its config, generation config and tokenizer from must hold this
+    version's own files: a folder pulled before the tag moved would describe another model (or
+    template, or tokenizer) than the weights loaded. Every file of the version found in the folder
+    is compared by BLAKE3; files the folder lacks are not required (vLLM may take them elsewhere)."""
+    root = Path(folder)
+    if not root.is_dir():
+        return  # a Hugging Face repo id or another source: nothing local to compare
     try:
         manifest = client.manifest(info.manifest_id)
     except (ClientError, OSError) as exc:
         raise _failure(exc, f"cannot read the manifest of {info.model} v{info.number}", client) from None
-    entry = manifest.file("config.json")
-    if entry is None or not local.is_file():
-        return  # pushed from a weights file (no config.json), or vLLM takes its config from elsewhere
-    if blake3.blake3(local.read_bytes()).hexdigest() != entry.blake3:
-        raise PdparamsLoadError(
-            f"{local} is not the config.json of {info.model} v{info.number} (was the folder pulled for another version, "
-            f"before the tag moved?): pull it again with paramctl pull {info.model}@{info.number} --out-dir NEWDIR --no-weights")
+    for entry in manifest.files:
+        local = root / entry.path
+        if not local.is_file():
+            continue
+        h = blake3.blake3()
+        with open(local, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        if h.hexdigest() != entry.blake3:
+            raise PdparamsLoadError(
+                f"{local} is not the {entry.path} of {info.model} v{info.number} (was the folder pulled for another "
+                f"version, before the tag moved?): pull it again with paramctl pull {info.model}@{info.number} "
+                "--out-dir NEWDIR --no-weights")
 
 
-def preflight(extra: Mapping[str, Any] | None, folder: str | None) -> dict[str, Any]:
+def check_local(opts: LoaderOptions, client: ClusterClient) -> None:
+    """What an engine process would otherwise find wrong only after its start, with a traceback:
+    the tiers' settings, a disk tier directory it cannot write, the peer port's settings
+    (``PARAMS_PEERS``, ``PARAMS_PEER_LISTEN``, ``PARAMS_PEER_ADVERTISE``) and its exposure."""
+    from worker.peer_link import PeerLink, PeerLinkConfig
+
+    try:
+        config = opts.cache_config()
+        if config is not None and config.disk_dir is not None:
+            disk = Path(config.disk_dir)
+            try:
+                disk.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise PdparamsLoadError(f"disk_cache {disk}: cannot create it ({exc.strerror}); give a writable directory") from None
+            if not os.access(disk, os.W_OK | os.X_OK):
+                raise PdparamsLoadError(f"disk_cache {disk}: not writable by this user; give a writable directory")
+        if opts.peers is not False:
+            peer = PeerLinkConfig.from_env(enabled=opts.peers)
+            if peer.enabled:
+                PeerLink(client, None, peer).check_exposure(client.options.token)
+    except WorkerError as exc:
+        if isinstance(exc, PdparamsLoadError):
+            raise
+        raise PdparamsLoadError(f"{exc} (for a vLLM load: the environment variables PARAMS_PEER_LISTEN, "
+                                "PARAMS_PEER_ADVERTISE, PARAMS_PEERS, or the extra config)") from None
+
+
+def preflight(extra: Mapping[str, Any] | None, folder: str | None, nodes: int = 1) -> dict[str, Any]:
     """Check the options and the cluster before any engine process starts; returns the extra config
-    with the resolved version pinned (``MODEL@N``) for the engine processes."""
+    with the resolved version pinned (``MODEL@N``) for the engine processes.
+
+    ``nodes`` > 1 (vLLM across several hosts, each starting its own engine processes from its own
+    configuration): each host would resolve a tag on its own, and two hosts could load two versions
+    across a tag move, so only ``MODEL@N`` is taken there."""
     opts = LoaderOptions.from_extra(extra)
+    ref = ModelRef.parse(opts.ref)
+    if nodes > 1 and ref.version is None:
+        raise PdparamsLoadError(f"ref {opts.ref!r}: vLLM spans {nodes} nodes here and each resolves a tag on its own, so "
+                                "give the exact version (MODEL@N, e.g. from paramctl ls) on every node")
     client = runtime_for(opts).client
+    check_local(opts, client)
     info = resolve(replace(opts, pinned=None), client)
     if folder is not None:
         check_folder(client, info, folder)
@@ -259,17 +314,29 @@ def preflight(extra: Mapping[str, Any] | None, folder: str | None) -> dict[str, 
     return {**dict(extra or {}), PINNED_KEY: pinned}
 
 
-def stream_for(opts: LoaderOptions) -> Any:
-    """The weight iterator of one engine process's load (``worker.weight_stream.WeightStream``)."""
+def stream_for(opts: LoaderOptions, rank: int | None = None) -> Any:
+    """The weight iterator of one engine process's load (``worker.weight_stream.WeightStream``);
+    ``rank``: this process's rank when there are several (its own disk tier directory)."""
     from worker.weight_stream import stream_weights
 
     rt = runtime_for(opts)
     info = resolve(opts, rt.client)
     try:
-        return stream_weights(rt.client, opts.load_ref, cache=rt.cache(), info=info, peers=opts.peers,
+        return stream_weights(rt.client, opts.load_ref, cache=rt.cache(rank), info=info, peers=opts.peers,
                               config=PrefetchConfig())
     except (ClientError, OSError) as exc:
         raise _failure(exc, f"cannot load {opts.load_ref}", rt.client) from None
+    except WorkerError as exc:
+        raise PdparamsLoadError(f"cannot load {opts.load_ref}: {exc}") from None
+
+
+def _rank() -> int | None:
+    """This process's global rank when vLLM runs several (tensor or pipeline parallel), else None."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return int(dist.get_rank())
+    return None
 
 
 def check_loaded(model: Any, loaded: Iterable[str] | None, quantized: bool) -> None:
@@ -300,17 +367,23 @@ def register() -> None:
     loader class, wraps ``EngineArgs.create_engine_config`` with the preflight (once), and makes an
     uncaught ``PdparamsLoadError`` print one line and exit with its code instead of a traceback.
     """
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.model_loader import register_model_loader
+    try:
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.model_executor.model_loader import register_model_loader
 
-    register_model_loader(LOAD_FORMAT)(_loader_class())
+        register_model_loader(LOAD_FORMAT)(_loader_class())
+    except Exception as exc:  # noqa: BLE001 - a vLLM this plugin does not fit must still start its other loaders
+        log.warning("pdparams: --load-format pdparams is not available with this vLLM (%s: %s); docs/vllm.md names "
+                    "the tested version", type(exc).__name__, exc)
+        return
     create = EngineArgs.create_engine_config
     if not getattr(create, "pdparams", False):
         def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
             config = create(self, *args, **kwargs)
             load = config.load_config
             if str(load.load_format).lower() == LOAD_FORMAT:
-                load.model_loader_extra_config = preflight(load.model_loader_extra_config, config.model_config.model)
+                nodes = int(getattr(config.parallel_config, "nnodes", 1) or 1)
+                load.model_loader_extra_config = preflight(load.model_loader_extra_config, config.model_config.model, nodes)
             return config
 
         create_engine_config.pdparams = True  # type: ignore[attr-defined]
@@ -341,7 +414,7 @@ def _loader_class() -> type:
 
         def load_weights(self, model: Any, model_config: Any) -> None:
             t0 = time.perf_counter()
-            stream = stream_for(self.options)
+            stream = stream_for(self.options, _rank())
             loaded = model.load_weights(iter(stream))
             check_loaded(model, loaded, model_config.quantization is not None)
             seconds = time.perf_counter() - t0

@@ -75,7 +75,8 @@ def cmd_pull(args: argparse.Namespace, opts: ClusterOptions, out: Console) -> in
         raise UsageError(str(exc)) from None
     ref = f"{r.model}:{r.tag}" if r.tag else r.model
     if args.no_weights:
-        out.print(f"pulled {ref} v{r.version} without its weights -> {r.path}\n"
+        left = f"; left out too: {', '.join(r.skipped[:5])}{' ...' if len(r.skipped) > 5 else ''}" if r.skipped else ""
+        out.print(f"pulled {ref} v{r.version} without its weights -> {r.path}{left}\n"
                   f"  {human_bytes(r.bytes_total)} in {r.chunks_total} chunks, every file checked against its BLAKE3; "
                   f"the weights stream at load time: --load-format pdparams with {{\"ref\": \"{args.ref}\"}}")
         return 0

@@ -43,6 +43,15 @@ from paramserver.client.safetensors_out import SafetensorsOut, current_umask
 from paramserver.client.session import ClusterClient, VersionInfo
 
 SINGLE_FILE_NAME = "model.safetensors"
+# What ``--no-weights`` leaves out besides the tensors: weights in the other formats a model folder
+# may carry (PyTorch pickles, GGUF, TF/Flax, ONNX, Meta's original/consolidated.*.pth) and the
+# indexes naming weight shards that are not there.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".npz",
+                   ".safetensors.index.json", ".bin.index.json", ".pt.index.json", ".pth.index.json")
+
+
+def is_weight_file(path: str) -> bool:
+    return path.lower().endswith(WEIGHT_SUFFIXES)
 
 
 class FileSink:
@@ -129,7 +138,8 @@ def pull_folder(
 
     ``weights=False`` (``--no-weights``): only the other files (config, generation config,
     tokenizer), e.g. for ``vllm serve DIR --load-format pdparams``, which streams the weights from
-    the cluster; the weights' safetensors index is left out too, as it names shards not there."""
+    the cluster; weight files of other formats and weight indexes are left out too
+    (``is_weight_file``), and ``PullReport.skipped`` names them."""
     t0 = time.perf_counter()
     progress = progress or no_progress
     final = Path(out_dir)
@@ -203,15 +213,16 @@ def _pull_files_only(seeds: str | Sequence[str], ref: str | ModelRef, staging: P
     with client:
         version = client.resolve_ref(target, linearizable=options.linearizable)
         manifest = client.manifest(version.manifest_id)
-        files = [f for f in manifest.files if not f.path.endswith(".safetensors.index.json")]
+        files = [f for f in manifest.files if not is_weight_file(f.path)]
+        skipped = tuple(f.path for f in manifest.files if is_weight_file(f.path))
         if not files:
-            raise NotFound(f"{target} (v{version.number}) was pushed from a weights file, not a model folder: it has no "
-                           "config or tokenizer files to pull; push the model folder (paramctl push DIR)")
+            raise NotFound(f"{target} (v{version.number}) has no file besides its weights (pushed from a weights file, "
+                           "not a model folder): nothing to pull without them; push the model folder (paramctl push DIR)")
         size = _pull_files(client, manifest, staging, files)
     return PullReport(model=target.model, version=version.number, tag=target.tag, manifest_id=version.manifest_id,
                       bytes_total=size, bytes_fetched=size, chunks_total=sum(len(f.chunks) for f in files),
                       chunks_unique=len({c.id for f in files for c in f.chunks}), seconds=0.0, fetch_seconds=0.0,
-                      save_seconds=0.0, per_server={}, retried=0)
+                      save_seconds=0.0, per_server={}, retried=0, skipped=skipped)
 
 
 def _pull_files(client: ClusterClient, manifest: Manifest, staging: Path, files: Sequence[FileEntry] | None = None) -> int:
@@ -264,4 +275,5 @@ def push_folder(seeds: str | Sequence[str], folder: str | os.PathLike[str], *, m
     return push(seeds, str(folder), model=model, tag=tag, token=token, **kwargs)  # type: ignore[arg-type]
 
 
-__all__ = ["FileSink", "SINGLE_FILE_NAME", "pull_folder", "push_folder", "read_file", "shard_plan"]
+__all__ = ["FileSink", "SINGLE_FILE_NAME", "WEIGHT_SUFFIXES", "is_weight_file", "pull_folder", "push_folder", "read_file",
+           "shard_plan"]

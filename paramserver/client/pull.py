@@ -91,6 +91,7 @@ class PullReport:
     path: str | None = None
     bulk_bytes: int = 0  # stored bytes that came over bulk ports (the rest over GetChunks)
     bulk_fallbacks: int = 0  # bulk requests that failed and went to GetChunks
+    skipped: tuple[str, ...] = ()  # files of the version not written (pull_folder(weights=False): other weight files)
 
     @property
     def gbps(self) -> float:

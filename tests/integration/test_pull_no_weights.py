@@ -42,14 +42,20 @@ def test_no_weights_pulls_every_other_file_and_no_weight(cluster: LocalCluster, 
     (folder / "model.safetensors.index.json").write_text('{"weight_map": {"a": "model-00001-of-00002.safetensors"}}')
     (folder / "config.json").write_text('{"model_type": "llama"}')
     (folder / "tokenizer" / "vocab.txt").write_bytes(os.urandom(700_000))  # several chunks
+    (folder / "tokenizer" / "tokenizer.model").write_bytes(b"sentencepiece")  # a tokenizer, not weights
+    # Weights in other formats that ride along in real model repositories: left out too.
+    (folder / "original").mkdir()
+    (folder / "original" / "consolidated.00.pth").write_bytes(os.urandom(300_000))
+    (folder / "pytorch_model.bin").write_bytes(os.urandom(1000))
     assert paramctl(cluster, "push", str(folder), "--model", "nw", "--tag", "prod").returncode == 0
 
     out = tmp_path / "cfg"
     done = paramctl(cluster, "pull", "nw:prod", "--out-dir", str(out), "--no-weights")
     assert done.returncode == 0, done.stderr
     assert "without its weights" in done.stdout and '"ref": "nw:prod"' in done.stdout
+    assert "left out too:" in done.stdout and "original/consolidated.00.pth" in done.stdout
     got = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
-    assert got == ["config.json", "tokenizer/vocab.txt"]
+    assert got == ["config.json", "tokenizer/tokenizer.model", "tokenizer/vocab.txt"]
     for rel in got:
         assert (out / rel).read_bytes() == (folder / rel).read_bytes()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".cfg.")]  # no staging folder left behind
@@ -68,7 +74,7 @@ def test_no_weights_mistakes_are_one_line(cluster: LocalCluster, tmp_path: Path)
     out = tmp_path / "cfg"
     done = paramctl(cluster, "pull", "single:prod", "--out-dir", str(out), "--no-weights")
     assert done.returncode == 3, done.stderr
-    assert done.stderr.strip().count("\n") == 0 and "was pushed from a weights file" in done.stderr
+    assert done.stderr.strip().count("\n") == 0 and "has no file besides its weights" in done.stderr
     assert "Traceback" not in done.stderr
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".cfg.")]
 

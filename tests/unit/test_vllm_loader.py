@@ -12,7 +12,16 @@ import blake3
 import pytest
 import torch
 
-from worker.vllm_loader import PINNED_KEY, LoaderOptions, PdparamsLoadError, _excepthook, check_folder, check_loaded
+from worker.vllm_loader import (
+    PINNED_KEY,
+    LoaderOptions,
+    PdparamsLoadError,
+    _excepthook,
+    check_folder,
+    check_loaded,
+    check_local,
+    preflight,
+)
 
 
 def test_options_defaults_and_values() -> None:
@@ -51,22 +60,57 @@ def test_bad_options_are_one_line_with_exit_2(extra: Any, words: str) -> None:
 
 
 class FakeClient:
-    def __init__(self, entry: Any) -> None:
-        self.entry = entry
+    def __init__(self, files: dict[str, bytes], token: str | None = "read-token") -> None:
+        self.files = files
+        self.options = SimpleNamespace(token=token)
 
     def manifest(self, manifest_id: str) -> Any:
-        return SimpleNamespace(file=lambda path: self.entry if path == "config.json" else None)
+        entries = [SimpleNamespace(path=p, blake3=blake3.blake3(b).hexdigest()) for p, b in self.files.items()]
+        return SimpleNamespace(files=entries)
 
 
-def test_the_folder_must_hold_the_versions_config(tmp_path: Path) -> None:
+def test_the_folder_must_hold_the_versions_own_files(tmp_path: Path) -> None:
     info = SimpleNamespace(model="llama", number=4, manifest_id="abc")
     (tmp_path / "config.json").write_bytes(b'{"a": 1}')
-    right = SimpleNamespace(blake3=blake3.blake3(b'{"a": 1}').hexdigest())
-    check_folder(FakeClient(right), info, str(tmp_path))  # type: ignore[arg-type]
-    check_folder(FakeClient(None), info, str(tmp_path))  # type: ignore[arg-type]  # pushed from a weights file: nothing to compare
-    wrong = SimpleNamespace(blake3=blake3.blake3(b'{"a": 2}').hexdigest())
-    with pytest.raises(PdparamsLoadError, match=r"is not the config.json of llama v4 .* paramctl pull llama@4 --out-dir"):
-        check_folder(FakeClient(wrong), info, str(tmp_path))  # type: ignore[arg-type]
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_bytes(b"t1")
+    version = {"config.json": b'{"a": 1}', "tok/tokenizer.json": b"t1", "generation_config.json": b"{}"}
+    check_folder(FakeClient(version), info, str(tmp_path))  # type: ignore[arg-type]  # a file the folder lacks is fine
+    check_folder(FakeClient({}), info, str(tmp_path))  # type: ignore[arg-type]  # pushed from a weights file
+    check_folder(FakeClient(version), info, "org/hf-repo-id")  # type: ignore[arg-type]  # not a local folder
+    with pytest.raises(PdparamsLoadError, match=r"config.json of llama v4 .* paramctl pull llama@4 --out-dir"):
+        check_folder(FakeClient({**version, "config.json": b'{"a": 2}'}), info, str(tmp_path))  # type: ignore[arg-type]
+    # A fine-tune that kept config.json but changed its tokenizer: refused as well.
+    with pytest.raises(PdparamsLoadError, match=r"tok/tokenizer.json of llama v4"):
+        check_folder(FakeClient({**version, "tok/tokenizer.json": b"t2"}), info, str(tmp_path))  # type: ignore[arg-type]
+
+
+def test_what_an_engine_process_would_trip_on_is_checked_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("PARAMS_PEERS", "PARAMS_PEER_LISTEN", "PARAMS_PEER_ADVERTISE"):
+        monkeypatch.delenv(key, raising=False)
+    client: Any = FakeClient({})
+    check_local(LoaderOptions.from_extra({"ref": "m:p", "disk_cache": str(tmp_path / "d")}), client)
+    assert (tmp_path / "d").is_dir()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(PdparamsLoadError, match="disk_cache .*cannot create it"):
+        check_local(LoaderOptions.from_extra({"ref": "m:p", "disk_cache": str(tmp_path / "file" / "d")}), client)
+    monkeypatch.setenv("PARAMS_PEERS", "maybe")
+    with pytest.raises(PdparamsLoadError, match="PARAMS_PEERS"):
+        check_local(LoaderOptions.from_extra({"ref": "m:p"}), client)
+    check_local(LoaderOptions.from_extra({"ref": "m:p", "peers": False}), client)  # peers off: not read
+    monkeypatch.setenv("PARAMS_PEERS", "on")
+    monkeypatch.setenv("PARAMS_PEER_LISTEN", "0.0.0.0:0")
+    with pytest.raises(PdparamsLoadError, match="PARAMS_PEER_ADVERTISE"):  # a wildcard bind needs an address to advertise
+        check_local(LoaderOptions.from_extra({"ref": "m:p"}), client)
+    monkeypatch.setenv("PARAMS_PEER_ADVERTISE", "10.0.0.5:0")
+    check_local(LoaderOptions.from_extra({"ref": "m:p"}), client)  # with the read token: fine
+    with pytest.raises(PdparamsLoadError, match="read token"):  # off loopback without one: no open port
+        check_local(LoaderOptions.from_extra({"ref": "m:p"}), FakeClient({}, token=None))  # type: ignore[arg-type]
+
+
+def test_several_nodes_take_only_an_exact_version() -> None:
+    with pytest.raises(PdparamsLoadError, match=r"spans 2 nodes .* \(MODEL@N"):
+        preflight({"ref": "llama:prod"}, None, nodes=2)
 
 
 def test_every_parameter_must_come_from_the_checkpoint() -> None:

@@ -180,8 +180,13 @@ def test_peers_env_and_config_refuse_bad_values_in_one_line() -> None:
     assert PeerLinkConfig.from_env({}, listen="0.0.0.0:7070", advertise="10.0.0.5:7070").advertise == "10.0.0.5:7070"
     with pytest.raises(ConfigError, match="wildcard"):
         PeerLinkConfig(advertise="0.0.0.0:7070").validate()
-    with pytest.raises(ConfigError, match="port 0"):
-        PeerLinkConfig(advertise="10.0.0.5:0").validate()
+    # Port 0: this host with the port the listener bound (several workers of one host on 0.0.0.0:0).
+    zero = PeerLinkConfig.from_env({"PARAMS_PEER_LISTEN": "0.0.0.0:0", "PARAMS_PEER_ADVERTISE": "10.0.0.5:0"})
+    assert (zero.listen, zero.advertise) == ("0.0.0.0:0", "10.0.0.5:0")
+    assert PeerLink(object(), None, zero).advertised("0.0.0.0:41234") == "10.0.0.5:41234"
+    assert PeerLink(object(), None, PeerLinkConfig(advertise="[fd00::5]:0")).advertised("[::]:7") == "[fd00::5]:7"
+    assert PeerLink(object(), None, PeerLinkConfig()).advertised("127.0.0.1:9") == "127.0.0.1:9"
+    assert PeerLinkConfig.from_env({"PARAMS_PEER_ADVERTISE": "10.0.0.5:1"}, advertise="10.0.0.6:2").advertise == "10.0.0.6:2"
     with pytest.raises(ConfigError, match="--peer-max-connections-per-source"):
         PeerLinkConfig(max_connections_per_source=0).validate()
     listener = PeerLinkConfig(listen="0.0.0.0:7070", advertise="10.0.0.5:7070").listener(None)
@@ -255,6 +260,28 @@ def test_link_for_follows_peers_false_attach_none_and_the_environment(monkeypatc
     assert first is not None and link_for(c, None) is first  # one per client
     close_link(c)
     assert peer_standins.Swarm.made[0].closed
+
+
+def test_a_library_load_gets_no_open_peer_port_off_loopback_without_a_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    # No CLI checked the flags first (a library or vLLM load, PARAMS_PEER_LISTEN=0.0.0.0:0): the link
+    # applies the listeners' safe default itself, so peers go off with one warning, no port opens.
+    peer_standins.install(monkeypatch)
+
+    class NoToken(Options):
+        token = None
+
+    client = Client()
+    client.options = NoToken()  # type: ignore[assignment]
+    warned: list[str] = []
+    wide = PeerLinkConfig(listen="0.0.0.0:0", advertise="10.0.0.5:0")
+    assert link_for(client, None, config=wide, warn=warned.append) is None
+    assert len(warned) == 1 and "read token" in warned[0] and not peer_standins.PeerPort.made
+    with_token = Client()  # the same address with the cluster's read token: the port opens
+    link = link_for(with_token, None, config=wide)
+    try:
+        assert link is not None and peer_standins.PeerPort.made
+    finally:
+        close_link(with_token)
 
 
 def test_tls_without_a_certificate_turns_peers_off_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
