@@ -3,7 +3,8 @@
 few prompts and print one JSON line: the token ids and the log-probability of each chosen token.
 
 ``--expect-error``: the LLM must fail to start with ``PdparamsLoadError``; prints its exit code and
-message as JSON instead (each ``--ref`` of several is tried in turn, in this one process).
+message as JSON instead (each ``--ref`` and each ``--case`` is tried in turn, in this one process;
+a case is ``{"extra": {...}, "folder": DIR}``, the folder defaulting to the positional one).
 """
 from __future__ import annotations
 
@@ -30,17 +31,17 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("folder")
     p.add_argument("--ref", action="append", default=[])
-    p.add_argument("--extra", action="append", default=[], help="a whole extra config as JSON (error cases)")
+    p.add_argument("--case", action="append", default=[], help='an error case as JSON: {"extra": {...}, "folder": DIR}')
     p.add_argument("--expect-error", action="store_true")
     args = p.parse_args()
     if args.expect_error:
         from worker.vllm_loader import PdparamsLoadError
 
         results = []
-        cases: list[dict[str, Any]] = [{"ref": r} for r in args.ref] + [json.loads(e) for e in args.extra]
-        for extra in cases:
+        cases: list[dict[str, Any]] = [{"extra": {"ref": r}} for r in args.ref] + [json.loads(c) for c in args.case]
+        for case in cases:
             try:
-                engine(args.folder, None, extra)
+                engine(case.get("folder", args.folder), None, case["extra"])
             except PdparamsLoadError as exc:
                 results.append({"code": exc.exit_code, "message": str(exc)})
             else:
