@@ -30,7 +30,7 @@ from paramserver.client.session import ClusterClient
 from paramserver.client.session_config import READ_LEADER
 from tests.conftest import local_cluster
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(300)]
 
 MODEL = "tagged"
 TAGS = [f"t{i}" for i in range(8)]
