@@ -14,6 +14,21 @@ import pytest
 from deploy.local import LocalCluster, LocalClusterConfig, free_port  # free_port: the one helper; tests import it from here too
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """PDP_SERIAL=only keeps the tests marked ``serial``, PDP_SERIAL=skip all the others (deselected,
+    not skipped): scripts/check.sh runs the serial ones alone, then the rest on pytest-xdist workers.
+    Unset (a plain pytest run), every test is kept."""
+    mode = os.environ.get("PDP_SERIAL", "")
+    if mode not in ("only", "skip"):
+        return
+    serial = [it.get_closest_marker("serial") is not None for it in items]
+    keep = [it for it, s in zip(items, serial) if s == (mode == "only")]
+    dropped = [it for it, s in zip(items, serial) if s != (mode == "only")]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+
+
 @pytest.fixture
 def port_factory() -> Iterator[object]:
     taken: set[int] = set()

@@ -16,7 +16,7 @@ from deploy.drills.report import DrillReport, load_report
 from deploy.drills.run import DrillOptions, execute
 from deploy.netns import netns_available
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.serial]  # failover bounds: see [tool.pytest]
 
 # CI runs the full 10 rounds of the issue (about 40 s quiet, about 2 min on a loaded 2-core machine: each
 # round waits for the killed server to restart and catch up). Lower it here if CI time gets short.

@@ -31,7 +31,7 @@ from consensus.errors import Conflict
 
 from .consensus_harness import REPO_ROOT, Cluster, DevNode, free_port, wait_until
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.serial, pytest.mark.timeout(240)]
 MANIFEST = "cd" * 32
 SYNCS = {"fsync", "fdatasync", "msync"}
 
