@@ -65,6 +65,20 @@ def local_cluster(root: Path, wait: float = 90.0, **config: Any) -> Iterator[Loc
         cluster.down()
 
 
+REPO = Path(__file__).resolve().parents[1]
+
+
+def paramctl_at(cluster: LocalCluster, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``paramctl ARGS`` as a user runs it against ``cluster`` (its address from PARAMS_CLUSTER, no
+    other PARAMS_* setting of the test's environment), from the repository root."""
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PARAMS_")}
+    env["PARAMS_CLUSTER"] = cluster.seed
+    return subprocess.run([sys.executable, "-m", "paramserver.client.ctl", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO)
+
+
 @contextmanager
 def mounted_tmpfs(mount: Path, mib: int, why: str) -> Iterator[Path]:
     """A ``mib`` MiB tmpfs at ``mount`` (root only; the test is skipped with ``why`` elsewhere), unmounted afterwards."""

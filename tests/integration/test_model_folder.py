@@ -3,9 +3,6 @@ DIR``, ``paramctl pull --out-dir``, ``paramctl ls``; files byte for byte, tensor
 ``from_pretrained`` on the pulled folder equal to the original; re-push dedup."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,11 +14,10 @@ from safetensors.torch import load_file, save_file
 
 from deploy.local import LocalCluster
 from paramserver.client.push import push
-from tests.conftest import local_cluster
+from tests.conftest import local_cluster, paramctl_at
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.integration
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +26,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield c
 
 
-def paramctl(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PARAMS_")}
-    env["PARAMS_CLUSTER"] = cluster.seed
-    return subprocess.run([sys.executable, "-m", "paramserver.client.ctl", *args], env=env, capture_output=True, text=True,
-                          timeout=120, cwd=REPO)
+paramctl = paramctl_at
 
 
 def bert(root: Path) -> tuple[Any, Path]:

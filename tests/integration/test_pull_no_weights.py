@@ -4,8 +4,6 @@ version's other files byte for byte, no weights and no weights index (what ``vll
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,10 +12,9 @@ import torch
 from safetensors.torch import save_file
 
 from deploy.local import LocalCluster
-from tests.conftest import local_cluster
+from tests.conftest import local_cluster, paramctl_at
 
 pytestmark = pytest.mark.integration
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +23,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield c
 
 
-def paramctl(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PARAMS_")}
-    env["PARAMS_CLUSTER"] = cluster.seed
-    return subprocess.run([sys.executable, "-m", "paramserver.client.ctl", *args], env=env, capture_output=True, text=True,
-                          timeout=120, cwd=REPO)
+paramctl = paramctl_at
 
 
 @pytest.mark.timeout(240)
