@@ -114,8 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--out-dir", type=Path, help="output model folder, which must not exist: every file byte for byte and "
                                                   "the weights as safetensors shards with their index (written atomically)")
     sp.add_argument("--no-weights", action="store_true",
-                    help="with --out-dir: only the version's other files (config, generation config, tokenizer), no weights "
-                         "and no weights index; for vllm serve DIR --load-format pdparams (docs/vllm.md)")
+                    help="with --out-dir: only the version's other files (config, generation config, tokenizer): no weights in "
+                         "any format and no weights index; for vllm serve DIR --load-format pdparams (docs/vllm.md)")
     sp.add_argument("--streams", type=int_in(1, 256, "--streams"), default=PullOptions().streams_per_server,
                     help=f"parallel GetChunks streams per server (default {PullOptions().streams_per_server})")
     sp.add_argument(
