@@ -44,8 +44,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-import blake3
-
+from chunking.folder import file_hash
 from paramserver.client.config import ClientSettings, resolve_settings
 from paramserver.client.errors import ClientError
 from paramserver.client.exit_codes import BAD_ARGUMENTS, describe_failure, one_line
@@ -251,13 +250,7 @@ def check_folder(client: ClusterClient, info: VersionInfo, folder: str) -> None:
         raise _failure(exc, f"cannot read the manifest of {info.model} v{info.number}", client) from None
     for entry in manifest.files:
         local = root / entry.path
-        if not local.is_file():
-            continue
-        h = blake3.blake3()
-        with open(local, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        if h.hexdigest() != entry.blake3:
+        if local.is_file() and file_hash(local) != entry.blake3:
             raise PdparamsLoadError(
                 f"{local} is not the {entry.path} of {info.model} v{info.number} (was the folder pulled for another "
                 f"version, before the tag moved?): pull it again with paramctl pull {info.model}@{info.number} "

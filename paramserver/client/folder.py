@@ -30,6 +30,7 @@ import torch
 
 from chunking.chunk_table import ChunkRows
 from chunking.errors import ChunkingError
+from chunking.folder import file_hash
 from chunking.hashing import Buffer, bytes_like
 from chunking.manifest import FileEntry, Manifest, TensorEntry
 from paramserver.client.cluster_view import ClusterOptions
@@ -85,15 +86,12 @@ class FileSink:
 
 
 def _check_hash(f: FileEntry, data: bytes | None, path: Path | None) -> None:
-    h = blake3.blake3()
     if data is not None:
-        h.update(data)
+        digest = blake3.blake3(data).hexdigest()
     else:
         assert path is not None
-        with open(path, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-    if h.hexdigest() != f.blake3:
+        digest = file_hash(path)  # what push recorded for the file (chunking.folder)
+    if digest != f.blake3:
         raise PullError(f"file {f.path}: its bytes do not match the manifest's BLAKE3 after every chunk was verified; "
                         "pull again (a replica may hold a damaged copy)", grpc.StatusCode.DATA_LOSS)
 
@@ -152,9 +150,7 @@ def pull_folder(
     if not weights:
         try:
             report = _pull_files_only(seeds, ref, staging, token=token, options=options, cluster=cluster)
-            _fsync_tree(staging)
-            os.rename(staging, final)
-            _fsync_dir(final.parent)
+            _place(staging, final)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -191,9 +187,7 @@ def pull_folder(
         t_save = time.perf_counter()
         for out in shards:
             out.commit()
-        _fsync_tree(staging)
-        os.rename(staging, final)
-        _fsync_dir(final.parent)
+        _place(staging, final)
     except BaseException:
         for out in shards:
             out.abort()
@@ -249,6 +243,13 @@ def _pull_files(client: ClusterClient, manifest: Manifest, staging: Path, files:
     for f in files:
         _check_hash(f, None, staging / f.path)
     return sum(f.size for f in files)
+
+
+def _place(staging: Path, final: Path) -> None:
+    """The complete folder into place: every file and folder fsynced, one rename, its parent fsynced."""
+    _fsync_tree(staging)
+    os.rename(staging, final)
+    _fsync_dir(final.parent)
 
 
 def _fsync_dir(path: Path) -> None:
